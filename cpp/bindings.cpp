@@ -1,0 +1,397 @@
+// bindings.cpp — the pybind11 module shmkv._C: a thin, typed surface over the
+// C++ core. Statuses come back as ints (shmkv/errors.py maps the error codes
+// to exceptions); "miss"/"full"/"exists"/"busy" are plain results.
+//
+// Reservation and Lease objects export their payload through the buffer
+// protocol (writable / read-only). They keep the mapping alive, and one that is
+// garbage-collected while still open is aborted / released — but only in the
+// process that made it: a forked child must never release its parent's lease.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "chunk_table.h"
+#include "segment.h"
+#include "status.h"
+
+namespace py = pybind11;
+using namespace shmkv;
+
+namespace {
+
+bool c_contiguous(const py::buffer_info& info) {
+  py::ssize_t expect = info.itemsize;
+  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+    if (info.shape[d] != 1 && info.strides[d] != expect) return false;
+    expect *= info.shape[d];
+  }
+  return true;
+}
+
+Key key_from(py::handle obj) {
+  char* data = nullptr;
+  Py_ssize_t len = 0;
+  if (PyBytes_Check(obj.ptr())) {
+    PyBytes_AsStringAndSize(obj.ptr(), &data, &len);
+  } else {
+    throw py::type_error("a key must be bytes of length 16, got " +
+                         std::string(py::str(py::type::of(obj))));
+  }
+  if (len != 16) throw py::value_error("a key must be 16 bytes, got " + std::to_string(len));
+  Key k;
+  std::memcpy(&k, data, 16);
+  return k;
+}
+
+// A list/tuple of 16-byte keys, or one bytes-like object of 16*n bytes.
+std::vector<Key> keys_from(py::handle obj) {
+  std::vector<Key> out;
+  if (PyList_Check(obj.ptr()) || PyTuple_Check(obj.ptr())) {
+    py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
+    out.reserve(seq.size());
+    for (py::handle item : seq) out.push_back(key_from(item));
+    return out;
+  }
+  py::buffer buf = py::reinterpret_borrow<py::buffer>(obj);
+  py::buffer_info info = buf.request();
+  size_t nbytes = size_t(info.size) * size_t(info.itemsize);
+  if (!c_contiguous(info) || nbytes % 16 != 0)
+    throw py::value_error("keys must be a list of 16-byte keys or a contiguous buffer of 16*n bytes");
+  out.resize(nbytes / 16);
+  std::memcpy(out.data(), info.ptr, nbytes);
+  return out;
+}
+
+void flush_events(ChunkTable& t) {
+  if (!t.has_events()) return;
+  auto events = t.drain_events();
+  py::object log = py::module_::import("logging").attr("getLogger")("shmkv.store");
+  for (auto& e : events) log.attr("warning")(e);
+}
+
+struct PyTable;
+
+struct PyReservation {
+  std::shared_ptr<ChunkTable> table;
+  Reservation r;
+  pid_t owner;
+  bool open = true;
+  ~PyReservation() {
+    if (open && owner == getpid()) table->abort(r);
+  }
+  int finish(bool commit) {
+    if (!open) throw py::value_error("reservation already committed or aborted");
+    open = false;
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = commit ? table->commit(r) : table->abort(r);
+    }
+    flush_events(*table);
+    return int(s);
+  }
+};
+
+struct PyLease {
+  std::shared_ptr<ChunkTable> table;
+  LeaseHandle h;
+  pid_t owner;
+  bool open = true;
+  ~PyLease() {
+    if (open && owner == getpid()) table->release(h);
+  }
+  int release() {
+    if (!open) throw py::value_error("lease already released");
+    open = false;
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = table->release(h);
+    }
+    flush_events(*table);
+    return int(s);
+  }
+};
+
+struct PyTable {
+  std::shared_ptr<ChunkTable> t;
+
+  py::tuple reserve(py::bytes key, uint64_t size) {
+    Key k = key_from(key);
+    Reservation r;
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = t->reserve(k, size, &r);
+    }
+    flush_events(*t);
+    if (s != Status::kOk) return py::make_tuple(int(s), py::none());
+    auto* pr = new PyReservation{t, r, getpid()};
+    return py::make_tuple(int(s), py::cast(pr, py::return_value_policy::take_ownership));
+  }
+
+  py::object acquire(py::bytes key) {
+    Key k = key_from(key);
+    LeaseHandle h;
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = t->acquire(k, &h);
+    }
+    flush_events(*t);
+    if (s != Status::kOk) return py::none();
+    return py::cast(new PyLease{t, h, getpid()}, py::return_value_policy::take_ownership);
+  }
+
+  py::list acquire_prefix(py::handle keys, bool count_lookup) {
+    std::vector<Key> ks = keys_from(keys);
+    std::vector<LeaseHandle> hs(ks.size());
+    size_t n = 0;
+    {
+      py::gil_scoped_release nogil;
+      t->acquire_prefix(ks.data(), ks.size(), hs.data(), &n, count_lookup);
+    }
+    flush_events(*t);
+    py::list out;
+    pid_t me = getpid();
+    for (size_t i = 0; i < n; ++i)
+      out.append(py::cast(new PyLease{t, hs[i], me}, py::return_value_policy::take_ownership));
+    return out;
+  }
+
+  size_t lookup_prefix(py::handle keys, bool count_lookup) {
+    std::vector<Key> ks = keys_from(keys);
+    size_t n;
+    {
+      py::gil_scoped_release nogil;
+      n = t->lookup_prefix(ks.data(), ks.size(), count_lookup);
+    }
+    flush_events(*t);
+    return n;
+  }
+
+  py::bytes contains(py::handle keys) {
+    std::vector<Key> ks = keys_from(keys);
+    std::string out(ks.size(), '\0');
+    {
+      py::gil_scoped_release nogil;
+      t->contains(ks.data(), ks.size(), reinterpret_cast<uint8_t*>(&out[0]));
+    }
+    flush_events(*t);
+    return py::bytes(out);
+  }
+
+  // reserve + copy + commit, the copy without the GIL and without the lock.
+  int put(py::bytes key, py::buffer data) {
+    Key k = key_from(key);
+    py::buffer_info info = data.request();
+    size_t nbytes = size_t(info.size) * size_t(info.itemsize);
+    if (!c_contiguous(info)) throw py::value_error("put() needs a C-contiguous buffer");
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      Reservation r;
+      s = t->reserve(k, nbytes, &r);
+      if (s == Status::kOk) {
+        std::memcpy(t->payload(r.offset), info.ptr, nbytes);
+        s = t->commit(r);
+      }
+    }
+    flush_events(*t);
+    return int(s);
+  }
+
+  // acquire + copy + release into `out`; returns bytes copied, -1 on a miss,
+  // -2 when the lease went stale during the copy (treat as a miss).
+  int64_t get_into(py::bytes key, py::buffer out) {
+    Key k = key_from(key);
+    py::buffer_info info = out.request(true);
+    size_t cap = size_t(info.size) * size_t(info.itemsize);
+    if (!c_contiguous(info)) throw py::value_error("get_into() needs a C-contiguous buffer");
+    int64_t result;
+    LeaseHandle h;
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = t->acquire(k, &h);
+      if (s != Status::kOk) {
+        result = -1;
+      } else if (h.size > cap) {
+        t->release(h);
+        result = -3;
+      } else {
+        std::memcpy(info.ptr, t->payload(h.offset), h.size);
+        result = t->release(h) == Status::kOk ? int64_t(h.size) : -2;
+      }
+    }
+    flush_events(*t);
+    if (result == -3) throw py::value_error("get_into: buffer too small for the payload");
+    return result;
+  }
+
+  int simple(Status (ChunkTable::*fn)(const Key&), py::bytes key) {
+    Key k = key_from(key);
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = ((*t).*fn)(k);
+    }
+    flush_events(*t);
+    return int(s);
+  }
+};
+
+py::tuple open_table(const std::string& name, int mode, uint64_t capacity, uint64_t max_payload,
+                     uint64_t alignment, uint32_t max_entries, uint32_t max_leases,
+                     uint32_t max_procs, bool populate) {
+  SegmentConfig cfg;
+  cfg.capacity_bytes = capacity;
+  cfg.max_payload_bytes = max_payload;
+  cfg.alignment = alignment;
+  cfg.max_entries = max_entries;
+  cfg.max_leases = max_leases;
+  cfg.max_procs = max_procs;
+  if (mode < 0 || mode > 2) throw py::value_error("mode must be 0 (create), 1 (attach) or 2 (open_or_create)");
+  std::shared_ptr<Segment> seg;
+  std::string err;
+  std::shared_ptr<ChunkTable> table;
+  Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = Segment::open(name, static_cast<OpenMode>(mode), cfg, populate, &seg, &err);
+    if (s == Status::kOk) table = std::make_shared<ChunkTable>(seg);
+  }
+  if (s != Status::kOk) return py::make_tuple(int(s), err, py::none(), 0);
+  flush_events(*table);
+  auto* pt = new PyTable{table};
+  return py::make_tuple(int(s), std::string(), py::cast(pt, py::return_value_policy::take_ownership),
+                        int(seg->outcome()));
+}
+
+}  // namespace
+
+void register_kernels(py::module_& m);  // copy_kernels_bindings.cpp
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "shmkv C++ core: shared-memory chunk table and paged-KV copy kernels";
+#ifdef SHMKV_VERSION
+  m.attr("__version__") = SHMKV_VERSION;
+#endif
+  m.attr("FORMAT_VERSION") = kFormatVersion;
+
+  py::dict codes;
+  for (int i : {0, 1, 2, 3, 4, 5, 16, 17, 18, 19, 20, 21, 22, 23, 24})
+    codes[py::int_(i)] = status_name(static_cast<Status>(i));
+  m.attr("STATUS_NAMES") = codes;
+
+  m.def("open_table", &open_table, py::arg("name"), py::arg("mode"), py::arg("capacity_bytes"),
+        py::arg("max_payload_bytes"), py::arg("alignment"), py::arg("max_entries"),
+        py::arg("max_leases"), py::arg("max_procs"), py::arg("populate"),
+        "Open a segment; returns (status, message, Table | None, outcome).");
+  m.def("unlink", [](const std::string& name) -> py::tuple {
+    std::string err;
+    Status s = Segment::unlink(name, &err);
+    return py::make_tuple(int(s), err);
+  }, py::arg("name"));
+  m.def("geometry", [](uint64_t capacity, uint64_t max_payload, uint64_t alignment,
+                       uint32_t max_entries, uint32_t max_leases, uint32_t max_procs) -> py::tuple {
+    SegmentConfig cfg{capacity, max_payload, alignment, max_entries, max_leases, max_procs};
+    Geometry g;
+    std::string err;
+    Status s = Segment::compute_geometry(cfg, &g, &err);
+    py::dict d;
+    if (s != Status::kOk) return py::make_tuple(int(s), std::string(err), d);
+    d["capacity_bytes"] = g.capacity_bytes;
+    d["arena_bytes"] = g.arena_bytes;
+    d["arena_offset"] = g.arena_offset;
+    d["max_payload_bytes"] = g.max_payload_bytes;
+    d["max_entries"] = g.max_entries;
+    d["max_leases"] = g.max_leases;
+    d["index_slots"] = g.index_slots;
+    return py::make_tuple(0, std::string(), d);
+  });
+
+  py::class_<PyReservation>(m, "Reservation", py::buffer_protocol())
+      .def_buffer([](PyReservation& r) {
+        if (!r.open) throw py::buffer_error("reservation is closed");
+        return py::buffer_info(r.table->payload(r.r.offset), 1, "B", 1, {py::ssize_t(r.r.size)}, {1}, false);
+      })
+      .def_property_readonly("size", [](const PyReservation& r) { return r.r.size; })
+      .def_property_readonly("offset", [](const PyReservation& r) { return r.r.offset; })
+      .def_property_readonly("address", [](const PyReservation& r) {
+        return reinterpret_cast<uintptr_t>(r.table->payload(r.r.offset));
+      })
+      .def_property_readonly("is_open", [](const PyReservation& r) { return r.open; })
+      .def("commit", [](PyReservation& r) { return r.finish(true); })
+      .def("abort", [](PyReservation& r) { return r.finish(false); });
+
+  py::class_<PyLease>(m, "Lease", py::buffer_protocol())
+      .def_buffer([](PyLease& l) {
+        if (!l.open) throw py::buffer_error("lease is released");
+        return py::buffer_info(l.table->payload(l.h.offset), 1, "B", 1, {py::ssize_t(l.h.size)}, {1}, true);
+      })
+      .def_property_readonly("size", [](const PyLease& l) { return l.h.size; })
+      .def_property_readonly("offset", [](const PyLease& l) { return l.h.offset; })
+      .def_property_readonly("address", [](const PyLease& l) {
+        return reinterpret_cast<uintptr_t>(l.table->payload(l.h.offset));
+      })
+      .def_property_readonly("is_open", [](const PyLease& l) { return l.open; })
+      .def("release", &PyLease::release);
+
+  py::class_<PyTable>(m, "Table")
+      .def("reserve", &PyTable::reserve, py::arg("key"), py::arg("size"))
+      .def("acquire", &PyTable::acquire, py::arg("key"))
+      .def("acquire_prefix", &PyTable::acquire_prefix, py::arg("keys"), py::arg("count_lookup") = true)
+      .def("lookup_prefix", &PyTable::lookup_prefix, py::arg("keys"), py::arg("count_lookup") = true)
+      .def("contains", &PyTable::contains, py::arg("keys"))
+      .def("put", &PyTable::put, py::arg("key"), py::arg("data"))
+      .def("get_into", &PyTable::get_into, py::arg("key"), py::arg("out"))
+      .def("pin", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::pin, k); })
+      .def("unpin", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::unpin, k); })
+      .def("erase", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::erase, k); })
+      .def("clear", [](PyTable& t) {
+        uint64_t n;
+        {
+          py::gil_scoped_release nogil;
+          n = t.t->clear();
+        }
+        flush_events(*t.t);
+        return n;
+      })
+      .def("reclaim", [](PyTable& t) {
+        ReclaimResult r;
+        {
+          py::gil_scoped_release nogil;
+          r = t.t->reclaim();
+        }
+        flush_events(*t.t);
+        py::dict d;
+        d["leases"] = r.leases;
+        d["writes"] = r.writes;
+        d["processes"] = r.procs;
+        return d;
+      })
+      .def("rebuild", [](PyTable& t) {
+        {
+          py::gil_scoped_release nogil;
+          t.t->rebuild();
+        }
+        flush_events(*t.t);
+      })
+      .def("detach", [](PyTable& t) { t.t->detach_process(); })
+      .def("check_consistency", [](PyTable& t) { return t.t->check_consistency(); })
+      .def("stats", [](PyTable& t) { return t.t->stats(); })
+      .def_property_readonly("name", [](const PyTable& t) { return t.t->segment()->name(); })
+      .def_property_readonly("arena_address", [](const PyTable& t) {
+        return reinterpret_cast<uintptr_t>(t.t->segment()->arena());
+      })
+      .def_property_readonly("arena_bytes", [](const PyTable& t) { return t.t->segment()->geo().arena_bytes; })
+      .def("debug_die_holding_lock", [](PyTable& t, int fd, bool scramble) {
+        py::gil_scoped_release nogil;
+        t.t->debug_die_holding_lock(fd, scramble);
+      });
+
+  register_kernels(m);
+}

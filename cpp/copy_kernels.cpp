@@ -1,0 +1,152 @@
+// copy_kernels.cpp — CPU gather/scatter (see copy_kernels.h for the layout).
+// NOTE: single-threaded on purpose: on vLLM's CPU backend the worker's OpenMP
+// pool owns the cores, and a 2-core host leaves one core for everything else.
+// Block copies are long runs (tens to hundreds of KiB), so memcpy reaches
+// memory bandwidth without help.
+#include "copy_kernels.h"
+
+#include <cstring>
+
+namespace shmkv {
+namespace {
+
+Status bad(std::string* err, std::string msg) {
+  *err = std::move(msg);
+  return Status::kInvalidArgument;
+}
+
+}  // namespace
+
+Status check_block_copy(const PagedLayout& L, const int64_t* ids, int64_t n, uint64_t payload_bytes,
+                        std::string* err) {
+  Status s = validate_layout(L, false, err);
+  if (s != Status::kOk) return s;
+  if (n < 0) return bad(err, "number of blocks must be >= 0");
+  for (int64_t k = 0; k < n; ++k) {
+    if (ids[k] < 0 || ids[k] >= L.num_blocks)
+      return bad(err, "block id " + std::to_string(ids[k]) + " at position " + std::to_string(k) +
+                          " is out of range [0, " + std::to_string(L.num_blocks) + ")");
+  }
+  uint64_t want = uint64_t(L.num_layers) * uint64_t(n) * uint64_t(L.block_bytes);
+  if (payload_bytes != want)
+    return bad(err, "payload is " + std::to_string(payload_bytes) + " bytes, " +
+                        std::to_string(L.num_layers) + " layers x " + std::to_string(n) +
+                        " blocks x " + std::to_string(L.block_bytes) + " bytes = " +
+                        std::to_string(want) + " expected");
+  return Status::kOk;
+}
+
+Status check_token_copy(const PagedLayout& L, const int64_t* slots, int64_t n, uint64_t payload_bytes,
+                        std::string* err) {
+  Status s = validate_layout(L, true, err);
+  if (s != Status::kOk) return s;
+  if (n < 0) return bad(err, "number of tokens must be >= 0");
+  int64_t max_slot = L.num_blocks * L.block_size;
+  for (int64_t k = 0; k < n; ++k) {
+    if (slots[k] >= max_slot)
+      return bad(err, "slot " + std::to_string(slots[k]) + " at position " + std::to_string(k) +
+                          " is out of range [0, " + std::to_string(max_slot) + ")");
+  }
+  uint64_t want = uint64_t(L.num_layers) * uint64_t(n) * uint64_t(L.token_payload_bytes());
+  if (payload_bytes != want)
+    return bad(err, "payload is " + std::to_string(payload_bytes) + " bytes, " +
+                        std::to_string(L.num_layers) + " layers x " + std::to_string(n) +
+                        " tokens x " + std::to_string(L.token_payload_bytes()) + " bytes = " +
+                        std::to_string(want) + " expected");
+  return Status::kOk;
+}
+
+namespace {
+
+template <bool kGather>
+void copy_tokens(const PagedLayout& L, const int64_t* slots, int64_t n, uint8_t* payload) {
+  const int64_t tok_bytes = L.token_payload_bytes();
+  uint8_t* p = payload;
+  for (int64_t l = 0; l < L.num_layers; ++l) {
+    uint8_t* layer = reinterpret_cast<uint8_t*>(L.layer_base[l]);
+    for (int64_t t = 0; t < n; ++t, p += tok_bytes) {
+      int64_t slot = slots[t];
+      if (slot < 0) {
+        if (kGather) std::memset(p, 0, size_t(tok_bytes));
+        continue;
+      }
+      uint8_t* tok = layer + (slot / L.block_size) * L.block_stride + (slot % L.block_size) * L.token_stride;
+      uint8_t* q = p;
+      for (int64_t i = 0; i < L.runs_i; ++i) {
+        for (int64_t j = 0; j < L.runs_j; ++j, q += L.run_bytes) {
+          uint8_t* run = tok + i * L.stride_i + j * L.stride_j;
+          if (kGather) std::memcpy(q, run, size_t(L.run_bytes));
+          else std::memcpy(run, q, size_t(L.run_bytes));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Status validate_layout(const PagedLayout& L, bool token_mode, std::string* err) {
+  if (L.num_layers <= 0 || !L.layer_base) return bad(err, "layout has no layers");
+  if (L.num_blocks <= 0) return bad(err, "layout num_blocks must be > 0");
+  if (L.block_stride <= 0) return bad(err, "layout block_stride must be > 0");
+  if (!token_mode) {
+    if (L.block_bytes <= 0 || L.block_bytes > L.block_stride)
+      return bad(err, "layout block_bytes must be in (0, block_stride]");
+    return Status::kOk;
+  }
+  if (L.block_size <= 0) return bad(err, "layout block_size must be > 0");
+  if (L.run_bytes <= 0 || L.runs_i <= 0 || L.runs_j <= 0 || L.token_stride < 0 || L.stride_i < 0 ||
+      L.stride_j < 0)
+    return bad(err, "layout token geometry must be positive (run_bytes, runs, strides)");
+  // the farthest byte of a token must stay inside its block's reach
+  int64_t last = (L.block_size - 1) * L.token_stride + (L.runs_i - 1) * L.stride_i +
+                 (L.runs_j - 1) * L.stride_j + L.run_bytes;
+  if (L.stride_j == 0 && L.runs_j == 1 && last > L.block_stride)
+    return bad(err, "layout token runs reach past the block (" + std::to_string(last) + " > " +
+                        std::to_string(L.block_stride) + " bytes)");
+  return Status::kOk;
+}
+
+Status gather_blocks(const PagedLayout& L, const int64_t* ids, int64_t n, uint8_t* payload,
+                     uint64_t payload_bytes, std::string* err) {
+  Status s = check_block_copy(L, ids, n, payload_bytes, err);
+  if (s != Status::kOk) return s;
+  uint8_t* p = payload;
+  for (int64_t l = 0; l < L.num_layers; ++l) {
+    const uint8_t* layer = reinterpret_cast<const uint8_t*>(L.layer_base[l]);
+    for (int64_t k = 0; k < n; ++k, p += L.block_bytes)
+      std::memcpy(p, layer + ids[k] * L.block_stride, size_t(L.block_bytes));
+  }
+  return Status::kOk;
+}
+
+Status scatter_blocks(const PagedLayout& L, const int64_t* ids, int64_t n, const uint8_t* payload,
+                      uint64_t payload_bytes, std::string* err) {
+  Status s = check_block_copy(L, ids, n, payload_bytes, err);
+  if (s != Status::kOk) return s;
+  const uint8_t* p = payload;
+  for (int64_t l = 0; l < L.num_layers; ++l) {
+    uint8_t* layer = reinterpret_cast<uint8_t*>(L.layer_base[l]);
+    for (int64_t k = 0; k < n; ++k, p += L.block_bytes)
+      std::memcpy(layer + ids[k] * L.block_stride, p, size_t(L.block_bytes));
+  }
+  return Status::kOk;
+}
+
+Status gather_tokens(const PagedLayout& L, const int64_t* slots, int64_t n, uint8_t* payload,
+                     uint64_t payload_bytes, std::string* err) {
+  Status s = check_token_copy(L, slots, n, payload_bytes, err);
+  if (s != Status::kOk) return s;
+  copy_tokens<true>(L, slots, n, payload);
+  return Status::kOk;
+}
+
+Status scatter_tokens(const PagedLayout& L, const int64_t* slots, int64_t n,
+                      const uint8_t* payload, uint64_t payload_bytes, std::string* err) {
+  Status s = check_token_copy(L, slots, n, payload_bytes, err);
+  if (s != Status::kOk) return s;
+  copy_tokens<false>(L, slots, n, const_cast<uint8_t*>(payload));
+  return Status::kOk;
+}
+
+}  // namespace shmkv

@@ -1,0 +1,123 @@
+// kernel_bindings.cpp — exposes copy_kernels.h as shmkv._C.PagedLayout.
+// A PagedLayout is built once per KV cache (shmkv/layout.py computes the
+// geometry from the tensors and checks them); the copies then take index
+// arrays and payload buffers, validate, and run without the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <vector>
+
+#include "copy_kernels.h"
+
+namespace py = pybind11;
+using namespace shmkv;
+
+namespace {
+
+struct PyPagedLayout {
+  std::vector<uint64_t> bases;
+  PagedLayout L;
+  bool token_mode = false;
+};
+
+// An int64 index array from any C-contiguous buffer (numpy, array, memoryview).
+std::vector<int64_t> indices_from(py::buffer obj, const char* what) {
+  py::buffer_info info = obj.request();
+  if (info.itemsize != 8 || (info.format != "q" && info.format != "l" && info.format != "<q" &&
+                             info.format != "<l"))
+    throw py::type_error(std::string(what) + " must be an int64 array (got format '" + info.format + "')");
+  if (info.ndim != 1 || (info.shape[0] > 1 && info.strides[0] != 8))
+    throw py::value_error(std::string(what) + " must be a contiguous 1-D int64 array");
+  std::vector<int64_t> out(size_t(info.shape[0]));
+  if (!out.empty()) std::memcpy(out.data(), info.ptr, out.size() * 8);
+  return out;
+}
+
+struct Payload {
+  uint8_t* ptr;
+  uint64_t bytes;
+};
+
+Payload payload_from(py::buffer obj, bool writable) {
+  py::buffer_info info = obj.request(writable);
+  py::ssize_t expect = info.itemsize;
+  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+    if (info.shape[d] != 1 && info.strides[d] != expect)
+      throw py::value_error("payload buffer must be C-contiguous");
+    expect *= info.shape[d];
+  }
+  return Payload{static_cast<uint8_t*>(info.ptr), uint64_t(info.size) * uint64_t(info.itemsize)};
+}
+
+using BlockFn = Status (*)(const PagedLayout&, const int64_t*, int64_t, uint8_t*, uint64_t, std::string*);
+
+void run_copy(const PyPagedLayout& self, py::buffer idx, py::buffer payload, bool gather, bool tokens) {
+  if (tokens != self.token_mode)
+    throw py::value_error(tokens ? "this layout copies whole blocks; use gather_blocks/scatter_blocks"
+                                 : "this layout copies tokens; use gather_tokens/scatter_tokens");
+  std::vector<int64_t> ids = indices_from(idx, tokens ? "slot_mapping" : "block_ids");
+  Payload p = payload_from(payload, gather);
+  std::string err;
+  Status s;
+  {
+    py::gil_scoped_release nogil;
+    if (tokens) {
+      s = gather ? gather_tokens(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err)
+                 : scatter_tokens(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err);
+    } else {
+      s = gather ? gather_blocks(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err)
+                 : scatter_blocks(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err);
+    }
+  }
+  if (s != Status::kOk) throw py::value_error(err);
+}
+
+}  // namespace
+
+void register_kernels(py::module_& m) {
+  py::class_<PyPagedLayout>(m, "PagedLayout")
+      .def(py::init([](std::vector<uint64_t> layer_bases, int64_t num_blocks, int64_t block_stride,
+                       int64_t block_bytes, int64_t block_size, bool token_mode, int64_t token_stride,
+                       int64_t runs_i, int64_t stride_i, int64_t runs_j, int64_t stride_j,
+                       int64_t run_bytes) {
+             auto* p = new PyPagedLayout();
+             p->bases = std::move(layer_bases);
+             PagedLayout& L = p->L;
+             L.num_layers = int64_t(p->bases.size());
+             L.layer_base = p->bases.data();
+             L.num_blocks = num_blocks;
+             L.block_stride = block_stride;
+             L.block_bytes = block_bytes;
+             L.block_size = block_size;
+             L.token_stride = token_stride;
+             L.runs_i = runs_i;
+             L.stride_i = stride_i;
+             L.runs_j = runs_j;
+             L.stride_j = stride_j;
+             L.run_bytes = run_bytes;
+             p->token_mode = token_mode;
+             std::string err;
+             if (validate_layout(L, token_mode, &err) != Status::kOk) {
+               delete p;
+               throw py::value_error(err);
+             }
+             return p;
+           }),
+           py::arg("layer_bases"), py::arg("num_blocks"), py::arg("block_stride"),
+           py::arg("block_bytes"), py::arg("block_size"), py::arg("token_mode"),
+           py::arg("token_stride") = 0, py::arg("runs_i") = 1, py::arg("stride_i") = 0,
+           py::arg("runs_j") = 1, py::arg("stride_j") = 0, py::arg("run_bytes") = 0)
+      .def_property_readonly("num_layers", [](const PyPagedLayout& p) { return p.L.num_layers; })
+      .def_property_readonly("token_mode", [](const PyPagedLayout& p) { return p.token_mode; })
+      .def_property_readonly("token_payload_bytes", [](const PyPagedLayout& p) { return p.L.token_payload_bytes(); })
+      .def_property_readonly("block_bytes", [](const PyPagedLayout& p) { return p.L.block_bytes; })
+      .def("gather_blocks", [](const PyPagedLayout& s, py::buffer ids, py::buffer out) { run_copy(s, ids, out, true, false); },
+           py::arg("block_ids"), py::arg("payload"))
+      .def("scatter_blocks", [](const PyPagedLayout& s, py::buffer ids, py::buffer src) { run_copy(s, ids, src, false, false); },
+           py::arg("block_ids"), py::arg("payload"))
+      .def("gather_tokens", [](const PyPagedLayout& s, py::buffer slots, py::buffer out) { run_copy(s, slots, out, true, true); },
+           py::arg("slot_mapping"), py::arg("payload"))
+      .def("scatter_tokens", [](const PyPagedLayout& s, py::buffer slots, py::buffer src) { run_copy(s, slots, src, false, true); },
+           py::arg("slot_mapping"), py::arg("payload"));
+}

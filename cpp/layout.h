@@ -1,0 +1,214 @@
+// layout.h — the byte layout of one shmkv shared-memory segment, drawn once.
+//
+//   offset 0            Header            magic, version, fingerprints, geometry,
+//                                         the robust table mutex, counters, roots
+//   geo.procs_offset    ProcSlot[max_procs]     processes attached (pid, since)
+//   geo.entries_offset  Entry[max_entries]      the chunk records  (AUTHORITATIVE)
+//   geo.leases_offset   Lease[max_leases]       read leases        (AUTHORITATIVE)
+//   geo.index_offset    uint32[index_slots]     open-addressing index -> entry
+//   geo.extents_offset  Extent[max_entries + 1] free payload extents, by offset
+//   geo.arena_offset    payload bytes ........  arena_bytes, the byte cap
+//   = geo.capacity_bytes (the file is exactly this long)
+//
+// Crash model. Every structure is changed only under Header::lock (a
+// process-shared robust mutex), but a process can die anywhere, also while it
+// holds the lock. So the segment keeps two kinds of state:
+//   * authoritative: Entry records (key, state, offset, sizes, owner, pins,
+//     last_use) and Lease records. Each change to them ends with ONE release
+//     store of the record's `state` word (the commit point), so a record is
+//     either wholly old or wholly new to any survivor.
+//   * derived: the index, the free-extent list, the LRU list, the free-record
+//     lists, refcounts and the bytes/entries gauges. A survivor that gets
+//     EOWNERDEAD rebuilds all of them from the authoritative records
+//     (ChunkTable::do_rebuild_locked) instead of trusting half-made changes.
+// Payload bytes are never touched under the lock; a WRITING entry belongs to
+// its owner pid until commit/abort, and a READY entry's bytes are immutable
+// until it is freed, which cannot happen while a lease is held.
+#pragma once
+
+#include <pthread.h>
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace shmkv {
+
+constexpr uint64_t kMagic = 0x31564b4d48535f5fULL;  // "__SHMKV1" little-endian
+constexpr uint32_t kFormatVersion = 1;
+constexpr uint32_t kNone = 0xffffffffu;       // null record index
+constexpr uint32_t kIndexEmpty = 0xffffffffu;  // index slot never used
+constexpr uint32_t kIndexTomb = 0xfffffffeu;   // index slot whose entry left
+
+struct Key {
+  uint64_t lo;
+  uint64_t hi;
+  bool operator==(const Key& o) const { return lo == o.lo && hi == o.hi; }
+};
+
+enum EntryState : uint32_t {
+  kEntryFree = 0,
+  kEntryWriting = 1,  // reserved by owner_pid; invisible to readers
+  kEntryReady = 2,    // visible; immutable payload
+  kEntryDoomed = 3,   // erased while leased: invisible, freed at last release
+};
+
+// One chunk. 96 bytes.
+struct Entry {
+  Key key;                       // full 128-bit key, compared on every hit
+  uint64_t offset;               // payload offset inside the arena
+  uint64_t size;                 // payload bytes as asked
+  uint64_t alloc_size;           // bytes taken from the arena (aligned)
+  uint64_t last_use;             // Header::use_clock tick of last use (LRU rebuild)
+  std::atomic<uint32_t> state;   // EntryState; the commit point of every change
+  uint32_t generation;           // bumped each time the record is reused
+  int32_t owner_pid;             // writer while WRITING
+  uint32_t pin_count;            // persistent pins (authoritative)
+  uint32_t flags;                // reserved for tiers (e.g. spilled to disk)
+  // derived:
+  uint32_t refcount;             // live leases on this entry
+  uint32_t lru_prev;             // LRU list of evictable entries (READY, unleased,
+  uint32_t lru_next;             // unpinned); also free-record list via lru_next
+  uint32_t reserved[4];
+};
+
+enum LeaseState : uint32_t { kLeaseFree = 0, kLeaseHeld = 1 };
+
+// One read lease. 24 bytes.
+struct Lease {
+  std::atomic<uint32_t> state;   // LeaseState; commit point
+  uint32_t generation;           // bumped on every grant, validates handles
+  uint32_t entry;                // entry index
+  uint32_t entry_generation;     // entry generation at grant time
+  int32_t pid;                   // holder
+  uint32_t next_free;            // derived free list
+};
+
+struct ProcSlot {
+  std::atomic<int32_t> pid;      // 0 = free slot
+  uint32_t reserved;
+  uint64_t start_time;           // /proc/<pid>/stat starttime: detects pid reuse
+  uint64_t attached_unix_ns;
+};
+
+struct Extent {
+  uint64_t offset;
+  uint64_t length;
+};
+
+// Chosen by the creator; every field is part of the layout fingerprint.
+struct Geometry {
+  uint64_t capacity_bytes;       // whole segment (the file size)
+  uint64_t arena_offset;
+  uint64_t arena_bytes;          // the payload byte cap
+  uint64_t max_payload_bytes;
+  uint64_t alignment;            // payload offsets and sizes are multiples
+  uint32_t max_entries;
+  uint32_t index_slots;          // power of two >= 2 * max_entries
+  uint32_t max_leases;
+  uint32_t max_procs;
+  uint64_t procs_offset;
+  uint64_t entries_offset;
+  uint64_t leases_offset;
+  uint64_t index_offset;
+  uint64_t extents_offset;
+};
+
+// Monotonic event counters and two gauges, readable without the lock.
+struct Counters {
+  std::atomic<uint64_t> lookups;          // keys asked for (acquire + lookup)
+  std::atomic<uint64_t> hits;
+  std::atomic<uint64_t> misses;
+  std::atomic<uint64_t> puts;             // commits
+  std::atomic<uint64_t> put_full;         // reserve answered FULL
+  std::atomic<uint64_t> put_exists;       // reserve of a READY key
+  std::atomic<uint64_t> put_busy;         // reserve of a key another pid writes
+  std::atomic<uint64_t> put_too_large;
+  std::atomic<uint64_t> evictions;
+  std::atomic<uint64_t> evicted_bytes;
+  std::atomic<uint64_t> writes_aborted;   // abort() calls
+  std::atomic<uint64_t> writes_reclaimed; // WRITING entries of dead pids freed
+  std::atomic<uint64_t> leases_reclaimed; // leases of dead pids released
+  std::atomic<uint64_t> lease_table_full;
+  std::atomic<uint64_t> entry_table_full; // had to evict for a record, not bytes
+  std::atomic<uint64_t> stale_handles;    // commit/release of a reclaimed handle
+  std::atomic<uint64_t> deletes;
+  std::atomic<uint64_t> pins;
+  std::atomic<uint64_t> lock_recoveries;  // EOWNERDEAD handled by a rebuild
+  std::atomic<uint64_t> segment_resets;   // rebuild impossible: emptied
+  std::atomic<uint64_t> index_rehashes;   // tombstone clean-ups
+  std::atomic<uint64_t> procs_table_full;
+  std::atomic<uint64_t> reserved_counters[10];
+  // gauges (maintained under the lock, rebuilt on recovery)
+  std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries
+  std::atomic<uint64_t> entries;          // non-FREE entries
+  std::atomic<uint64_t> ready_entries;
+  std::atomic<uint64_t> pinned_entries;
+};
+
+struct alignas(64) Header {
+  std::atomic<uint64_t> magic;   // written last at initialisation
+  uint32_t format_version;
+  uint32_t header_bytes;
+  uint64_t build_fingerprint;    // struct sizes/offsets of this build
+  uint64_t layout_fingerprint;   // build fingerprint + geometry
+  Geometry geo;
+  int32_t creator_pid;
+  uint32_t reserved0;
+  uint64_t created_unix_ns;
+  std::atomic<uint64_t> epoch;   // bumped by every segment reset
+  alignas(64) pthread_mutex_t lock;
+  // --- derived roots (under lock) ---
+  alignas(64) uint32_t lru_head;  // most recently used evictable entry
+  uint32_t lru_tail;              // next victim
+  uint32_t free_entry_head;
+  uint32_t free_lease_head;
+  uint64_t num_extents;
+  uint64_t index_used;            // live + tombstone slots
+  uint64_t use_clock;             // LRU tick (authoritative enough: monotone)
+  uint64_t leases_held;
+  uint64_t evictable_bytes;       // sum of alloc_size over the LRU list
+  alignas(64) Counters counters;
+};
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "need lock-free atomics");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free atomics");
+static_assert(sizeof(Entry) == 96, "Entry layout changed: bump kFormatVersion");
+static_assert(sizeof(Lease) == 24, "Lease layout changed: bump kFormatVersion");
+
+// FNV-1a over the things that must be identical for two builds to share a
+// segment. Computed at compile time from this header.
+inline uint64_t fnv1a(uint64_t h, uint64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    h ^= (v >> (8 * i)) & 0xff;
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+inline uint64_t build_fingerprint() {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (uint64_t v : {uint64_t(kFormatVersion), uint64_t(sizeof(Header)),
+                     uint64_t(sizeof(Entry)), uint64_t(sizeof(Lease)),
+                     uint64_t(sizeof(ProcSlot)), uint64_t(sizeof(Extent)),
+                     uint64_t(sizeof(Counters)), uint64_t(sizeof(pthread_mutex_t)),
+                     uint64_t(offsetof(Header, lock)), uint64_t(offsetof(Header, counters)),
+                     uint64_t(offsetof(Entry, state)), uint64_t(offsetof(Lease, pid))}) {
+    h = fnv1a(h, v);
+  }
+  return h;
+}
+
+inline uint64_t layout_fingerprint(const Geometry& g) {
+  uint64_t h = build_fingerprint();
+  for (uint64_t v : {g.capacity_bytes, g.arena_offset, g.arena_bytes, g.max_payload_bytes,
+                     g.alignment, uint64_t(g.max_entries), uint64_t(g.index_slots),
+                     uint64_t(g.max_leases), uint64_t(g.max_procs), g.procs_offset,
+                     g.entries_offset, g.leases_offset, g.index_offset, g.extents_offset}) {
+    h = fnv1a(h, v);
+  }
+  return h;
+}
+
+}  // namespace shmkv

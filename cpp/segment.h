@@ -1,0 +1,88 @@
+// segment.h — owning one mapping of a shmkv POSIX shared-memory segment.
+//
+// A Segment is the file /dev/shm/<name>, exactly geo.capacity_bytes long,
+// reserved with posix_fallocate at creation, mode 0600, owned by our uid.
+// Liveness is tracked by the kernel, not by pids: every attached process holds
+// a shared open-file-description lock on byte 1 of the file for as long as it
+// has the segment open. Whoever can take that byte exclusively knows nobody
+// else is attached (the segment is stale). Byte 0 is held exclusively while a
+// process creates, re-initialises or validates, so attachers never see a
+// half-written header.
+//
+// Invariants:
+//   * the header's magic is stored last (release) when a segment is
+//     initialised; an attacher refuses anything whose magic, format version,
+//     build fingerprint or (when it asked for a geometry) layout differs, and
+//     writes nothing to it in that case;
+//   * a segment that has live processes is never re-initialised;
+//   * the mapping lives until the last shared_ptr to the Segment goes, so
+//     buffer views handed to Python can never dangle.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "layout.h"
+#include "status.h"
+
+namespace shmkv {
+
+struct SegmentConfig {
+  uint64_t capacity_bytes = 0;        // the whole segment
+  uint64_t max_payload_bytes = 0;     // 0: a quarter of the arena
+  uint64_t alignment = 4096;          // power of two, >= 64
+  uint32_t max_entries = 0;           // 0: derived from capacity
+  uint32_t max_leases = 0;            // 0: derived from max_entries
+  uint32_t max_procs = 256;
+};
+
+enum class OpenMode { kCreate, kAttach, kOpenOrCreate };
+
+// How the open went, for logs and tests.
+enum class OpenOutcome { kCreated, kAttached, kReinitialisedStale, kAdoptedStale };
+
+class Segment {
+ public:
+  // Open `name` (a POSIX shm name without the leading '/').
+  // kCreate: a fresh, empty segment; a stale one is re-initialised; a live one
+  //   is kAlreadyExists. kAttach: an existing, initialised segment with this
+  //   build's layout (config ignored). kOpenOrCreate: attach if a segment with
+  //   the same geometry exists; adopt a stale one with the same geometry after
+  //   a rebuild; otherwise create or re-initialise. `populate` pre-faults the
+  //   mapping so the first copy into a chunk does not pay page faults.
+  static Status open(const std::string& name, OpenMode mode, const SegmentConfig& cfg,
+                     bool populate, std::shared_ptr<Segment>* out, std::string* err);
+  static Status unlink(const std::string& name, std::string* err);
+  static Status compute_geometry(const SegmentConfig& cfg, Geometry* geo, std::string* err);
+  static bool valid_name(const std::string& name);
+
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  Header* header() const { return reinterpret_cast<Header*>(base_); }
+  uint8_t* base() const { return base_; }
+  uint8_t* arena() const { return base_ + header()->geo.arena_offset; }
+  const Geometry& geo() const { return header()->geo; }
+  const std::string& name() const { return name_; }
+  OpenOutcome outcome() const { return outcome_; }
+  // True when the header was adopted from a stale segment: the table must be
+  // rebuilt from its authoritative records before use.
+  bool needs_rebuild() const { return outcome_ == OpenOutcome::kAdoptedStale; }
+
+ private:
+  Segment() = default;
+  std::string name_;
+  int fd_ = -1;
+  uint8_t* base_ = nullptr;
+  uint64_t mapped_bytes_ = 0;
+  OpenOutcome outcome_ = OpenOutcome::kAttached;
+
+  friend struct SegmentOpener;
+};
+
+// Human-readable byte counts for messages ("32.0 GiB").
+std::string format_bytes(uint64_t n);
+
+}  // namespace shmkv

@@ -1,0 +1,165 @@
+// paged_copy.cu — GPU gather/scatter between vLLM's paged KV cache (device
+// memory) and a chunk payload in the shmkv segment (host memory registered
+// with cudaHostRegister, addressed through its device pointer: no staging
+// buffer). Same PagedLayout and payload order as cpp/copy_kernels.h.
+//
+// Three layers, as everywhere in shmkv:
+//   kernels (this file, framework-free) -> launchers (this file: validate on
+//   the host, then launch on the caller's stream) -> Python (shmkv/gpu.py).
+// NOTE: the launchers are asynchronous on `stream`; the payload must stay
+// leased/reserved until the stream has passed the copy (the connector commits
+// a stored chunk only when its CUDA event completes).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "copy_kernels.h"
+#include "paged_copy.h"
+
+namespace shmkv {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Copy `bytes` with the whole thread block; 16-byte vectors when both ends
+// allow it (payloads and vLLM blocks are 256-byte aligned in practice).
+__device__ __forceinline__ void block_copy(uint8_t* __restrict__ dst,
+                                           const uint8_t* __restrict__ src, int64_t bytes) {
+  bool vec = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+               static_cast<uintptr_t>(bytes)) & 15) == 0;
+  if (vec) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    int64_t n = bytes / 16;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
+// grid: (n_blocks, num_layers)
+// layer_base: [num_layers] device addresses; ids: [n]; payload: [layers][n][block_bytes]
+template <bool kGather>
+__global__ void copy_blocks_kernel(const uint64_t* __restrict__ layer_base,
+                                   const int64_t* __restrict__ ids, int64_t n,
+                                   int64_t block_stride, int64_t block_bytes,
+                                   uint8_t* __restrict__ payload) {
+  int64_t k = blockIdx.x, l = blockIdx.y;
+  uint8_t* blk = reinterpret_cast<uint8_t*>(layer_base[l]) + ids[k] * block_stride;
+  uint8_t* p = payload + (l * n + k) * block_bytes;
+  if (kGather) block_copy(p, blk, block_bytes);
+  else block_copy(blk, p, block_bytes);
+}
+
+// grid: (n_tokens, num_layers); slots: [n] (negative: skipped)
+// payload: [layers][n][runs_i][runs_j][run_bytes]
+template <bool kGather>
+__global__ void copy_tokens_kernel(const uint64_t* __restrict__ layer_base,
+                                   const int64_t* __restrict__ slots, int64_t n,
+                                   PagedLayout L, uint8_t* __restrict__ payload) {
+  int64_t t = blockIdx.x, l = blockIdx.y;
+  int64_t tok_bytes = L.runs_i * L.runs_j * L.run_bytes;
+  uint8_t* p = payload + (l * n + t) * tok_bytes;
+  int64_t slot = slots[t];
+  if (slot < 0) {
+    if (kGather)
+      for (int64_t i = threadIdx.x; i < tok_bytes; i += blockDim.x) p[i] = 0;
+    return;
+  }
+  uint8_t* tok = reinterpret_cast<uint8_t*>(layer_base[l]) + (slot / L.block_size) * L.block_stride +
+                 (slot % L.block_size) * L.token_stride;
+  for (int64_t i = 0; i < L.runs_i; ++i) {
+    for (int64_t j = 0; j < L.runs_j; ++j) {
+      uint8_t* run = tok + i * L.stride_i + j * L.stride_j;
+      uint8_t* q = p + (i * L.runs_j + j) * L.run_bytes;
+      if (kGather) block_copy(q, run, L.run_bytes);
+      else block_copy(run, q, L.run_bytes);
+    }
+  }
+}
+
+std::string cuda_error(const char* what, cudaError_t e) {
+  return std::string(what) + ": " + cudaGetErrorString(e);
+}
+
+}  // namespace
+
+Status launch_paged_copy(const PagedLayout& L, bool token_mode, bool gather, const int64_t* idx,
+                         int64_t n, uint8_t* payload_host, uint64_t payload_bytes,
+                         uintptr_t stream_handle, std::string* err) {
+  Status s = token_mode ? check_token_copy(L, idx, n, payload_bytes, err)
+                        : check_block_copy(L, idx, n, payload_bytes, err);
+  if (s != Status::kOk) return s;
+  if (n == 0) return Status::kOk;
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  void* payload_dev = nullptr;
+  cudaError_t e = cudaHostGetDevicePointer(&payload_dev, payload_host, 0);
+  if (e != cudaSuccess) {
+    *err = cuda_error("payload is not registered host memory (cudaHostRegister the segment first)", e);
+    return Status::kInvalidArgument;
+  }
+  // Indices and layer bases travel in one small device buffer, stream-ordered.
+  size_t idx_bytes = size_t(n) * sizeof(int64_t);
+  size_t base_bytes = size_t(L.num_layers) * sizeof(uint64_t);
+  void* scratch = nullptr;
+  e = cudaMallocAsync(&scratch, idx_bytes + base_bytes, stream);
+  if (e != cudaSuccess) {
+    *err = cuda_error("cudaMallocAsync", e);
+    return Status::kSystem;
+  }
+  std::vector<uint8_t> host(idx_bytes + base_bytes);
+  std::memcpy(host.data(), idx, idx_bytes);
+  std::memcpy(host.data() + idx_bytes, L.layer_base, base_bytes);
+  // NOTE: pageable source -> the copy is staged by the driver before returning,
+  // so `host` may go out of scope safely.
+  e = cudaMemcpyAsync(scratch, host.data(), host.size(), cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess) {
+    auto* d_idx = static_cast<const int64_t*>(scratch);
+    auto* d_base = reinterpret_cast<const uint64_t*>(static_cast<uint8_t*>(scratch) + idx_bytes);
+    dim3 grid(unsigned(n), unsigned(L.num_layers));
+    auto* p = static_cast<uint8_t*>(payload_dev);
+    if (token_mode) {
+      if (gather) copy_tokens_kernel<true><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L, p);
+      else copy_tokens_kernel<false><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L, p);
+    } else {
+      if (gather)
+        copy_blocks_kernel<true><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L.block_stride, L.block_bytes, p);
+      else
+        copy_blocks_kernel<false><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L.block_stride, L.block_bytes, p);
+    }
+    e = cudaGetLastError();
+  }
+  cudaFreeAsync(scratch, stream);
+  if (e != cudaSuccess) {
+    *err = cuda_error("paged copy launch", e);
+    return Status::kSystem;
+  }
+  return Status::kOk;
+}
+
+Status register_host_memory(void* ptr, uint64_t bytes, std::string* err) {
+  cudaError_t e = cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (e != cudaSuccess && e != cudaErrorHostMemoryAlreadyRegistered) {
+    *err = cuda_error("cudaHostRegister", e);
+    cudaGetLastError();
+    return Status::kSystem;
+  }
+  cudaGetLastError();
+  return Status::kOk;
+}
+
+Status unregister_host_memory(void* ptr, std::string* err) {
+  cudaError_t e = cudaHostUnregister(ptr);
+  if (e != cudaSuccess && e != cudaErrorHostMemoryNotRegistered) {
+    *err = cuda_error("cudaHostUnregister", e);
+    cudaGetLastError();
+    return Status::kSystem;
+  }
+  cudaGetLastError();
+  return Status::kOk;
+}
+
+}  // namespace shmkv

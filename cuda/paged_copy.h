@@ -1,0 +1,25 @@
+// paged_copy.h — host-side launchers of the CUDA gather/scatter (paged_copy.cu).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "copy_kernels.h"
+#include "status.h"
+
+namespace shmkv {
+
+// Validates every index and the payload size on the host (nothing launched on
+// failure), then copies between the device KV cache described by L (layer
+// bases are device addresses) and `payload_host`, a host pointer inside memory
+// registered with register_host_memory. Asynchronous on `stream_handle`
+// (a cudaStream_t as an integer; 0 = the legacy default stream).
+Status launch_paged_copy(const PagedLayout& L, bool token_mode, bool gather, const int64_t* idx,
+                         int64_t n, uint8_t* payload_host, uint64_t payload_bytes,
+                         uintptr_t stream_handle, std::string* err);
+
+// Pin (and map for the device) a host range, e.g. a whole shmkv segment.
+Status register_host_memory(void* ptr, uint64_t bytes, std::string* err);
+Status unregister_host_memory(void* ptr, std::string* err);
+
+}  // namespace shmkv

@@ -1,0 +1,95 @@
+"""The shmkv exception hierarchy.
+
+"Miss", "full", "exists" and "busy" are ordinary results and never raise. The
+exceptions below map the error codes of the C++ core (cpp/status.h) one to one,
+plus configuration errors found in Python.
+
+    ShmkvError
+    ├── ConfigError            a bad configuration value (names key, value, what is accepted)
+    ├── SegmentError           anything about opening a segment
+    │   ├── SegmentNotFoundError
+    │   ├── SegmentExistsError
+    │   ├── SegmentMismatchError   built or configured differently; nothing was written
+    │   ├── SegmentCorruptError
+    │   ├── NoSpaceError           /dev/shm cannot hold the requested capacity
+    │   └── PermissionDeniedError  (also a PermissionError)
+    ├── PayloadTooLargeError   (also a ValueError)
+    ├── InvalidArgumentError   (also a ValueError)
+    └── StaleHandleError       a lease/reservation was reclaimed: its bytes are void
+"""
+
+from __future__ import annotations
+
+
+class ShmkvError(Exception):
+    """Base class of every error shmkv raises on purpose."""
+
+
+class ConfigError(ShmkvError, ValueError):
+    """A configuration value is invalid."""
+
+
+class SegmentError(ShmkvError):
+    """Opening or validating a shared-memory segment failed."""
+
+
+class SegmentNotFoundError(SegmentError, FileNotFoundError):
+    pass
+
+
+class SegmentExistsError(SegmentError, FileExistsError):
+    pass
+
+
+class SegmentMismatchError(SegmentError):
+    pass
+
+
+class SegmentCorruptError(SegmentError):
+    pass
+
+
+class NoSpaceError(SegmentError, OSError):
+    pass
+
+
+class PermissionDeniedError(SegmentError, PermissionError):
+    pass
+
+
+class PayloadTooLargeError(ShmkvError, ValueError):
+    pass
+
+
+class InvalidArgumentError(ShmkvError, ValueError):
+    pass
+
+
+class StaleHandleError(ShmkvError):
+    """The lease or reservation was reclaimed (its owner was presumed dead, or
+    the segment was reset). Bytes read through it must be discarded."""
+
+
+class SystemCallError(ShmkvError, OSError):
+    pass
+
+
+# status code (cpp/status.h) -> exception class, for error codes only
+_BY_CODE: dict[int, type[ShmkvError]] = {
+    5: StaleHandleError,
+    16: InvalidArgumentError,
+    17: PayloadTooLargeError,
+    18: NoSpaceError,
+    19: SegmentNotFoundError,
+    20: SegmentExistsError,
+    21: SegmentMismatchError,
+    22: PermissionDeniedError,
+    23: SegmentCorruptError,
+    24: SystemCallError,
+}
+
+
+def error_for(code: int, message: str) -> ShmkvError:
+    """The exception for a C++ status code (which must be an error code)."""
+    cls = _BY_CODE.get(code, ShmkvError)
+    return cls(message)

@@ -1,0 +1,423 @@
+"""The shared-memory chunk store: a typed Python face over shmkv._C.
+
+One `Store` is one process's attachment to a named POSIX shared-memory segment
+(/dev/shm/<name>, mode 0600). Every vLLM process on the host attaches the same
+segment, so a chunk one process commits is readable by all.
+
+Two-phase operations, never a payload copy under the table lock:
+
+    r = store.reserve(key, nbytes)          # Reservation, or a PutResult
+    if isinstance(r, Reservation):
+        with r:                              # commit on success, abort on error
+            r.view()[:] = payload
+    with store.acquire(key) as lease:        # None on a miss
+        data = lease.numpy(np.uint16)        # zero-copy, read-only
+
+"Miss" (None), "full", "exists" and "busy" (PutResult) are ordinary results.
+Errors raise from the hierarchy in shmkv.errors. Keys are 16-byte `bytes`
+(see shmkv.keys).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shmkv import _C
+from shmkv.errors import InvalidArgumentError, PayloadTooLargeError, StaleHandleError, error_for
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+log = logging.getLogger("shmkv.store")
+
+Key = bytes
+Keys = Sequence[bytes] | bytes | bytearray | memoryview
+
+_MODE_CREATE, _MODE_ATTACH, _MODE_OPEN_OR_CREATE = 0, 1, 2
+
+
+class PutResult(enum.Enum):
+    """Outcome of a store operation that is not an error."""
+
+    OK = 0
+    FULL = 2  # no room even after evicting everything evictable
+    EXISTS = 3  # the key is already cached
+    BUSY = 4  # another live process is writing the key right now
+    STALE = 5  # the reservation was reclaimed before commit; nothing stored
+
+
+class OpenOutcome(enum.Enum):
+    CREATED = 0
+    ATTACHED = 1
+    REINITIALISED_STALE = 2  # a segment nobody was attached to was emptied
+    ADOPTED_STALE = 3  # ... or kept, after a rebuild, because it matched
+
+
+@dataclass(frozen=True)
+class SegmentGeometry:
+    """How a segment is laid out. capacity_bytes is the exact size of the
+    segment; payloads live in what is left after the metadata (arena_bytes).
+    Zero means "derive a default"."""
+
+    capacity_bytes: int
+    max_payload_bytes: int = 0  # default: a quarter of the arena
+    alignment: int = 4096
+    max_entries: int = 0  # default: capacity / 32 KiB, clamped to [1024, 2M]
+    max_leases: int = 0  # default: 2 * max_entries, clamped to [4096, 4M]
+    max_procs: int = 256
+
+    def resolved(self) -> dict[str, int]:
+        """The geometry the C++ core would build, or raise InvalidArgumentError."""
+        code, msg, geo = _C.geometry(
+            self.capacity_bytes, self.max_payload_bytes, self.alignment,
+            self.max_entries, self.max_leases, self.max_procs,
+        )
+        if code:
+            raise error_for(code, msg)
+        return dict(geo)
+
+
+def default_cache_name() -> str:
+    """The cache name used when none is configured: one per user."""
+    return f"shmkv-{os.getuid()}"
+
+
+def _raise_if_error(code: int, message: str = "") -> None:
+    """Raise for the error codes (>= 16) of cpp/status.h; ordinary outcomes pass."""
+    if code >= 16:
+        raise error_for(code, message or _C.STATUS_NAMES.get(code, str(code)))
+
+
+def _torch_view(buf: memoryview, dtype: torch.dtype, shape: Sequence[int] | None) -> torch.Tensor:
+    import torch
+
+    with warnings.catch_warnings():
+        # read-only leases: torch warns that it cannot guarantee immutability
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(buf, dtype=torch.uint8)
+    t = t.view(dtype)
+    return t.reshape(tuple(shape)) if shape is not None else t
+
+
+class _PayloadHandle:
+    """Shared view helpers of Reservation and Lease."""
+
+    _c: Any
+    _views: list[memoryview]
+
+    @property
+    def size(self) -> int:
+        """Payload bytes."""
+        return int(self._c.size)
+
+    @property
+    def address(self) -> int:
+        """Address of the payload in this process (for copy kernels)."""
+        return int(self._c.address)
+
+    def view(self) -> memoryview:
+        """Zero-copy memoryview of the payload (read-only for leases)."""
+        mv = memoryview(self._c)
+        self._views.append(mv)
+        return mv
+
+    def numpy(self, dtype: Any = "uint8", shape: Sequence[int] | None = None) -> np.ndarray:
+        """Zero-copy numpy array over the payload."""
+        import numpy as np
+
+        a = np.frombuffer(self.view(), dtype=dtype)
+        return a.reshape(tuple(shape)) if shape is not None else a
+
+    def torch(self, dtype: torch.dtype | None = None, shape: Sequence[int] | None = None) -> torch.Tensor:
+        """Zero-copy CPU torch tensor over the payload."""
+        import torch
+
+        return _torch_view(self.view(), dtype or torch.uint8, shape)
+
+    def _drop_views(self) -> None:
+        for mv in self._views:
+            try:
+                mv.release()
+            except BufferError:
+                # a numpy/torch object made from it is still alive; the mapping
+                # stays valid, but its bytes may be reused from now on
+                pass
+        self._views.clear()
+
+
+class Reservation(_PayloadHandle):
+    """Room for one chunk, invisible to readers until commit().
+
+    As a context manager it commits when the block ends normally and aborts
+    when it raises. A reservation dropped without either is aborted.
+    """
+
+    __slots__ = ("_c", "_views", "key")
+
+    def __init__(self, c: Any, key: bytes) -> None:
+        self._c = c
+        self._views = []
+        self.key = key
+
+    def commit(self) -> PutResult:
+        """Make the chunk visible. STALE: it was reclaimed meanwhile (this
+        process was presumed dead); nothing was stored."""
+        self._drop_views()
+        code = self._c.commit()
+        _raise_if_error(code)
+        return PutResult(code)
+
+    def abort(self) -> None:
+        """Give the room back."""
+        self._drop_views()
+        _raise_if_error(self._c.abort())
+
+    @property
+    def is_open(self) -> bool:
+        return bool(self._c.is_open)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if not self._c.is_open:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class Lease(_PayloadHandle):
+    """A read lease on one READY chunk: its bytes cannot change or be evicted
+    until release(). Released on context exit; a lease dropped without release
+    is released by its destructor."""
+
+    __slots__ = ("_c", "_views")
+
+    def __init__(self, c: Any) -> None:
+        self._c = c
+        self._views = []
+
+    def release(self) -> bool:
+        """Give the lease back. False means it had been reclaimed: bytes read
+        through it may be wrong and must be discarded."""
+        self._drop_views()
+        code = self._c.release()
+        _raise_if_error(code)
+        return code == 0
+
+    @property
+    def is_open(self) -> bool:
+        return bool(self._c.is_open)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._c.is_open and not self.release() and exc_type is None:
+            raise StaleHandleError("lease was reclaimed while in use; discard what was read")
+
+
+class Store:
+    """One process's attachment to a shmkv shared-memory segment.
+
+    Use Store.create / Store.attach / Store.open_or_create. Thread-safe: every
+    operation takes the segment's process-shared lock (the GIL is released
+    while waiting for it).
+    """
+
+    def __init__(self, table: Any, outcome: OpenOutcome) -> None:
+        self._t = table
+        self.outcome = outcome
+        self.name: str = table.name
+
+    # ------------------------------------------------------------ opening --
+    @classmethod
+    def _open(cls, name: str, mode: int, geometry: SegmentGeometry, populate: bool) -> Store:
+        g = geometry
+        code, msg, table, outcome = _C.open_table(
+            name, mode, g.capacity_bytes, g.max_payload_bytes, g.alignment,
+            g.max_entries, g.max_leases, g.max_procs, populate,
+        )
+        if code:
+            raise error_for(code, msg)
+        store = cls(table, OpenOutcome(outcome))
+        st = table.stats()
+        log.info(
+            "%s shared-memory segment '%s': capacity %s, payload arena %s, max payload %s, "
+            "%d entries max",
+            {0: "created", 1: "attached", 2: "re-initialised stale", 3: "adopted stale"}[outcome],
+            name, _fmt_bytes(st["capacity_bytes"]), _fmt_bytes(st["arena_bytes"]),
+            _fmt_bytes(st["max_payload_bytes"]), st["max_entries"],
+        )
+        return store
+
+    @classmethod
+    def create(cls, name: str, capacity_bytes: int, *, populate: bool = True, **geometry: int) -> Store:
+        """Create a fresh, empty segment. A stale one (no live process
+        attached) is re-initialised; a live one raises SegmentExistsError."""
+        return cls._open(name, _MODE_CREATE, SegmentGeometry(capacity_bytes, **geometry), populate)
+
+    @classmethod
+    def attach(cls, name: str, *, populate: bool = True) -> Store:
+        """Attach to an existing segment, whatever its geometry (read from it).
+        Raises SegmentNotFoundError or SegmentMismatchError (nothing written)."""
+        return cls._open(name, _MODE_ATTACH, SegmentGeometry(1 << 20), populate)
+
+    @classmethod
+    def open_or_create(cls, name: str, capacity_bytes: int, *, populate: bool = True,
+                       **geometry: int) -> Store:
+        """Attach if a segment with this geometry exists, else create it. A
+        live segment with another geometry raises SegmentMismatchError naming
+        the differences; a stale one is adopted if it matches (its chunks
+        survive), else re-initialised."""
+        return cls._open(name, _MODE_OPEN_OR_CREATE, SegmentGeometry(capacity_bytes, **geometry),
+                         populate)
+
+    @staticmethod
+    def unlink(name: str, *, missing_ok: bool = True) -> bool:
+        """Remove the segment's name. Attached processes keep their mapping."""
+        code, msg = _C.unlink(name)
+        if code == 19 and missing_ok:
+            return False
+        if code:
+            raise error_for(code, msg)
+        return True
+
+    def close(self) -> None:
+        """Detach this process (the mapping goes when the last view does)."""
+        if self._t is not None:
+            self._t.detach()
+            self._t = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def table(self) -> Any:
+        if self._t is None:
+            raise InvalidArgumentError(f"store '{self.name}' is closed")
+        return self._t
+
+    # ------------------------------------------------------------- stores --
+    def reserve(self, key: Key, nbytes: int) -> Reservation | PutResult:
+        """Room for `nbytes` under `key`, or FULL / EXISTS / BUSY."""
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"payload size must be > 0, got {nbytes}")
+        code, res = self.table.reserve(key, nbytes)
+        if code == 0:
+            return Reservation(res, key)
+        if code == 17:
+            raise PayloadTooLargeError(
+                f"payload of {nbytes} bytes exceeds max_payload_bytes "
+                f"{self.table.stats()['max_payload_bytes']} of segment '{self.name}'"
+            )
+        _raise_if_error(code)
+        return PutResult(code)
+
+    def put(self, key: Key, data: Any) -> PutResult:
+        """reserve + copy + commit of a C-contiguous buffer (bytes, numpy...)."""
+        code = self.table.put(key, data)
+        if code == 17:
+            raise PayloadTooLargeError(f"payload exceeds max_payload_bytes of segment '{self.name}'")
+        if code == 16:
+            raise InvalidArgumentError("payload must be non-empty")
+        _raise_if_error(code)
+        return PutResult(code)
+
+    # -------------------------------------------------------------- loads --
+    def acquire(self, key: Key) -> Lease | None:
+        """A read lease on `key`, or None on a miss."""
+        c = self.table.acquire(key)
+        return None if c is None else Lease(c)
+
+    def acquire_prefix(self, keys: Keys, *, count_lookup: bool = True) -> list[Lease]:
+        """Leases on the longest cached prefix of `keys` (one lock)."""
+        return [Lease(c) for c in self.table.acquire_prefix(keys, count_lookup)]
+
+    def get(self, key: Key) -> bytes | None:
+        """A copy of the payload, or None on a miss."""
+        lease = self.acquire(key)
+        if lease is None:
+            return None
+        with lease:
+            data = bytes(lease.view())
+        return data
+
+    def get_into(self, key: Key, out: Any) -> int | None:
+        """Copy the payload into a writable buffer; bytes copied, or None on a
+        miss (also when the lease went stale during the copy)."""
+        n = self.table.get_into(key, out)
+        return None if n < 0 else n
+
+    def lookup_prefix(self, keys: Keys, *, count_lookup: bool = True) -> int:
+        """How many leading keys are cached (one lock, no leases)."""
+        return self.table.lookup_prefix(keys, count_lookup)
+
+    def contains(self, keys: Keys) -> list[bool]:
+        """For each key, whether it is cached."""
+        return [b != 0 for b in self.table.contains(keys)]
+
+    # --------------------------------------------------------- management --
+    def pin(self, key: Key) -> bool:
+        """Never evict `key` until unpin(); False on a miss. Pins nest."""
+        return self.table.pin(key) == 0
+
+    def unpin(self, key: Key) -> bool:
+        return self.table.unpin(key) == 0
+
+    def delete(self, key: Key) -> bool:
+        """Remove `key`; True if it was cached. A leased chunk disappears now
+        and its bytes are freed at the last release."""
+        return self.table.erase(key) in (0, 4)
+
+    def clear(self) -> int:
+        """Remove every cached chunk; returns how many."""
+        return int(self.table.clear())
+
+    def reclaim(self) -> dict[str, int]:
+        """Release leases and unfinished writes of processes that exited."""
+        return dict(self.table.reclaim())
+
+    def rebuild(self) -> None:
+        """Rebuild every derived structure from the authoritative records."""
+        self.table.rebuild()
+
+    def check_consistency(self) -> list[str]:
+        """Problems found by a full consistency check (empty when sound)."""
+        return list(self.table.check_consistency())
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges of the segment (shared by all processes)."""
+        return dict(self.table.stats())
+
+    @property
+    def arena_address(self) -> int:
+        return int(self.table.arena_address)
+
+    @property
+    def arena_bytes(self) -> int:
+        return int(self.table.arena_bytes)
+
+    def __repr__(self) -> str:
+        return f"Store(name={self.name!r}, outcome={self.outcome.name})"
+
+
+def _fmt_bytes(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"
