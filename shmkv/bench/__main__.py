@@ -1,0 +1,31 @@
+"""Dispatch `python -m shmkv.bench NAME [options]`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+BENCHES = {
+    "store": "shmkv.bench.store_bench",
+    "kernels": "shmkv.bench.kernels_bench",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m shmkv.bench", description=__doc__)
+    p.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args, rest = p.parse_known_args(argv)
+    mod = importlib.import_module(BENCHES[args.name])
+    result = mod.run(rest)
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        mod.report(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
