@@ -1,0 +1,124 @@
+"""Chunk keys: prefix-chained 128-bit XXH3 hashes of token ids.
+
+    k_0 = xxh3_128(namespace)                      the root key
+    k_i = xxh3_128(k_{i-1} || token ids of chunk i)
+
+so a chunk's key names its whole token prefix and everything that makes its
+bytes (in)compatible. Token ids are hashed as little-endian uint32; the
+namespace is canonical JSON (sorted keys), so no two different namespaces
+encode to the same bytes and no token sequence can produce a namespace.
+
+A prompt's tail that does not fill a whole chunk can still be cached as a
+*piece*: a block-aligned prefix of the next chunk, keyed the same way over its
+shorter token list (`piece_key`). Its hash input is shorter than any full
+chunk's, so a piece never collides with a chunk, and nothing chains after it.
+
+What the hash does and does not protect against: XXH3-128 is fast and
+well-distributed but not cryptographic. Tenants are separated by the cache
+salt inside the namespace; a tenant cannot reach another's keys by choosing
+token ids without a 128-bit collision, which is beyond accidental reach but
+not proven against a determined attacker. Never use Python's hash().
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+import xxhash
+
+from shmkv.errors import ConfigError
+
+PAYLOAD_FORMAT_VERSION = 1
+KEY_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes cached bytes incompatible between engines."""
+
+    model_id: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    chunk_size: int = 256
+    mla: bool = False
+    tp_size: int = 1
+    tp_rank: int = 0
+    payload: str = "blocks"  # "blocks" (raw paged blocks) or "tokens" (canonical)
+    attention_layout: str = ""  # e.g. "cpu:LBHNC", "cuda:NHD", "cuda:HND", "cuda:kv-split", "mla"
+    block_size: int = 0  # part of the key only when the payload is raw blocks
+    isa: str = ""  # CPU attention instruction-set variant for raw blocks (vec, amx...)
+    format_version: int = PAYLOAD_FORMAT_VERSION
+    cache_salt: str | None = None
+    extra: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size must be > 0, got {self.chunk_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank {self.tp_rank} must be in [0, tp_size={self.tp_size})")
+        if self.payload not in ("blocks", "tokens"):
+            raise ConfigError(f"payload must be 'blocks' or 'tokens', got {self.payload!r}")
+        if self.payload == "blocks" and self.block_size <= 0:
+            raise ConfigError("a raw-block payload needs block_size > 0 in its namespace")
+        if self.payload == "blocks" and self.chunk_size % self.block_size:
+            raise ConfigError(
+                f"chunk_size {self.chunk_size} must be a multiple of block_size {self.block_size} "
+                "for raw-block payloads"
+            )
+
+    def encode(self) -> bytes:
+        """Canonical bytes of the namespace (sorted-key JSON)."""
+        d = asdict(self)
+        if self.payload == "tokens":
+            d["block_size"] = 0  # canonical payloads are block-size independent
+        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+    def root_key(self) -> bytes:
+        return xxhash.xxh3_128_digest(self.encode())
+
+    def with_salt(self, salt: str | None) -> Namespace:
+        return self if salt == self.cache_salt else replace(self, cache_salt=salt)
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must be in [0, 2^32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chain_key(prev: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """xxh3_128(prev || tokens as little-endian uint32)."""
+    return xxhash.xxh3_128_digest(prev + _token_bytes(tokens))
+
+
+def chunk_keys(
+    root: bytes | Namespace, tokens: Sequence[int] | np.ndarray, chunk_size: int | None = None
+) -> list[tuple[int, int, bytes]]:
+    """(start, end, key) of every FULL chunk of `tokens`, in prefix order."""
+    if isinstance(root, Namespace):
+        chunk_size = chunk_size or root.chunk_size
+        root = root.root_key()
+    if not chunk_size or chunk_size <= 0:
+        raise ValueError("chunk_size must be > 0")
+    raw = _token_bytes(tokens)
+    out: list[tuple[int, int, bytes]] = []
+    k = root
+    step = chunk_size * 4
+    for i in range(len(raw) // step):
+        k = xxhash.xxh3_128_digest(k + raw[i * step:(i + 1) * step])
+        out.append((i * chunk_size, (i + 1) * chunk_size, k))
+    return out
+
+
+def piece_key(prev: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Key of a partial chunk (a block-aligned prefix of the chunk after the
+    one keyed `prev`). Same construction as a chunk; shorter input."""
+    return chain_key(prev, tokens)

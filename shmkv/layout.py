@@ -1,0 +1,230 @@
+"""KV-cache layout descriptor: one description of a vLLM KV-cache group, built
+once from the per-layer tensors, and the gather/scatter copies over it.
+
+Supported layouts (`kind`), each per layer, any element size (fp32, bf16,
+fp16, fp8):
+
+    "cpu"       vLLM 0.32 CPU backend [num_blocks, kv_heads, block_size, 2*head]
+                opaque inside a block (K transposed or VNNI-packed by ISA):
+                copied as whole blocks; payload [layer][block][block bytes]
+    "nhd"       CUDA flash-attention, token-major [num_blocks, block_size, kv_heads, 2*head]
+    "hnd"       head-major variant [num_blocks, kv_heads, block_size, 2*head]
+    "kv_split"  older separate K/V [2, num_blocks, block_size, kv_heads, head]
+    "mla"       [num_blocks, block_size, latent_dim]
+
+The token layouts copy per token into the canonical payload
+[layer][token][kv_head][K(head) | V(head)] (MLA: [layer][token][latent]),
+which does not depend on the block size.
+
+Layers that are views of one buffer (as vLLM allocates them) cost nothing per
+layer at copy time: the C++ core holds the list of layer base addresses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from shmkv import _C
+from shmkv.errors import InvalidArgumentError
+
+KINDS = ("cpu", "nhd", "hnd", "kv_split", "mla")
+
+
+@dataclass(frozen=True)
+class LayoutGeometry:
+    """Byte geometry of one layer (all layers must share it)."""
+
+    num_blocks: int
+    block_size: int
+    block_stride: int
+    block_bytes: int
+    token_mode: bool
+    token_stride: int = 0
+    runs_i: int = 1
+    stride_i: int = 0
+    runs_j: int = 1
+    stride_j: int = 0
+    run_bytes: int = 0
+    num_kv_heads: int = 0
+    head_size: int = 0
+
+
+def _geometry(kind: str, t: torch.Tensor) -> LayoutGeometry:
+    es = t.element_size()
+    s = [x * es for x in t.stride()]
+    shape = tuple(t.shape)
+
+    def need(ndim: int, what: str) -> None:
+        if t.dim() != ndim:
+            raise InvalidArgumentError(f"layout '{kind}' expects a {ndim}-D {what} tensor, got shape {shape}")
+
+    if kind == "cpu":
+        need(4, "[num_blocks, kv_heads, block_size, 2*head_size]")
+        b, h, n, c = shape
+        inner = t[0] if b else t
+        if not inner.is_contiguous():
+            raise InvalidArgumentError(f"layout 'cpu' needs each block contiguous; strides {t.stride()}")
+        return LayoutGeometry(b, n, s[0], h * n * c * es, False, num_kv_heads=h, head_size=c // 2)
+    if kind in ("nhd", "hnd"):
+        need(4, "[num_blocks, block_size, kv_heads, 2*head_size]" if kind == "nhd"
+             else "[num_blocks, kv_heads, block_size, 2*head_size]")
+        if kind == "nhd":
+            b, n, h, c = shape
+            tok, head = s[1], s[2]
+        else:
+            b, h, n, c = shape
+            head, tok = s[1], s[2]
+        if t.stride(3) != 1:
+            raise InvalidArgumentError(f"layout '{kind}' needs the last dim contiguous; strides {t.stride()}")
+        run = c * es
+        if head == run:  # all heads of a token are one run
+            return LayoutGeometry(b, n, s[0], 0, True, tok, 1, 0, 1, 0, h * run, h, c // 2)
+        return LayoutGeometry(b, n, s[0], 0, True, tok, h, head, 1, 0, run, h, c // 2)
+    if kind == "kv_split":
+        need(5, "[2, num_blocks, block_size, kv_heads, head_size]")
+        two, b, n, h, d = shape
+        if two != 2 or t.stride(4) != 1:
+            raise InvalidArgumentError(
+                f"layout 'kv_split' needs shape [2, ...] with a contiguous last dim; got {shape}"
+            )
+        return LayoutGeometry(b, n, s[1], 0, True, s[2], h, s[3], 2, s[0], d * es, h, d)
+    if kind == "mla":
+        need(3, "[num_blocks, block_size, latent_dim]")
+        b, n, latent = shape
+        if t.stride(2) != 1:
+            raise InvalidArgumentError(f"layout 'mla' needs the last dim contiguous; strides {t.stride()}")
+        return LayoutGeometry(b, n, s[0], 0, True, s[1], 1, 0, 1, 0, latent * es, 1, latent)
+    raise InvalidArgumentError(f"unknown layout kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def _as_index(x: Any, what: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        if x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise InvalidArgumentError(f"{what} must hold integers, got {x.dtype}")
+        x = x.detach().to("cpu", torch.int64).numpy()
+    arr = np.asarray(x)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgumentError(f"{what} must hold integers, got {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"{what} must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+def _as_payload(x: Any) -> Any:
+    """A buffer-protocol object for a payload: shmkv leases/reservations,
+    numpy arrays, bytearrays, or CPU torch tensors (viewed as bytes)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise InvalidArgumentError("a tensor payload must live in CPU memory")
+        if not x.is_contiguous():
+            raise InvalidArgumentError("a tensor payload must be contiguous")
+        return x.detach().view(torch.uint8).reshape(-1).numpy()
+    return getattr(x, "_c", x)  # shmkv.store Lease/Reservation -> their C++ buffer
+
+
+class KVLayout:
+    """One vLLM KV-cache group: per-layer tensors of one `kind` and shape.
+
+    >>> layout = KVLayout.from_tensors(kv_caches, "cpu")
+    >>> layout.gather(block_ids, reservation)   # paged cache -> payload
+    >>> layout.scatter(block_ids, lease)        # payload -> paged cache
+    """
+
+    def __init__(self, kind: str, layers: Sequence[torch.Tensor], names: Sequence[str] | None = None):
+        if kind not in KINDS:
+            raise InvalidArgumentError(f"unknown layout kind {kind!r}; expected one of {', '.join(KINDS)}")
+        if not layers:
+            raise InvalidArgumentError("a KV layout needs at least one layer")
+        first = layers[0]
+        for i, t in enumerate(layers):
+            if t.shape != first.shape or t.dtype != first.dtype or t.stride() != first.stride():
+                raise InvalidArgumentError(
+                    f"layer {i} has shape {tuple(t.shape)} {t.dtype} strides {t.stride()}, "
+                    f"layer 0 has {tuple(first.shape)} {first.dtype} {first.stride()}"
+                )
+            if t.device != first.device:
+                raise InvalidArgumentError(f"layer {i} is on {t.device}, layer 0 on {first.device}")
+        self.kind = kind
+        self.names = list(names) if names is not None else [str(i) for i in range(len(layers))]
+        self.dtype = first.dtype
+        self.device = first.device
+        self.geometry = _geometry(kind, first)
+        self.layers = list(layers)  # keeps the storage alive
+        g = self.geometry
+        self._bases = [int(t.data_ptr()) for t in layers]
+        self._c = _C.PagedLayout(
+            self._bases, g.num_blocks, g.block_stride, g.block_bytes, g.block_size, g.token_mode,
+            g.token_stride, g.runs_i, g.stride_i, g.runs_j, g.stride_j, g.run_bytes,
+        )
+
+    @classmethod
+    def from_tensors(cls, kv_caches: Mapping[str, torch.Tensor], kind: str) -> KVLayout:
+        """From vLLM's register_kv_caches dict (layer name -> tensor), in order."""
+        return cls(kind, list(kv_caches.values()), list(kv_caches))
+
+    # ------------------------------------------------------------- sizes --
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def token_mode(self) -> bool:
+        return self.geometry.token_mode
+
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
+
+    def bytes_per_token(self) -> int:
+        """Payload bytes per token over all layers."""
+        g = self.geometry
+        if g.token_mode:
+            return self.num_layers * g.runs_i * g.runs_j * g.run_bytes
+        return self.num_layers * g.block_bytes // g.block_size
+
+    def payload_bytes(self, num_tokens: int) -> int:
+        """Payload size of `num_tokens` (a multiple of block_size in block mode)."""
+        if not self.token_mode and num_tokens % self.block_size:
+            raise InvalidArgumentError(
+                f"{num_tokens} tokens is not a whole number of {self.block_size}-token blocks"
+            )
+        return num_tokens * self.bytes_per_token()
+
+    # ------------------------------------------------------------ copies --
+    def gather(self, index: Any, payload: Any, stream: Any = None) -> None:
+        """Paged cache -> payload. `index`: block ids (block mode) or a slot
+        mapping (token mode; negative slots are skipped)."""
+        self._copy(index, payload, gather=True, stream=stream)
+
+    def scatter(self, index: Any, payload: Any, stream: Any = None) -> None:
+        """Payload -> paged cache (the inverse of gather)."""
+        self._copy(index, payload, gather=False, stream=stream)
+
+    def _copy(self, index: Any, payload: Any, gather: bool, stream: Any) -> None:
+        what = "slot_mapping" if self.token_mode else "block_ids"
+        idx = _as_index(index, what)
+        if self.device.type == "cuda":
+            from shmkv import gpu
+
+            gpu.paged_copy(self, idx, payload, gather, stream)
+            return
+        buf = _as_payload(payload)
+        if self.token_mode:
+            (self._c.gather_tokens if gather else self._c.scatter_tokens)(idx, buf)
+        else:
+            (self._c.gather_blocks if gather else self._c.scatter_blocks)(idx, buf)
+
+    def slots_for_blocks(self, block_ids: Sequence[int], num_tokens: int) -> np.ndarray:
+        """Slot mapping of the first `num_tokens` tokens held in `block_ids`."""
+        ids = _as_index(block_ids, "block_ids")
+        bs = self.block_size
+        if num_tokens > len(ids) * bs:
+            raise InvalidArgumentError(f"{num_tokens} tokens do not fit in {len(ids)} blocks of {bs}")
+        offs = np.arange(num_tokens, dtype=np.int64)
+        return ids[offs // bs] * bs + offs % bs

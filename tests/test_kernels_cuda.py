@@ -1,0 +1,80 @@
+"""CUDA gather/scatter against the PyTorch reference, between a device KV
+cache and payloads in a cudaHostRegister'ed shmkv segment. Runs only where a
+CUDA GPU and the compiled shmkv._C_cuda are present."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kv_reference import DTYPES, make_cache, ref_gather, ref_scatter
+
+from shmkv import Store
+from shmkv.layout import KINDS, KVLayout
+
+
+def _cuda_missing() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (CI never has one)"
+    try:
+        import shmkv._C_cuda  # noqa: F401
+    except ImportError as e:
+        return f"shmkv was built without its CUDA part: {e}"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_missing() is not None,
+                                                  reason=_cuda_missing() or "")]
+
+
+@pytest.fixture
+def gpu_store(cache_name):
+    from shmkv import gpu
+
+    store = Store.create(cache_name, 256 << 20, alignment=256)
+    gpu.register_segment(store)
+    yield store
+    gpu.unregister_segment(store)
+    store.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("bs", [16, 32, 128])
+def test_cuda_gather_scatter_match_reference(gpu_store, kind, dtype, bs):
+    rng = np.random.default_rng(bs)
+    layers = make_cache(kind, 3, 12, bs, 2, 64, dtype, device="cuda")
+    layout = KVLayout(kind, layers)
+    for tokens in ([bs, 3 * bs] if kind == "cpu" else [bs, 2 * bs + bs // 2 + 1]):
+        nblocks = -(-tokens // bs)
+        ids = rng.permutation(12)[:nblocks].astype(np.int64)
+        idx = ids if kind == "cpu" else layout.slots_for_blocks(ids, tokens)
+        n = layout.payload_bytes(nblocks * bs if kind == "cpu" else tokens)
+        key = rng.bytes(16)
+        r = gpu_store.reserve(key, n)
+        layout.gather(idx, r)
+        torch.cuda.synchronize()
+        got = torch.frombuffer(bytearray(r.view()), dtype=torch.uint8)
+        expect = ref_gather(kind, [t.cpu() for t in layers], torch.from_numpy(idx))
+        assert torch.equal(got, expect)
+        r.commit()
+        fresh = [torch.zeros_like(t) for t in layers]
+        ref = [torch.zeros_like(t).cpu() for t in layers]
+        with gpu_store.acquire(key) as lease:
+            KVLayout(kind, fresh).scatter(idx, lease)
+            torch.cuda.synchronize()
+            ref_scatter(kind, ref, torch.from_numpy(idx), got)
+        for a, b in zip(fresh, ref):
+            assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+
+
+def test_cuda_bad_index_launches_nothing(gpu_store):
+    layers = make_cache("nhd", 2, 4, 16, 2, 8, torch.bfloat16, device="cuda")
+    before = [t.clone() for t in layers]
+    layout = KVLayout("nhd", layers)
+    r = gpu_store.reserve(b"b" * 16, layout.payload_bytes(4))
+    with pytest.raises(ValueError, match="out of range"):
+        layout.scatter(np.array([0, 1, 2, 64]), r)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, layers))
+    r.abort()
