@@ -18,7 +18,7 @@ Status bad(std::string* err, std::string msg) {
 }  // namespace
 
 Status check_block_copy(const PagedLayout& L, const int64_t* ids, int64_t n, uint64_t payload_bytes,
-                        std::string* err) {
+                        BlockWindow* w, std::string* err) {
   Status s = validate_layout(L, false, err);
   if (s != Status::kOk) return s;
   if (n < 0) return bad(err, "number of blocks must be >= 0");
@@ -27,10 +27,14 @@ Status check_block_copy(const PagedLayout& L, const int64_t* ids, int64_t n, uin
       return bad(err, "block id " + std::to_string(ids[k]) + " at position " + std::to_string(k) +
                           " is out of range [0, " + std::to_string(L.num_blocks) + ")");
   }
-  uint64_t want = uint64_t(L.num_layers) * uint64_t(n) * uint64_t(L.block_bytes);
+  if (w->payload_blocks < 0) w->payload_blocks = n;
+  if (w->first < 0 || w->first + n > w->payload_blocks)
+    return bad(err, "block window [" + std::to_string(w->first) + ", " + std::to_string(w->first + n) +
+                        ") does not fit a payload of " + std::to_string(w->payload_blocks) + " blocks");
+  uint64_t want = uint64_t(L.num_layers) * uint64_t(w->payload_blocks) * uint64_t(L.block_bytes);
   if (payload_bytes != want)
     return bad(err, "payload is " + std::to_string(payload_bytes) + " bytes, " +
-                        std::to_string(L.num_layers) + " layers x " + std::to_string(n) +
+                        std::to_string(L.num_layers) + " layers x " + std::to_string(w->payload_blocks) +
                         " blocks x " + std::to_string(L.block_bytes) + " bytes = " +
                         std::to_string(want) + " expected");
   return Status::kOk;
@@ -108,12 +112,12 @@ Status validate_layout(const PagedLayout& L, bool token_mode, std::string* err) 
 }
 
 Status gather_blocks(const PagedLayout& L, const int64_t* ids, int64_t n, uint8_t* payload,
-                     uint64_t payload_bytes, std::string* err) {
-  Status s = check_block_copy(L, ids, n, payload_bytes, err);
+                     uint64_t payload_bytes, BlockWindow w, std::string* err) {
+  Status s = check_block_copy(L, ids, n, payload_bytes, &w, err);
   if (s != Status::kOk) return s;
-  uint8_t* p = payload;
   for (int64_t l = 0; l < L.num_layers; ++l) {
     const uint8_t* layer = reinterpret_cast<const uint8_t*>(L.layer_base[l]);
+    uint8_t* p = payload + (l * w.payload_blocks + w.first) * L.block_bytes;
     for (int64_t k = 0; k < n; ++k, p += L.block_bytes)
       std::memcpy(p, layer + ids[k] * L.block_stride, size_t(L.block_bytes));
   }
@@ -121,12 +125,12 @@ Status gather_blocks(const PagedLayout& L, const int64_t* ids, int64_t n, uint8_
 }
 
 Status scatter_blocks(const PagedLayout& L, const int64_t* ids, int64_t n, const uint8_t* payload,
-                      uint64_t payload_bytes, std::string* err) {
-  Status s = check_block_copy(L, ids, n, payload_bytes, err);
+                      uint64_t payload_bytes, BlockWindow w, std::string* err) {
+  Status s = check_block_copy(L, ids, n, payload_bytes, &w, err);
   if (s != Status::kOk) return s;
-  const uint8_t* p = payload;
   for (int64_t l = 0; l < L.num_layers; ++l) {
     uint8_t* layer = reinterpret_cast<uint8_t*>(L.layer_base[l]);
+    const uint8_t* p = payload + (l * w.payload_blocks + w.first) * L.block_bytes;
     for (int64_t k = 0; k < n; ++k, p += L.block_bytes)
       std::memcpy(layer + ids[k] * L.block_stride, p, size_t(L.block_bytes));
   }

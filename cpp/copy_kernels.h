@@ -44,19 +44,28 @@ struct PagedLayout {
   int64_t token_payload_bytes() const { return runs_i * runs_j * run_bytes; }
 };
 
+// Block mode may copy a window of a payload holding payload_blocks blocks per
+// layer: block k of the copy is the payload's block (first + k) of each layer.
+struct BlockWindow {
+  int64_t first = 0;
+  int64_t payload_blocks = -1;  // -1: n
+};
+
 // Checks that make a layout usable at all (sizes positive, runs inside blocks).
 Status validate_layout(const PagedLayout& L, bool token_mode, std::string* err);
 // Full pre-copy checks (layout, every index, payload size); shared with CUDA.
 Status check_block_copy(const PagedLayout& L, const int64_t* block_ids, int64_t n,
-                        uint64_t payload_bytes, std::string* err);
+                        uint64_t payload_bytes, BlockWindow* w, std::string* err);
 Status check_token_copy(const PagedLayout& L, const int64_t* slots, int64_t n,
                         uint64_t payload_bytes, std::string* err);
 
-// block_ids: [n] block indices into every layer. payload: [layers][n][block_bytes].
+// block_ids: [n] block indices into every layer.
+// payload: [layers][payload_blocks][block_bytes] (BlockWindow above), so a
+// load can fill a sub-range of a stored chunk; the default copies it whole.
 Status gather_blocks(const PagedLayout& L, const int64_t* block_ids, int64_t n, uint8_t* payload,
-                     uint64_t payload_bytes, std::string* err);
+                     uint64_t payload_bytes, BlockWindow w, std::string* err);
 Status scatter_blocks(const PagedLayout& L, const int64_t* block_ids, int64_t n,
-                      const uint8_t* payload, uint64_t payload_bytes, std::string* err);
+                      const uint8_t* payload, uint64_t payload_bytes, BlockWindow w, std::string* err);
 
 // slots: [n] slot = block * block_size + offset; negative slots are skipped
 // (gather leaves zeros in their place). payload: [layers][n][token_payload_bytes].

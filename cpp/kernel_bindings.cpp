@@ -52,7 +52,8 @@ Payload payload_from(py::buffer obj, bool writable) {
 
 using BlockFn = Status (*)(const PagedLayout&, const int64_t*, int64_t, uint8_t*, uint64_t, std::string*);
 
-void run_copy(const PyPagedLayout& self, py::buffer idx, py::buffer payload, bool gather, bool tokens) {
+void run_copy(const PyPagedLayout& self, py::buffer idx, py::buffer payload, bool gather, bool tokens,
+              BlockWindow w = BlockWindow()) {
   if (tokens != self.token_mode)
     throw py::value_error(tokens ? "this layout copies whole blocks; use gather_blocks/scatter_blocks"
                                  : "this layout copies tokens; use gather_tokens/scatter_tokens");
@@ -66,8 +67,8 @@ void run_copy(const PyPagedLayout& self, py::buffer idx, py::buffer payload, boo
       s = gather ? gather_tokens(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err)
                  : scatter_tokens(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err);
     } else {
-      s = gather ? gather_blocks(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err)
-                 : scatter_blocks(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err);
+      s = gather ? gather_blocks(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, w, &err)
+                 : scatter_blocks(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, w, &err);
     }
   }
   if (s != Status::kOk) throw py::value_error(err);
@@ -112,10 +113,12 @@ void register_kernels(py::module_& m) {
       .def_property_readonly("token_mode", [](const PyPagedLayout& p) { return p.token_mode; })
       .def_property_readonly("token_payload_bytes", [](const PyPagedLayout& p) { return p.L.token_payload_bytes(); })
       .def_property_readonly("block_bytes", [](const PyPagedLayout& p) { return p.L.block_bytes; })
-      .def("gather_blocks", [](const PyPagedLayout& s, py::buffer ids, py::buffer out) { run_copy(s, ids, out, true, false); },
-           py::arg("block_ids"), py::arg("payload"))
-      .def("scatter_blocks", [](const PyPagedLayout& s, py::buffer ids, py::buffer src) { run_copy(s, ids, src, false, false); },
-           py::arg("block_ids"), py::arg("payload"))
+      .def("gather_blocks", [](const PyPagedLayout& s, py::buffer ids, py::buffer out, int64_t first, int64_t blocks) {
+             run_copy(s, ids, out, true, false, BlockWindow{first, blocks});
+           }, py::arg("block_ids"), py::arg("payload"), py::arg("payload_first") = 0, py::arg("payload_blocks") = -1)
+      .def("scatter_blocks", [](const PyPagedLayout& s, py::buffer ids, py::buffer src, int64_t first, int64_t blocks) {
+             run_copy(s, ids, src, false, false, BlockWindow{first, blocks});
+           }, py::arg("block_ids"), py::arg("payload"), py::arg("payload_first") = 0, py::arg("payload_blocks") = -1)
       .def("gather_tokens", [](const PyPagedLayout& s, py::buffer slots, py::buffer out) { run_copy(s, slots, out, true, true); },
            py::arg("slot_mapping"), py::arg("payload"))
       .def("scatter_tokens", [](const PyPagedLayout& s, py::buffer slots, py::buffer src) { run_copy(s, slots, src, false, true); },

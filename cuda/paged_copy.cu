@@ -90,8 +90,9 @@ std::string cuda_error(const char* what, cudaError_t e) {
 Status launch_paged_copy(const PagedLayout& L, bool token_mode, bool gather, const int64_t* idx,
                          int64_t n, uint8_t* payload_host, uint64_t payload_bytes,
                          uintptr_t stream_handle, std::string* err) {
+  BlockWindow w;  // whole payload (the connector's CUDA path uses token payloads)
   Status s = token_mode ? check_token_copy(L, idx, n, payload_bytes, err)
-                        : check_block_copy(L, idx, n, payload_bytes, err);
+                        : check_block_copy(L, idx, n, payload_bytes, &w, err);
   if (s != Status::kOk) return s;
   if (n == 0) return Status::kOk;
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);

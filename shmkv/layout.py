@@ -197,28 +197,36 @@ class KVLayout:
         return num_tokens * self.bytes_per_token()
 
     # ------------------------------------------------------------ copies --
-    def gather(self, index: Any, payload: Any, stream: Any = None) -> None:
+    def gather(self, index: Any, payload: Any, stream: Any = None, *, payload_first: int = 0,
+               payload_blocks: int = -1) -> None:
         """Paged cache -> payload. `index`: block ids (block mode) or a slot
-        mapping (token mode; negative slots are skipped)."""
-        self._copy(index, payload, gather=True, stream=stream)
+        mapping (token mode; negative slots are skipped). In block mode the
+        payload may hold `payload_blocks` blocks per layer, of which this
+        copy fills those from `payload_first` on."""
+        self._copy(index, payload, True, stream, payload_first, payload_blocks)
 
-    def scatter(self, index: Any, payload: Any, stream: Any = None) -> None:
+    def scatter(self, index: Any, payload: Any, stream: Any = None, *, payload_first: int = 0,
+                payload_blocks: int = -1) -> None:
         """Payload -> paged cache (the inverse of gather)."""
-        self._copy(index, payload, gather=False, stream=stream)
+        self._copy(index, payload, False, stream, payload_first, payload_blocks)
 
-    def _copy(self, index: Any, payload: Any, gather: bool, stream: Any) -> None:
+    def _copy(self, index: Any, payload: Any, gather: bool, stream: Any, first: int, blocks: int) -> None:
         what = "slot_mapping" if self.token_mode else "block_ids"
         idx = _as_index(index, what)
         if self.device.type == "cuda":
             from shmkv import gpu
 
+            if first or blocks >= 0:
+                raise InvalidArgumentError("block windows are CPU-only; CUDA layouts copy tokens")
             gpu.paged_copy(self, idx, payload, gather, stream)
             return
         buf = _as_payload(payload)
         if self.token_mode:
+            if first or blocks >= 0:
+                raise InvalidArgumentError("payload_first/payload_blocks apply to block layouts only")
             (self._c.gather_tokens if gather else self._c.scatter_tokens)(idx, buf)
         else:
-            (self._c.gather_blocks if gather else self._c.scatter_blocks)(idx, buf)
+            (self._c.gather_blocks if gather else self._c.scatter_blocks)(idx, buf, first, blocks)
 
     def slots_for_blocks(self, block_ids: Sequence[int], num_tokens: int) -> np.ndarray:
         """Slot mapping of the first `num_tokens` tokens held in `block_ids`."""

@@ -138,3 +138,31 @@ def test_layout_construction_errors():
         KVLayout("nhd", [torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)[..., ::2]])
     with pytest.raises(InvalidArgumentError, match="whole number"):
         KVLayout("cpu", [t]).payload_bytes(20)
+
+
+def test_block_window_loads_a_sub_range_of_a_chunk():
+    """A chunk of 4 blocks per layer; fill only its blocks 1..2 into the cache."""
+    layers = make_cache("cpu", 3, 8, 16, 2, 8, torch.bfloat16)
+    layout = KVLayout("cpu", layers)
+    chunk_ids = np.array([4, 0, 6, 2], dtype=np.int64)
+    payload = torch.empty(layout.payload_bytes(4 * 16), dtype=torch.uint8)
+    layout.gather(chunk_ids, payload)
+    target = make_cache("cpu", 3, 8, 16, 2, 8, torch.bfloat16, seed=5)
+    untouched = _snapshot(target)
+    KVLayout("cpu", target).scatter(np.array([7, 3]), payload, payload_first=1, payload_blocks=4)
+    for src, dst, old in zip(layers, target, untouched):
+        assert torch.equal(dst[7].view(torch.uint8), src[0].view(torch.uint8))
+        assert torch.equal(dst[3].view(torch.uint8), src[6].view(torch.uint8))
+        for b in (0, 1, 2, 4, 5, 6):
+            assert torch.equal(dst[b].view(torch.uint8), old[b])
+    # gather into a window writes only that window
+    part = torch.full_like(payload, 0xEE)
+    layout.gather(np.array([6]), part, payload_first=2, payload_blocks=4)
+    per_layer = payload.numel() // 3
+    block = per_layer // 4
+    for li in range(3):
+        seg = part[li * per_layer:(li + 1) * per_layer]
+        assert torch.equal(seg[2 * block:3 * block], payload[li * per_layer + 2 * block:li * per_layer + 3 * block])
+        assert bool((seg[:2 * block] == 0xEE).all()) and bool((seg[3 * block:] == 0xEE).all())
+    with pytest.raises(ValueError, match="does not fit"):
+        layout.scatter(np.array([1, 2]), payload, payload_first=3, payload_blocks=4)

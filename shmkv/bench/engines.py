@@ -1,0 +1,154 @@
+"""Separate vLLM engine processes for the demo, the TTFT benchmark and the
+end-to-end tests.
+
+Each EngineProcess runs `python -m shmkv.bench.engines SPEC_JSON` in its own
+process group (vLLM's EngineCore and worker processes can outlive their
+parent; ending the group ends them all). It answers JSON lines prefixed with
+"SHMKV-JSON " on stdout; vLLM's own logging goes to a log file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PREFIX = "SHMKV-JSON "
+
+
+@dataclass
+class EngineSpec:
+    model_dir: str
+    shmkv: dict[str, Any] | None = None  # kv_connector_extra_config; None = no connector
+    kv_role: str = "kv_both"
+    prefix_caching: bool = False
+    max_model_len: int = 4096
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class EngineProcess:
+    def __init__(self, spec: EngineSpec, log_path: str, *, start_timeout: float = 300):
+        self.spec = spec
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update(spec.env)
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shmkv.bench.engines", json.dumps(asdict(spec))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
+            start_new_session=True, text=True,
+        )
+        self.pid = self.proc.pid
+        ready = self._read(start_timeout)
+        if not ready.get("ready"):
+            raise RuntimeError(f"engine failed to start: {ready}; see {log_path}")
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                tail = open(self.log_path, errors="replace").read()[-3000:]
+                raise RuntimeError(f"engine exited ({self.proc.poll()}); log tail:\n{tail}")
+            if line.startswith(PREFIX):
+                return json.loads(line[len(PREFIX):])
+        raise TimeoutError(f"engine did not answer within {timeout}s; see {self.log_path}")
+
+    def call(self, timeout: float = 600, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read(timeout)
+        if "error" in reply:
+            raise RuntimeError(f"engine error: {reply['error']}")
+        return reply
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16, salts: list[str | None] | None = None
+                 ) -> dict[str, Any]:
+        """Greedy outputs, num_cached_tokens and the wall time of one batch."""
+        return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens, salts=salts)
+
+    def ttft(self, prompt: list[int]) -> dict[str, Any]:
+        """Time to first token of one prompt (max_tokens=1)."""
+        return self.call(cmd="generate", prompts=[prompt], max_tokens=1, salts=None)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(cmd="quit", timeout=60)
+                self.proc.wait(timeout=60)
+            except Exception:
+                pass
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # EngineCore/workers left behind
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _serve(spec: EngineSpec) -> None:
+    import logging
+
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = dict(
+        model=spec.model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+        max_model_len=spec.max_model_len, enable_prefix_caching=spec.prefix_caching, seed=0,
+    )
+    if spec.shmkv is not None:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ShmKVConnector", kv_connector_module_path="shmkv.integration.vllm",
+            kv_role=spec.kv_role, kv_connector_extra_config=spec.shmkv,
+        )
+    llm = LLM(**kwargs)
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+
+    def say(obj: dict[str, Any]) -> None:
+        sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    say({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            say({"bye": True})
+            return
+        try:
+            salts = cmd.get("salts") or [None] * len(cmd["prompts"])
+            prompts = []
+            for toks, salt in zip(cmd["prompts"], salts):
+                p: dict[str, Any] = {"prompt_token_ids": toks}
+                if salt is not None:
+                    p["cache_salt"] = salt
+                prompts.append(p)
+            sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            say({"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                 "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+                 "wall_s": wall})
+        except Exception as e:  # report, keep serving
+            say({"error": f"{type(e).__name__}: {e}"})
+
+
+if __name__ == "__main__":
+    _serve(EngineSpec(**json.loads(sys.argv[1])))

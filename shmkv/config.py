@@ -1,0 +1,156 @@
+"""shmkv configuration: one set of keys, three sources.
+
+Precedence, highest first:
+  1. vLLM's kv_connector_extra_config (or the dict given to load_config)
+  2. environment variables SHMKV_<KEY> (e.g. SHMKV_CAPACITY=8GiB)
+  3. a YAML file named by the key `config_file` / SHMKV_CONFIG_FILE
+  4. the defaults below
+
+A bad value raises ConfigError naming the key, the value and what is
+accepted; unknown keys are errors too (a typo must not be silently ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from shmkv.errors import ConfigError
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
+               "tib": 1 << 40}
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string like '8GiB', '512 MiB', '2g'."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected a byte size such as 8GiB or 1073741824")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _SIZE_UNITS:
+            raise ConfigError(f"{key}={value!r}: expected a byte size such as 8GiB, 512MiB or 1073741824")
+        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ConfigError(f"{key}={value!r}: must be positive")
+    return n
+
+
+def _parse_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}={value!r}: expected true or false")
+
+
+def _parse_int(key: str, value: Any, lo: int, hi: int) -> int:
+    try:
+        n = int(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        n = None
+    if n is None or not lo <= n <= hi:
+        raise ConfigError(f"{key}={value!r}: expected an integer in [{lo}, {hi}]")
+    return n
+
+
+def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    s = str(value).strip().lower()
+    if s not in choices:
+        raise ConfigError(f"{key}={value!r}: expected one of {', '.join(choices)}")
+    return s
+
+
+def _default_capacity() -> int:
+    """A quarter of what /dev/shm has free, between 256 MiB and 16 GiB."""
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = 4 << 30
+    return max(256 << 20, min(16 << 30, free // 4 // (1 << 20) * (1 << 20)))
+
+
+@dataclass(frozen=True)
+class ShmkvConfig:
+    """Every setting, with its default. See README "Configuration"."""
+
+    cache_name: str = field(default_factory=lambda: f"shmkv-{os.getuid()}")
+    capacity: int = field(default_factory=_default_capacity)  # bytes of the shared segment
+    chunk_size: int = 256  # tokens per chunk
+    store_tail: bool = True  # cache the block-aligned tail of each prompt as a piece
+    max_payload: int = 0  # bytes; 0 = a quarter of the segment's arena
+    populate: bool = True  # pre-fault the mapping at attach
+    load_failure_policy: str = "recompute"  # what vLLM does if a planned load misses
+    log_level: str = "info"
+    debug_digest_file: str = ""  # append per-chunk KV digests (tests prove byte equality)
+    config_file: str = ""
+
+    # metadata: how to parse each key
+    @staticmethod
+    def parsers() -> dict[str, Any]:
+        return {
+            "cache_name": lambda k, v: _check_name(k, v),
+            "capacity": parse_size,
+            "chunk_size": lambda k, v: _parse_int(k, v, 16, 1 << 16),
+            "store_tail": _parse_bool,
+            "max_payload": lambda k, v: 0 if str(v) == "0" else parse_size(k, v),
+            "populate": _parse_bool,
+            "load_failure_policy": lambda k, v: _parse_choice(k, v, ("recompute", "fail")),
+            "log_level": lambda k, v: _parse_choice(k, v, ("debug", "info", "warning", "error")),
+            "debug_digest_file": lambda k, v: str(v),
+            "config_file": lambda k, v: str(v),
+        }
+
+
+def _check_name(key: str, value: Any) -> str:
+    s = str(value)
+    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}", s):
+        raise ConfigError(f"{key}={value!r}: expected 1-200 characters from [A-Za-z0-9._-], not starting with '.'")
+    return s
+
+
+def load_config(explicit: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> ShmkvConfig:
+    """Merge explicit settings, SHMKV_* environment variables and the YAML file."""
+    explicit = dict(explicit or {})
+    env = dict(os.environ if env is None else env)
+    parsers = ShmkvConfig.parsers()
+    known = set(parsers)
+
+    unknown = sorted(set(explicit) - known)
+    if unknown:
+        raise ConfigError(f"unknown shmkv setting(s) {unknown}; known: {', '.join(sorted(known))}")
+    env_values = {k: env[f"SHMKV_{k.upper()}"] for k in known if f"SHMKV_{k.upper()}" in env}
+
+    file_values: dict[str, Any] = {}
+    path = explicit.get("config_file") or env_values.get("config_file")
+    if path:
+        import yaml
+
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"config_file={path!r}: cannot read it: {e}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config_file={path!r}: not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config_file={path!r}: expected a mapping of settings at the top level")
+        bad = sorted(set(loaded) - known)
+        if bad:
+            raise ConfigError(f"config_file={path!r}: unknown setting(s) {bad}; known: {', '.join(sorted(known))}")
+        file_values = loaded
+
+    merged: dict[str, Any] = {}
+    for source in (file_values, env_values, explicit):
+        for k, v in source.items():
+            merged[k] = parsers[k](k, v)
+    return dataclasses.replace(ShmkvConfig(), **merged)

@@ -1,0 +1,1 @@
+"""Integrations of shmkv with serving engines."""

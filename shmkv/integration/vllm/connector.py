@@ -1,0 +1,359 @@
+"""ShmKVConnector: vLLM instances on one host share KV through one shmkv segment.
+
+Load it with
+    kv_transfer_config={"kv_connector": "ShmKVConnector",
+                        "kv_connector_module_path": "shmkv.integration.vllm",
+                        "kv_role": "kv_both", "kv_connector_extra_config": {...}}
+
+vLLM builds this class twice (notes/vllm_connector_api.md §1):
+  * SCHEDULER role (EngineCore process): hashes prompts into unit keys, asks
+    the segment for the longest cached prefix (one batched lookup), tells vLLM
+    how many tokens it can load, and each step ships the load/store plan to the
+    workers in ShmKVMetadata.
+  * WORKER role (one per TP rank): loads synchronously in start_load_kv
+    (before the forward pass) and stores in wait_for_save (after it).
+The two halves share nothing but that metadata and the segment itself. With
+no daemon running, the first process to start creates the segment and the
+others attach (embedded default).
+
+Roles: kv_producer only stores, kv_consumer only loads, kv_both does both.
+Failures inside the connector are logged and counted; the request then runs
+without the cache (vLLM is told to recompute blocks that could not be loaded).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from shmkv.config import ShmkvConfig, load_config
+from shmkv.errors import SegmentMismatchError
+from shmkv.integration.vllm.planner import LoadItem, Planner, RequestPlan, StoreItem
+from shmkv.keys import Namespace
+from shmkv.store import Store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("shmkv.connector")
+
+
+def _setup_logging(level: str) -> None:
+    root = logging.getLogger("shmkv")
+    root.setLevel(level.upper())
+    if not root.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [shmkv pid %(process)d] %(message)s",
+                                         "%m-%d %H:%M:%S"))
+        root.addHandler(h)
+        root.propagate = False
+
+
+@dataclass
+class RequestSummary:
+    req_id: str
+    prompt_tokens: int
+    local_tokens: int
+    hit_tokens: int
+
+
+@dataclass
+class ShmKVMetadata(KVConnectorMetadata):
+    loads: list[LoadItem] = field(default_factory=list)
+    stores: list[StoreItem] = field(default_factory=list)
+    summaries: dict[str, RequestSummary] = field(default_factory=dict)
+
+
+def open_store(cfg: ShmkvConfig) -> Store:
+    """Attach to the configured segment, creating it if nobody has (the
+    embedded default). A live segment made with another geometry (another
+    instance's or the daemon's settings) is attached as it is."""
+    try:
+        store = Store.open_or_create(cfg.cache_name, cfg.capacity, populate=cfg.populate,
+                                     max_payload_bytes=cfg.max_payload)
+    except SegmentMismatchError as e:
+        log.warning("shmkv: segment %s exists with other settings; attaching it as it is (%s)",
+                    cfg.cache_name, str(e).replace("\n", ";"))
+        store = Store.attach(cfg.cache_name, populate=cfg.populate)
+    st = store.stats()
+    log.info("shmkv: %s segment '%s' (capacity %.1f GiB, max chunk %.1f MiB, %d processes attached)",
+             store.outcome.name.lower().replace("_", " "), cfg.cache_name, st["capacity_bytes"] / 2**30,
+             st["max_payload_bytes"] / 2**20, st["processes_attached"])
+    return store
+
+
+def namespace_for(vllm_config: VllmConfig, cfg: ShmkvConfig, tp_rank: int) -> Namespace:
+    """Everything that makes KV bytes of this engine incompatible with another's."""
+    from vllm.platforms import current_platform
+
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    dtype = str(mc.dtype).replace("torch.", "")
+    cache_dtype = cc.cache_dtype if cc.cache_dtype != "auto" else dtype
+    block_size = cc.block_size
+    on_cpu = current_platform.is_cpu()
+    isa = ""
+    if on_cpu:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(mc.dtype, block_size, mc.get_head_size(),
+                            cc.cache_dtype if cc.cache_dtype != "auto" else None)
+    return Namespace(
+        model_id=str(mc.model),
+        dtype=cache_dtype,
+        num_layers=mc.get_num_layers(pc),
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_size=mc.get_head_size(),
+        chunk_size=cfg.chunk_size,
+        mla=bool(mc.use_mla),
+        tp_size=pc.tensor_parallel_size,
+        tp_rank=tp_rank,
+        payload="blocks" if on_cpu else "tokens",
+        attention_layout="cpu:LBHNC" if on_cpu else ("cuda:mla" if mc.use_mla else "cuda:paged"),
+        block_size=block_size,
+        isa=isa,
+    )
+
+
+class ShmKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        self.cfg = load_config(extra)
+        _setup_logging(self.cfg.log_level)
+        self.loads_enabled = ktc.is_kv_consumer
+        self.stores_enabled = ktc.is_kv_producer
+        self.block_size = vllm_config.cache_config.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.store = open_store(self.cfg)
+        self._base_ns = [namespace_for(vllm_config, self.cfg, r) for r in range(self.tp_size)]
+        self._planners: dict[str | None, Planner] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler(ktc)
+        else:
+            self._worker = None
+            self._tp_rank = self._get_tp_rank()
+            self._load_errors: set[int] = set()
+            self._finished_waiting: set[str] = set()
+        log.info("shmkv: %s connector ready (role %s, chunk %d tokens, block %d, loads %s, stores %s)",
+                 role.name.lower(), ktc.kv_role, self.cfg.chunk_size, self.block_size,
+                 "on" if self.loads_enabled else "off", "on" if self.stores_enabled else "off")
+
+    # ================================================================ common
+    def _planner(self, salt: str | None) -> Planner:
+        p = self._planners.get(salt)
+        if p is None:
+            ns = [n.with_salt(salt) for n in self._base_ns]
+            p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail)
+            self._planners[salt] = p
+        return p
+
+    @staticmethod
+    def _get_tp_rank() -> int:
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            return get_tensor_model_parallel_rank()
+        except Exception:
+            return 0
+
+    # ============================================================ scheduler
+    def _init_scheduler(self, ktc: Any) -> None:
+        self._plans: dict[str, RequestPlan] = {}
+        self._pending_loads: dict[str, RequestPlan] = {}
+        self._asked: set[str] = set()
+        self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0}
+        if self.cfg.load_failure_policy == "recompute" and ktc.kv_load_failure_policy != "recompute":
+            # A chunk evicted between lookup and load must mean "recompute it",
+            # never a failed request. vLLM reads this after building us.
+            ktc.kv_load_failure_policy = "recompute"
+            log.info("shmkv: set kv_load_failure_policy=recompute (a cache miss at load time is recomputed)")
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        try:
+            tokens = np.asarray(request.prompt_token_ids, dtype=np.int64)
+            # the request's cache salt is part of every key it reads or writes
+            planner = self._planner(getattr(request, "cache_salt", None))
+            plan = self._plans.get(request.request_id)
+            if plan is None or plan.prompt_len != len(tokens):
+                plan = RequestPlan(request.request_id, len(tokens), planner.units(tokens))
+                self._plans[request.request_id] = plan
+            plan.local_tokens = num_computed_tokens
+            if not self.loads_enabled:
+                return 0, False
+            first = request.request_id not in self._asked
+            self._asked.add(request.request_id)
+            hit, units = planner.lookup(self.store, tokens, plan.units, count=first)
+            extra = max(0, hit - num_computed_tokens)
+            extra -= extra % self.block_size  # whole blocks past vLLM's own (aligned) hit
+            plan.hit_tokens = extra
+            plan.hit_units = units if extra else []
+            if first:
+                self.counters["requests"] += 1
+                self.counters["hit_requests"] += extra > 0
+                log.info("shmkv: request %s: prompt %d tokens, vLLM prefix cache %d, shmkv hit %d",
+                         request.request_id, len(tokens), num_computed_tokens, extra)
+            return extra, False
+        except Exception:
+            self.counters["lookup_errors"] += 1
+            log.exception("shmkv: lookup for request %s failed; it runs without the cache",
+                          getattr(request, "request_id", "?"))
+            plan = self._plans.get(getattr(request, "request_id", None))
+            if plan is not None:
+                plan.hit_tokens, plan.hit_units = 0, []
+            return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
+        try:
+            plan.block_ids = list(blocks.get_block_ids()[0])
+        except Exception:
+            log.exception("shmkv: cannot read block ids of request %s", request.request_id)
+            num_external_tokens = 0
+        if num_external_tokens != plan.hit_tokens:
+            plan.hit_tokens = num_external_tokens
+            if not num_external_tokens:
+                plan.hit_units = []
+        if num_external_tokens > 0:
+            self._pending_loads[request.request_id] = plan
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = ShmKVMetadata()
+        try:
+            self._build(scheduler_output, meta)
+        except Exception:
+            log.exception("shmkv: planning this step failed; it runs without the cache")
+            meta = ShmKVMetadata()
+        self._pending_loads.clear()
+        return meta
+
+    def _build(self, so: SchedulerOutput, meta: ShmKVMetadata) -> None:
+        planner = self._planner(None)  # units carry their own keys: any planner of this geometry
+        for req_id, plan in self._pending_loads.items():
+            meta.loads.extend(planner.load_items(plan))
+            meta.summaries[req_id] = RequestSummary(req_id, plan.prompt_len, plan.local_tokens, plan.hit_tokens)
+        if not self.stores_enabled:
+            return
+        for new in so.scheduled_new_reqs:
+            plan = self._plans.get(new.req_id)
+            if plan is None:  # never seen by get_num_new_matched_tokens: its salt is unknown
+                continue
+            plan.block_ids = list(new.block_ids[0])
+            done = new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)
+            meta.stores.extend(planner.store_items(plan, done))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            plan = self._plans.get(req_id)
+            if plan is None or plan.next_store >= len(plan.units):
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                plan.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                plan.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
+            meta.stores.extend(planner.store_items(plan, done))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        return
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        plan = self._plans.pop(request.request_id, None)
+        self._asked.discard(request.request_id)
+        self._pending_loads.pop(request.request_id, None)
+        # GPU stores complete asynchronously: keep the blocks until the worker
+        # reports the request in finished_sending.
+        from vllm.platforms import current_platform
+
+        delay = bool(plan and plan.stored_any and not current_platform.is_cpu())
+        return delay, None
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None
+
+    # =============================================================== worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from shmkv.integration.vllm.worker import KVWorker
+        from shmkv.layout import KVLayout
+
+        first = next(iter(kv_caches.values()))
+        if first.device.type == "cpu":
+            kind = "cpu"
+        else:
+            kind = {4: "hnd", 5: "kv_split", 3: "mla"}.get(first.dim(), "")
+        layout = KVLayout.from_tensors(kv_caches, kind)
+        self._worker = KVWorker(self.store, layout, self._tp_rank, digest_file=self.cfg.debug_digest_file)
+        log.info("shmkv: registered %d KV layers (%s layout, %s, %.1f KiB per token)", len(kv_caches), kind,
+                 str(first.dtype).replace("torch.", ""), layout.bytes_per_token() / 1024)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, ShmKVMetadata) or not meta.loads or self._worker is None:
+            return
+        failed, done = self._worker.load(meta.loads)
+        self._load_errors |= failed
+        for req_id, (tokens, seconds) in done.items():
+            s = meta.summaries.get(req_id)
+            log.info("shmkv: request %s: prompt %d tokens, hit %d (vLLM prefix cache %d), loaded %d in %.1f ms%s",
+                     req_id, s.prompt_tokens if s else -1, (s.local_tokens + s.hit_tokens) if s else -1,
+                     s.local_tokens if s else -1, tokens, seconds * 1e3,
+                     f", {len(failed)} blocks to recompute" if failed else "")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous and complete before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # all layers of a unit are gathered at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if self._worker is None:
+            return
+        if isinstance(meta, ShmKVMetadata) and meta.stores:
+            self._worker.store(meta.stores)
+        self._worker.poll()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        self._worker.poll()
+        for req_id in finished_req_ids:
+            t = self._worker.finish(req_id)
+            if t and (t.stored_units or t.already_cached or t.not_stored):
+                log.info("shmkv: request %s: stored %d tokens in %d chunks (%.1f ms); %d already cached, %d not stored",
+                         req_id, t.stored_tokens, t.stored_units, t.store_s * 1e3, t.already_cached, t.not_stored)
+        if not self._worker.on_gpu:
+            return None, None
+        self._finished_waiting |= finished_req_ids
+        pending = self._worker.pending_requests()
+        done = {r for r in self._finished_waiting if r not in pending}
+        self._finished_waiting -= done
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        if getattr(self, "_worker", None) is not None:
+            self._worker.shutdown()
+

@@ -1,0 +1,178 @@
+"""Scheduler-side planning of the vLLM connector, free of vLLM types.
+
+A prompt is cut into *units*: full chunks of `chunk_size` tokens, chained by
+prefix keys (shmkv.keys), and — when `store_tail` — one *piece*: the
+block-aligned part of the last, incomplete chunk. Pieces give hits as fine as
+vLLM's own prefix cache at the prompt's tail (a 3,000-token prompt with
+128-token blocks hits 2,944 tokens, not 2,816).
+
+The planner answers three questions:
+  * lookup: how many prompt tokens can shmkv supply (one batched lookup, and
+    one `contains` for the candidate pieces), never the whole prompt;
+  * load plan: which stored unit fills which of the request's blocks, as a
+    window of the unit's payload (vLLM's own prefix hit may end mid-chunk);
+  * store plan: which units became fully computed this step and are not
+    cached yet (chunked prefill stores chunk by chunk; decode is ignored).
+
+Keys are computed per tensor-parallel rank (each rank stores its own shard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shmkv.keys import Namespace, chunk_keys, piece_key
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A stored unit of a prompt: a full chunk or the tail piece."""
+
+    start: int
+    end: int
+    keys: tuple[bytes, ...]  # one per TP rank
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class LoadItem:
+    """Fill `block_ids` from blocks [first, first + len(block_ids)) of the
+    unit's payload, which holds `payload_blocks` blocks per layer."""
+
+    req_id: str
+    keys: tuple[bytes, ...]
+    payload_first: int
+    payload_blocks: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoreItem:
+    req_id: str
+    keys: tuple[bytes, ...]
+    payload_blocks: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class RequestPlan:
+    """What the scheduler half remembers about one live request."""
+
+    req_id: str
+    prompt_len: int
+    units: list[Unit]
+    hit_tokens: int = 0  # tokens shmkv supplies (beyond vLLM's local hit)
+    local_tokens: int = 0  # vLLM's own prefix-cache hit when it asked us
+    hit_units: list[Unit] = field(default_factory=list)  # what the lookup found
+    block_ids: list[int] = field(default_factory=list)
+    next_store: int = 0  # first unit not yet considered for storing
+    stored_any: bool = False
+
+
+class Planner:
+    def __init__(self, namespaces: Sequence[Namespace], block_size: int, *, store_tail: bool = True):
+        if not namespaces:
+            raise ValueError("need one namespace per TP rank")
+        self.roots = tuple(ns.root_key() for ns in namespaces)
+        self.chunk_size = namespaces[0].chunk_size
+        self.block_size = block_size
+        self.store_tail = store_tail
+        if self.chunk_size % block_size:
+            raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of block_size {block_size}")
+
+    def with_salt(self, namespaces: Sequence[Namespace]) -> Planner:
+        return Planner(namespaces, self.block_size, store_tail=self.store_tail)
+
+    # ------------------------------------------------------------- units --
+    def units(self, tokens: Sequence[int] | np.ndarray) -> list[Unit]:
+        """Full chunks, then the tail piece (if any full block remains)."""
+        per_rank = [chunk_keys(root, tokens, self.chunk_size) for root in self.roots]
+        units = [Unit(s, e, tuple(r[i][2] for r in per_rank)) for i, (s, e, _) in enumerate(per_rank[0])]
+        if self.store_tail:
+            start = len(units) * self.chunk_size
+            blocks = (len(tokens) - start) // self.block_size
+            if blocks > 0:
+                end = start + blocks * self.block_size
+                prev = units[-1].keys if units else self.roots
+                keys = tuple(piece_key(p, tokens[start:end]) for p in prev)
+                units.append(Unit(start, end, keys))
+        return units
+
+    def piece_candidates(self, tokens: Sequence[int] | np.ndarray, full_hit: int,
+                         prev: tuple[bytes, ...]) -> list[Unit]:
+        """Pieces that could extend a hit of `full_hit` chunks' tokens, longest first."""
+        out = []
+        start = full_hit
+        for m in range(self.chunk_size // self.block_size - 1, 0, -1):
+            end = start + m * self.block_size
+            if end <= len(tokens):
+                out.append(Unit(start, end, tuple(piece_key(p, tokens[start:end]) for p in prev)))
+        return out
+
+    def max_loadable(self, prompt_len: int) -> int:
+        """vLLM must compute at least one prompt token: whole blocks below len-1."""
+        return max(0, (prompt_len - 1) // self.block_size * self.block_size)
+
+    # ------------------------------------------------------------ lookup --
+    def lookup(self, store, tokens: Sequence[int] | np.ndarray, units: list[Unit],
+               count: bool = True) -> tuple[int, list[Unit]]:
+        """(tokens every rank has cached, the units that hold them), the
+        count capped so that at least one token is left to compute."""
+        full = [u for u in units if u.tokens == self.chunk_size]
+        n = len(full)
+        for r in range(len(self.roots)):
+            if n == 0:
+                break
+            n = min(n, store.lookup_prefix([u.keys[r] for u in full[:n]], count_lookup=count and r == 0))
+        found = full[:n]
+        if self.store_tail and self.chunk_size > self.block_size:
+            prev = full[n - 1].keys if n else self.roots
+            cands = self.piece_candidates(tokens, n * self.chunk_size, prev)
+            if cands:
+                flags = [store.contains([c.keys[r] for c in cands]) for r in range(len(self.roots))]
+                for i, c in enumerate(cands):
+                    if all(f[i] for f in flags):
+                        found.append(c)
+                        break
+        hit = min(found[-1].end if found else 0, self.max_loadable(len(tokens)))
+        return hit, [u for u in found if u.start < hit]
+
+    # ---------------------------------------------------------- loading --
+    def load_items(self, plan: RequestPlan) -> list[LoadItem]:
+        """Items that fill tokens [local, local + hit) into the request's
+        blocks, each a window of one found unit's payload."""
+        lo, hi = plan.local_tokens, plan.local_tokens + plan.hit_tokens
+        bs = self.block_size
+        items = []
+        for u in plan.hit_units:
+            a, b = max(u.start, lo), min(u.end, hi)
+            if a >= b:
+                continue
+            blocks = tuple(plan.block_ids[a // bs:b // bs])
+            items.append(LoadItem(plan.req_id, u.keys, (a - u.start) // bs, u.tokens // bs, blocks))
+        return items
+
+    # ---------------------------------------------------------- storing --
+    def store_items(self, plan: RequestPlan, computed_after: int) -> list[StoreItem]:
+        """Units fully computed once this step ends, not supplied by shmkv."""
+        items = []
+        bs = self.block_size
+        hit_end = plan.local_tokens + plan.hit_tokens if plan.hit_tokens else 0
+        while plan.next_store < len(plan.units):
+            u = plan.units[plan.next_store]
+            if u.end > min(computed_after, plan.prompt_len) or u.end > len(plan.block_ids) * bs:
+                break
+            plan.next_store += 1
+            if u.end <= hit_end:
+                continue  # it came from shmkv: cached already
+            blocks = tuple(plan.block_ids[u.start // bs:u.end // bs])
+            items.append(StoreItem(plan.req_id, u.keys, u.tokens // bs, blocks))
+        if items:
+            plan.stored_any = True
+        return items

@@ -1,0 +1,228 @@
+"""Worker-side execution of the connector's plans: scatter loaded units into
+the paged KV cache before the forward pass, gather newly computed units into
+the shared segment after it.
+
+Nothing here raises into vLLM. A unit that cannot be loaded (evicted since
+the lookup, lease gone stale, an internal error) reports its blocks through
+`load_errors` and vLLM recomputes them; a unit that cannot be stored (store
+full, another process writing it) is skipped. Every such path has a counter.
+
+On a GPU, stores must not stall the next forward pass: the gather runs on a
+side stream and the chunk is committed when its CUDA event has completed; the
+scheduler keeps the request's blocks until `finished_sending` says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from shmkv.integration.vllm.planner import LoadItem, StoreItem
+from shmkv.layout import KVLayout
+from shmkv.store import PutResult, Reservation, Store
+
+log = logging.getLogger("shmkv.connector")
+
+
+@dataclass
+class _PendingStore:
+    req_id: str
+    reservation: Reservation
+    event: Any
+
+
+@dataclass
+class RequestTally:
+    stored_tokens: int = 0
+    stored_units: int = 0
+    already_cached: int = 0
+    not_stored: int = 0
+    store_s: float = 0.0
+    t_first: float = field(default_factory=time.perf_counter)
+
+
+class KVWorker:
+    """Loads and stores units for one worker (one TP rank)."""
+
+    def __init__(self, store: Store, layout: KVLayout, tp_rank: int, *, digest_file: str = ""):
+        self.cache = store
+        self.layout = layout
+        self.rank = tp_rank
+        self.counters: Counter[str] = Counter()
+        self.tallies: dict[str, RequestTally] = defaultdict(RequestTally)
+        self.digest_file = digest_file
+        self.on_gpu = layout.device.type == "cuda"
+        self._pending: list[_PendingStore] = []
+        self._side_stream = None
+        if self.on_gpu:
+            import torch
+
+            from shmkv import gpu
+
+            gpu.register_segment(store)
+            self._side_stream = torch.cuda.Stream(layout.device)
+
+    # ------------------------------------------------------------ loads --
+    def load(self, items: list[LoadItem]) -> tuple[set[int], dict[str, tuple[int, float]]]:
+        """Scatter every item; returns (block ids that failed, per request
+        (tokens loaded, seconds))."""
+        failed: set[int] = set()
+        done: dict[str, tuple[int, float]] = {}
+        by_req: dict[str, list[LoadItem]] = defaultdict(list)
+        for it in items:
+            by_req[it.req_id].append(it)
+        bs = self.layout.block_size
+        for req_id, its in by_req.items():
+            t0 = time.perf_counter()
+            loaded = 0
+            try:
+                leases = self.cache.acquire_prefix([it.keys[self.rank] for it in its], count_lookup=False)
+            except Exception:
+                log.exception("shmkv: lookup for loading request %s failed; vLLM recomputes it", req_id)
+                self.counters["load_errors"] += 1
+                leases = []
+            for i, it in enumerate(its):
+                if i >= len(leases):
+                    failed.update(it.block_ids)
+                    self.counters["load_missing_units"] += 1
+                    continue
+                try:
+                    self._scatter(it, leases[i])
+                    loaded += len(it.block_ids) * bs
+                    if self.digest_file:
+                        self._digest("load", it.keys[self.rank], it.block_ids, it.payload_first, it.payload_blocks)
+                except Exception:
+                    log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", req_id)
+                    failed.update(it.block_ids)
+                    self.counters["load_errors"] += 1
+            if self.on_gpu and leases:
+                import torch
+
+                torch.cuda.current_stream(self.layout.device).synchronize()
+            for i, lease in enumerate(leases):
+                if not lease.release():  # reclaimed meanwhile: the bytes may be wrong
+                    failed.update(its[i].block_ids)
+                    loaded -= len(its[i].block_ids) * bs
+                    self.counters["load_stale"] += 1
+            self.counters["loaded_tokens"] += loaded
+            done[req_id] = (loaded, time.perf_counter() - t0)
+        return failed, done
+
+    def _scatter(self, it: LoadItem, lease: Any) -> None:
+        if not self.layout.token_mode:
+            self.layout.scatter(list(it.block_ids), lease, payload_first=it.payload_first,
+                                payload_blocks=it.payload_blocks)
+            return
+        # token payloads: slots of the unit's tokens outside the window are -1
+        import numpy as np
+
+        bs = self.layout.block_size
+        slots = np.full(it.payload_blocks * bs, -1, dtype=np.int64)
+        inside = self.layout.slots_for_blocks(list(it.block_ids), len(it.block_ids) * bs)
+        slots[it.payload_first * bs:it.payload_first * bs + len(inside)] = inside
+        self.layout.scatter(slots, lease)
+
+    # ----------------------------------------------------------- stores --
+    def store(self, items: Iterable[StoreItem]) -> None:
+        bs = self.layout.block_size
+        for it in items:
+            t0 = time.perf_counter()
+            tally = self.tallies[it.req_id]
+            key = it.keys[self.rank]
+            try:
+                nbytes = self.layout.payload_bytes(it.payload_blocks * bs)
+                r = self.cache.reserve(key, nbytes)
+                if isinstance(r, PutResult):
+                    if r in (PutResult.EXISTS, PutResult.BUSY):
+                        tally.already_cached += 1
+                    else:
+                        tally.not_stored += 1
+                    self.counters[f"store_{r.name.lower()}"] += 1
+                    continue
+                if self.on_gpu:
+                    self._store_async(it, r)
+                else:
+                    self._gather_into(it, r)
+                    if self.digest_file:
+                        self._digest_store(key, r)
+                    if r.commit() is not PutResult.OK:
+                        tally.not_stored += 1
+                        self.counters["store_stale"] += 1
+                        continue
+                tally.stored_units += 1
+                tally.stored_tokens += it.payload_blocks * bs
+                self.counters["stored_units"] += 1
+            except Exception:
+                log.exception("shmkv: storing a chunk of request %s failed; continuing without it", it.req_id)
+                self.counters["store_errors"] += 1
+                tally.not_stored += 1
+            finally:
+                tally.store_s += time.perf_counter() - t0
+
+    def _gather_into(self, it: StoreItem, r: Reservation) -> None:
+        try:
+            self.layout.gather(list(it.block_ids), r)
+        except BaseException:
+            r.abort()
+            raise
+
+    def _store_async(self, it: StoreItem, r: Reservation) -> None:
+        import torch
+
+        # NOTE: the side stream must see the KV the forward pass just wrote.
+        self._side_stream.wait_stream(torch.cuda.current_stream(self.layout.device))
+        with torch.cuda.stream(self._side_stream):
+            slots = self.layout.slots_for_blocks(list(it.block_ids), it.payload_blocks * self.layout.block_size)
+            try:
+                self.layout.gather(slots, r, stream=self._side_stream)
+            except BaseException:
+                r.abort()
+                raise
+            ev = torch.cuda.Event()
+            ev.record(self._side_stream)
+        self._pending.append(_PendingStore(it.req_id, r, ev))
+
+    def poll(self) -> None:
+        """Commit GPU stores whose copies have completed."""
+        still = []
+        for p in self._pending:
+            if p.event.query():
+                if p.reservation.commit() is not PutResult.OK:
+                    self.counters["store_stale"] += 1
+            else:
+                still.append(p)
+        self._pending = still
+
+    def pending_requests(self) -> set[str]:
+        return {p.req_id for p in self._pending}
+
+    def finish(self, req_id: str) -> RequestTally | None:
+        return self.tallies.pop(req_id, None)
+
+    def shutdown(self) -> None:
+        for p in self._pending:
+            p.event.synchronize()
+        self.poll()
+
+    # ------------------------------------------------------------ debug --
+    def _digest(self, what: str, key: bytes, block_ids: tuple[int, ...], first: int, total: int) -> None:
+        """Digest of the paged cache's bytes for these blocks, re-gathered."""
+        import torch
+
+        n = len(block_ids)
+        tokens = n * self.layout.block_size
+        buf = torch.empty(self.layout.payload_bytes(tokens), dtype=torch.uint8)
+        index = self.layout.slots_for_blocks(list(block_ids), tokens) if self.layout.token_mode else list(block_ids)
+        self.layout.gather(index, buf)
+        with open(self.digest_file, "a") as f:
+            f.write(f"{what} {key.hex()} {first} {n} {total} {xxhash.xxh3_128_hexdigest(buf.numpy())}\n")
+
+    def _digest_store(self, key: bytes, r: Reservation) -> None:
+        with open(self.digest_file, "a") as f:
+            f.write(f"store {key.hex()} {xxhash.xxh3_128_hexdigest(r.view())}\n")

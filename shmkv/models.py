@@ -1,0 +1,95 @@
+"""Small Llama checkpoints with seeded random weights, for the demo, the TTFT
+benchmark and the end-to-end tests (nothing is downloaded).
+
+Weights are N(0, 0.02) for linear and embedding layers and ones for RMSNorm,
+so the greedy output depends on the whole prompt. (vLLM's dummy loader fills
+everything with tiny uniform values: flat logits, outputs that ignore the
+prompt, and output checks that pass on garbage KV. Never use it here.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class TinyLlama:
+    hidden_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 512
+    vocab_size: int = 4096
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+
+TEST_MODEL = TinyLlama()
+# ~3.8 s for a cold 3,000-token prefill on the 2-core CI machine
+TIMING_MODEL = TinyLlama(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8,
+                         num_key_value_heads=4, intermediate_size=2048, vocab_size=8192)
+
+
+def write_llama(directory: str, spec: TinyLlama = TEST_MODEL) -> str:
+    """Write config.json + model.safetensors; reuse them if already written
+    with the same spec. Returns the directory."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    marker = os.path.join(directory, "shmkv_spec.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == asdict(spec):
+                return directory
+    h, layers = spec.hidden_size, spec.num_hidden_layers
+    head = h // spec.num_attention_heads
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": head,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": spec.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    g = torch.Generator().manual_seed(spec.seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    kv = spec.num_key_value_heads * head
+    tensors = {"model.embed_tokens.weight": w(spec.vocab_size, h),
+               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "lm_head.weight": w(spec.vocab_size, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": w(h, h),
+            p + "self_attn.k_proj.weight": w(kv, h),
+            p + "self_attn.v_proj.weight": w(kv, h),
+            p + "self_attn.o_proj.weight": w(h, h),
+            p + "mlp.gate_proj.weight": w(spec.intermediate_size, h),
+            p + "mlp.up_proj.weight": w(spec.intermediate_size, h),
+            p + "mlp.down_proj.weight": w(h, spec.intermediate_size),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        })
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(marker, "w") as f:
+        json.dump(asdict(spec), f)
+    return directory
