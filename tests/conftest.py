@@ -77,3 +77,86 @@ def child() -> Iterator[type[Child]]:
     for c in made:
         if c.proc.poll() is None:
             c.kill9()
+
+
+# ---------------------------------------------------------------- vLLM ----
+# Shared by the end-to-end tests: one small random-weight Llama, and one
+# reference engine WITHOUT the connector that produces the greedy output of a
+# prompt at a given split point (the split vLLM's own prefix cache would use:
+# notes/vllm_connector_api.md §9).
+
+E2E_TOKENS = 16
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4000) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    from shmkv.models import write_llama
+
+    return write_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def engine_logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+class Reference:
+    """Greedy outputs of an engine without shmkv, at a chosen split point."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def output(self, prompt: list[int], split: int) -> list[int]:
+        key = (tuple(prompt), split)
+        if key not in self._memo:
+            e = self.engine
+            e.reset_prefix_cache()
+            if split:
+                e.generate([prompt[: split + 1]], max_tokens=1)  # caches split // 128 blocks
+            r = e.generate([prompt], max_tokens=E2E_TOKENS)
+            assert r["num_cached_tokens"][0] == split, (r["num_cached_tokens"], split)
+            self._memo[key] = r["outputs"][0]
+        return self._memo[key]
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir, engine_logs):
+    from shmkv.bench.engines import EngineProcess, EngineSpec
+
+    engine = EngineProcess(EngineSpec(model_dir, shmkv=None, prefix_caching=True), str(engine_logs / "ref.log"))
+    yield Reference(engine)
+    engine.close()
+
+
+@pytest.fixture
+def start_engine(model_dir, engine_logs):
+    """start_engine(name, **spec) -> EngineProcess, closed after the test."""
+    from shmkv.bench.engines import EngineProcess, EngineSpec
+
+    made = []
+
+    def start(label: str, **spec):
+        e = EngineProcess(EngineSpec(model_dir, **spec), str(engine_logs / f"{label}.log"))
+        made.append(e)
+        return e
+
+    yield start
+    for e in made:
+        e.close()
+
+
+def read_digests(path: str) -> list[tuple[str, ...]]:
+    import os
+
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [tuple(line.split()) for line in f if line.strip()]

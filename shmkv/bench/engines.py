@@ -28,6 +28,7 @@ class EngineSpec:
     kv_role: str = "kv_both"
     prefix_caching: bool = False
     max_model_len: int = 4096
+    max_num_batched_tokens: int | None = None  # small values force chunked prefill
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -81,6 +82,10 @@ class EngineProcess:
         """Time to first token of one prompt (max_tokens=1)."""
         return self.call(cmd="generate", prompts=[prompt], max_tokens=1, salts=None)
 
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache (not shmkv)."""
+        self.call(cmd="reset_prefix_cache")
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -111,6 +116,8 @@ def _serve(spec: EngineSpec) -> None:
         model=spec.model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
         max_model_len=spec.max_model_len, enable_prefix_caching=spec.prefix_caching, seed=0,
     )
+    if spec.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
     if spec.shmkv is not None:
         from vllm.config import KVTransferConfig
 
@@ -131,6 +138,9 @@ def _serve(spec: EngineSpec) -> None:
         if cmd["cmd"] == "quit":
             say({"bye": True})
             return
+        if cmd["cmd"] == "reset_prefix_cache":
+            say({"reset": bool(llm.reset_prefix_cache())})
+            continue
         try:
             salts = cmd.get("salts") or [None] * len(cmd["prompts"])
             prompts = []

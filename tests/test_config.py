@@ -1,0 +1,55 @@
+"""Configuration from explicit settings, SHMKV_* variables and YAML."""
+
+from __future__ import annotations
+
+import pytest
+
+from shmkv.config import load_config, parse_size
+from shmkv.errors import ConfigError
+
+
+def test_defaults(tmp_path):
+    cfg = load_config({}, env={})
+    assert cfg.chunk_size == 256 and cfg.store_tail and cfg.load_failure_policy == "recompute"
+    assert cfg.capacity >= 256 << 20
+    assert cfg.cache_name.startswith("shmkv-")
+
+
+def test_precedence_explicit_over_env_over_file(tmp_path):
+    f = tmp_path / "shmkv.yaml"
+    f.write_text("capacity: 1GiB\nchunk_size: 512\ncache_name: from-file\n")
+    env = {"SHMKV_CONFIG_FILE": str(f), "SHMKV_CHUNK_SIZE": "128", "SHMKV_CAPACITY": "2GiB"}
+    cfg = load_config({"capacity": "3GiB"}, env=env)
+    assert cfg.capacity == 3 << 30 and cfg.chunk_size == 128 and cfg.cache_name == "from-file"
+
+
+@pytest.mark.parametrize("text,n", [("8GiB", 8 << 30), ("512 MiB", 512 << 20), ("2g", 2 << 30),
+                                    ("1000000", 10**6), (4096, 4096), ("1.5GiB", 3 << 29)])
+def test_sizes(text, n):
+    assert parse_size("capacity", text) == n
+
+
+@pytest.mark.parametrize("key,value,accepted", [
+    ("capacity", "lots", "byte size"),
+    ("capacity", -1, "positive"),
+    ("chunk_size", "x", "integer in [16"),
+    ("store_tail", "maybe", "true or false"),
+    ("load_failure_policy", "retry", "recompute, fail"),
+    ("cache_name", "a/b", "A-Za-z0-9"),
+])
+def test_bad_values_name_key_value_and_what_is_accepted(key, value, accepted):
+    with pytest.raises(ConfigError) as e:
+        load_config({key: value}, env={})
+    msg = str(e.value)
+    assert key in msg and repr(value) in msg and accepted in msg
+
+
+def test_unknown_keys_are_errors(tmp_path):
+    with pytest.raises(ConfigError, match="capacty"):
+        load_config({"capacty": "1GiB"}, env={})
+    f = tmp_path / "bad.yaml"
+    f.write_text("nonsense: 1\n")
+    with pytest.raises(ConfigError, match="nonsense"):
+        load_config({"config_file": str(f)}, env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config({"config_file": str(tmp_path / "missing.yaml")}, env={})
