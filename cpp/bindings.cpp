@@ -68,7 +68,10 @@ void flush_events(ChunkTable& t) {
   if (!t.has_events()) return;
   auto events = t.drain_events();
   py::object log = py::module_::import("logging").attr("getLogger")("shmkv.store");
-  for (auto& e : events) log.attr("warning")(e);
+  for (auto& e : events) {
+    bool warn = e.rfind("W:", 0) == 0;
+    log.attr(warn ? "warning" : "info")(e.substr(2));
+  }
 }
 
 struct PyTable;

@@ -178,9 +178,11 @@ void ChunkTable::detach_process() {
   registered_pid_ = 0;
 }
 
-void ChunkTable::log_event(const std::string& msg) {
+// Events are drained by the Python bindings into logging ("W:" -> warning,
+// "I:" -> info), outside the lock and with the GIL.
+void ChunkTable::log_event(const std::string& msg, bool warning) {
   std::lock_guard<std::mutex> g(events_mu_);
-  events_.push_back(msg);
+  events_.push_back((warning ? "W:" : "I:") + msg);
   has_events_.store(true, std::memory_order_relaxed);
 }
 
@@ -855,8 +857,11 @@ void ChunkTable::do_rebuild_locked(const char* why) {
     uint32_t st = ent[e].state.load(std::memory_order_relaxed);
     if (st == kEntryReady || st == kEntryWriting) do_index_insert_locked(e);
   }
+  // adopting a stale segment is routine; recovering from a dead lock holder is not
+  bool routine = std::strncmp(why, "adopting", 8) == 0 || std::strcmp(why, "requested") == 0 ||
+                 std::strcmp(why, "after reset") == 0;
   log_event(std::string("rebuilt the chunk table (") + why + "): " + std::to_string(nentries) +
-            " entries, " + format_bytes(bytes) + " kept");
+            " entries, " + format_bytes(bytes) + " kept", !routine);
 }
 
 void ChunkTable::do_reset_locked(const std::string& why) {

@@ -128,7 +128,7 @@ class ChunkTable {
   ReclaimResult do_reclaim_locked(bool full_scan);
   void do_rebuild_locked(const char* why);
   void do_reset_locked(const std::string& why);
-  void log_event(const std::string& msg);
+  void log_event(const std::string& msg, bool warning = true);
 
   std::shared_ptr<Segment> seg_;
   pid_t pid_ = 0;

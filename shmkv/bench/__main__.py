@@ -10,6 +10,7 @@ import sys
 BENCHES = {
     "store": "shmkv.bench.store_bench",
     "kernels": "shmkv.bench.kernels_bench",
+    "ttft": "shmkv.bench.ttft_bench",
 }
 
 

@@ -1,0 +1,92 @@
+"""Time to first token with and without shmkv, in separate vLLM engines.
+
+Model: random-weight Llama, hidden 1024, 12 layers, 8 heads, 4 KV heads (a cold
+3,000-token prefill takes seconds on a 2-core machine). Every engine runs with
+VLLM_CPU_NUM_OF_RESERVED_CPU=1 and is warmed up with an unrelated request.
+Each figure is the median over several distinct prompts:
+  cold_s              no connector, first sight of the prompt
+  apc_same_engine_s   no connector, vLLM's own prefix cache, same prompt again
+  cold_with_shmkv_s   with shmkv, first sight (lookup miss + stores)
+  warm_cross_s        with shmkv, a fresh engine process, the same prompt
+  prefix_s            with shmkv, a prompt sharing the first 2,000 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import tempfile
+
+from shmkv import Store
+from shmkv.bench.engines import EngineProcess, EngineSpec
+from shmkv.models import TEST_MODEL, TIMING_MODEL, write_llama
+
+
+def run(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m shmkv.bench ttft")
+    ap.add_argument("--prompts", type=int, default=3, help="distinct prompts per figure")
+    ap.add_argument("--prompt-tokens", type=int, default=3000)
+    ap.add_argument("--small", action="store_true", help="tiny model (quick check)")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shmkv-bench-ttft"))
+    a = ap.parse_args(argv)
+    spec = TEST_MODEL if a.small else TIMING_MODEL
+    model = write_llama(os.path.join(a.workdir, "model-small" if a.small else "model"), spec)
+    rng = random.Random(1)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, spec.vocab_size) for _ in range(n)]
+
+    n = a.prompt_tokens
+    prompts = [prompt(n) for _ in range(a.prompts)]
+    prefixed = [p[:2000] + prompt(n - 2000) for p in prompts]
+    warm = [prompt(n) for _ in range(3)]
+    name = f"shmkv-bench-ttft-{os.getpid()}"
+    cfg = {"cache_name": name, "capacity": "2GiB"}
+    logs = a.workdir
+    out: dict = {"prompt_tokens": n, "prompts": a.prompts, "model": f"llama-h{spec.hidden_size}-l{spec.num_hidden_layers}"}
+    try:
+        with EngineProcess(EngineSpec(model, shmkv=None, prefix_caching=True), f"{logs}/nocon.log") as e:
+            e.generate([warm[0]], max_tokens=1)
+            cold, apc, apc_hits, apc_out = [], [], [], []
+            for p in prompts:
+                cold.append(e.ttft(p)["wall_s"])
+                r = e.ttft(p)
+                apc.append(r["wall_s"])
+                apc_hits.append(r["num_cached_tokens"][0])
+                apc_out.append(e.generate([p], max_tokens=16)["outputs"][0])
+        with EngineProcess(EngineSpec(model, shmkv=cfg), f"{logs}/shmkv-a.log") as e:
+            e.generate([warm[1]], max_tokens=1)
+            cold_shm = [e.ttft(p)["wall_s"] for p in prompts]
+        with EngineProcess(EngineSpec(model, shmkv=cfg), f"{logs}/shmkv-b.log") as e:
+            e.generate([warm[2]], max_tokens=1)
+            cross, hits, outs_equal = [], [], True
+            for p, ref in zip(prompts, apc_out):
+                r = e.ttft(p)
+                cross.append(r["wall_s"])
+                hits.append(r["num_cached_tokens"][0])
+                outs_equal &= e.generate([p], max_tokens=16)["outputs"][0] == ref
+            pref = [e.ttft(q)["wall_s"] for q in prefixed]
+    finally:
+        Store.unlink(name)
+    med = statistics.median
+    out.update({
+        "cold_s": med(cold), "apc_same_engine_s": med(apc), "cold_with_shmkv_s": med(cold_shm),
+        "warm_cross_s": med(cross), "prefix_s": med(pref), "hit_tokens": min(hits),
+        "apc_hit_tokens": min(apc_hits), "outputs_equal": bool(outs_equal),
+        "warm_cross_over_apc": med(cross) / med(apc), "cold_shmkv_over_cold": med(cold_shm) / med(cold),
+        "samples": {"cold": cold, "apc": apc, "cold_shmkv": cold_shm, "cross": cross, "prefix": pref},
+    })
+    return out
+
+
+def report(r: dict) -> None:
+    print(f"{r['model']}, {r['prompt_tokens']}-token prompts, median of {r['prompts']}:")
+    print(f"  cold (no shmkv)            {r['cold_s'] * 1e3:8.0f} ms")
+    print(f"  cold with shmkv            {r['cold_with_shmkv_s'] * 1e3:8.0f} ms  ({r['cold_shmkv_over_cold']:.3f}x)")
+    print(f"  vLLM prefix cache, same engine {r['apc_same_engine_s'] * 1e3:4.0f} ms  (hit {r['apc_hit_tokens']})")
+    print(f"  shmkv, another engine      {r['warm_cross_s'] * 1e3:8.0f} ms  ({r['warm_cross_over_apc']:.2f}x APC, "
+          f"hit {r['hit_tokens']})")
+    print(f"  shmkv, 2,000-token prefix  {r['prefix_s'] * 1e3:8.0f} ms")
+    print(f"  outputs equal: {r['outputs_equal']}")

@@ -1,0 +1,73 @@
+"""The connector's worker half without vLLM: loads report the blocks they
+could not fill (evicted, or the store broke) instead of raising; stores that
+find the store full or the key present are skipped and counted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kv_reference import make_cache
+
+from shmkv import Store
+from shmkv.integration.vllm.planner import LoadItem, StoreItem
+from shmkv.integration.vllm.worker import KVWorker
+from shmkv.layout import KVLayout
+
+BS = 16
+
+
+@pytest.fixture
+def setup(cache_name):
+    store = Store.create(cache_name, 8 << 20, alignment=256)
+    src = make_cache("cpu", 2, 8, BS, 2, 8, torch.bfloat16, seed=1)
+    dst = make_cache("cpu", 2, 8, BS, 2, 8, torch.bfloat16, seed=2)
+    yield store, KVWorker(store, KVLayout("cpu", src), 0), KVWorker(store, KVLayout("cpu", dst), 0), src, dst
+    store.close()
+
+
+def test_store_then_load_into_another_cache(setup):
+    store, a, b, src, dst = setup
+    a.store([StoreItem("r", (b"k1" * 8,), 2, (3, 5)), StoreItem("r", (b"k2" * 8,), 1, (6,))])
+    assert a.counters["stored_units"] == 2
+    failed, done = b.load([LoadItem("q", (b"k1" * 8,), 0, 2, (0, 1)), LoadItem("q", (b"k2" * 8,), 0, 1, (2,))])
+    assert failed == set() and done["q"][0] == 3 * BS
+    for s, d in zip(src, dst):
+        for a_blk, b_blk in ((3, 0), (5, 1), (6, 2)):
+            assert torch.equal(s[a_blk].view(torch.uint8), d[b_blk].view(torch.uint8))
+    assert store.stats()["leases_held"] == 0
+
+
+def test_missing_units_are_reported_not_raised(setup):
+    store, a, b, _, _ = setup
+    a.store([StoreItem("r", (b"k1" * 8,), 1, (3,))])
+    failed, done = b.load([LoadItem("q", (b"k1" * 8,), 0, 1, (0,)),
+                           LoadItem("q", (b"gone" * 4,), 0, 2, (1, 2)),
+                           LoadItem("q", (b"after" * 3 + b"!",), 0, 1, (4,))])
+    assert failed == {1, 2, 4}, "the first miss ends the prefix: later units are not loaded either"
+    assert done["q"][0] == BS
+    assert b.counters["load_missing_units"] == 2
+
+
+def test_a_broken_scatter_is_reported_and_the_lease_returned(setup):
+    store, a, b, _, _ = setup
+    a.store([StoreItem("r", (b"k1" * 8,), 1, (3,))])
+    failed, _ = b.load([LoadItem("q", (b"k1" * 8,), 0, 1, (99,))])  # block id out of range
+    assert failed == {99} and b.counters["load_errors"] == 1
+    assert store.stats()["leases_held"] == 0
+
+
+def test_full_and_existing_stores_are_skipped(cache_name):
+    store = Store.create(cache_name, 1 << 20, alignment=256, max_entries=64)
+    src = make_cache("cpu", 2, 64, BS, 2, 8, torch.bfloat16)
+    w = KVWorker(store, KVLayout("cpu", src), 0)
+    unit = w.layout.payload_bytes(BS)
+    n = store.arena_bytes // unit
+    for i in range(n):
+        store.put(i.to_bytes(16, "little"), np.zeros(unit, np.uint8))
+        store.pin(i.to_bytes(16, "little"))
+    w.store([StoreItem("r", (b"new" * 5 + b"!",), 1, (1,)), StoreItem("r", ((0).to_bytes(16, "little"),), 1, (2,))])
+    assert w.counters["store_full"] == 1 and w.counters["store_exists"] == 1
+    t = w.finish("r")
+    assert t.not_stored == 1 and t.already_cached == 1 and t.stored_units == 0
+    store.close()
