@@ -29,6 +29,7 @@ class EngineSpec:
     prefix_caching: bool = False
     max_model_len: int = 4096
     max_num_batched_tokens: int | None = None  # small values force chunked prefill
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)  # anything else for LLM(...)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -82,6 +83,13 @@ class EngineProcess:
         """Time to first token of one prompt (max_tokens=1)."""
         return self.call(cmd="generate", prompts=[prompt], max_tokens=1, salts=None)
 
+    def abort_after_steps(self, prompt: list[int], steps: int) -> dict[str, Any]:
+        return self.call(cmd="abort_after_steps", prompt=prompt, steps=steps)
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's counters and gauges (e.g. vllm:num_preemptions)."""
+        return self.call(cmd="metrics")["metrics"]
+
     def reset_prefix_cache(self) -> None:
         """Empty vLLM's own prefix cache (not shmkv)."""
         self.call(cmd="reset_prefix_cache")
@@ -107,6 +115,23 @@ class EngineProcess:
         self.close()
 
 
+def _abort_after_steps(llm: Any, prompt: list[int], steps: int) -> dict[str, Any]:
+    """Start one request, run `steps` engine steps (part of its prefill when
+    chunked prefill is small), then abort it."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False)
+    engine.add_request("abort-me", {"prompt_token_ids": prompt}, sp)
+    finished = False
+    for _ in range(steps):
+        finished |= any(o.finished for o in engine.step())
+    engine.abort_request(["abort-me"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"aborted": not finished}
+
+
 def _serve(spec: EngineSpec) -> None:
     import logging
 
@@ -118,6 +143,7 @@ def _serve(spec: EngineSpec) -> None:
     )
     if spec.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
+    kwargs.update(spec.llm_kwargs)
     if spec.shmkv is not None:
         from vllm.config import KVTransferConfig
 
@@ -140,6 +166,23 @@ def _serve(spec: EngineSpec) -> None:
             return
         if cmd["cmd"] == "reset_prefix_cache":
             say({"reset": bool(llm.reset_prefix_cache())})
+            continue
+        if cmd["cmd"] == "metrics":  # needs llm_kwargs={"disable_log_stats": False}
+            try:
+                vals: dict[str, float] = {}
+                for m in llm.get_metrics():
+                    v = getattr(m, "value", None)
+                    if isinstance(v, (int, float)):
+                        vals[m.name] = vals.get(m.name, 0) + v
+                say({"metrics": vals})
+            except Exception as e:
+                say({"error": f"{type(e).__name__}: {e}"})
+            continue
+        if cmd["cmd"] == "abort_after_steps":
+            try:
+                say(_abort_after_steps(llm, cmd["prompt"], cmd["steps"]))
+            except Exception as e:
+                say({"error": f"{type(e).__name__}: {e}"})
             continue
         try:
             salts = cmd.get("salts") or [None] * len(cmd["prompts"])

@@ -250,6 +250,12 @@ class ShmKVConnector(KVConnectorBase_V1):
         for req_id, plan in self._pending_loads.items():
             meta.loads.extend(planner.load_items(plan))
             meta.summaries[req_id] = RequestSummary(req_id, plan.prompt_len, plan.local_tokens, plan.hit_tokens)
+        # Admitted now: vLLM asks again only if it preempts the request, and
+        # that new admission is counted and logged like a first one.
+        for new in so.scheduled_new_reqs:
+            self._asked.discard(new.req_id)
+        for req_id in so.scheduled_cached_reqs.resumed_req_ids:
+            self._asked.discard(req_id)
         if not self.stores_enabled:
             return
         for new in so.scheduled_new_reqs:
