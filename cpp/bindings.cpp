@@ -105,13 +105,13 @@ struct PyLease {
   ~PyLease() {
     if (open && owner == getpid()) table->release(h);
   }
-  int release() {
+  int release(bool cold) {
     if (!open) throw py::value_error("lease already released");
     open = false;
     Status s;
     {
       py::gil_scoped_release nogil;
-      s = table->release(h);
+      s = table->release(h, cold);
     }
     flush_events(*table);
     return int(s);
@@ -121,13 +121,14 @@ struct PyLease {
 struct PyTable {
   std::shared_ptr<ChunkTable> t;
 
-  py::tuple reserve(py::bytes key, uint64_t size) {
+  py::tuple reserve(py::bytes key, uint64_t size, py::object ns) {
     Key k = key_from(key);
+    Key n = ns.is_none() ? Key{0, 0} : key_from(ns);
     Reservation r;
     Status s;
     {
       py::gil_scoped_release nogil;
-      s = t->reserve(k, size, &r);
+      s = t->reserve(k, size, &r, n);
     }
     flush_events(*t);
     if (s != Status::kOk) return py::make_tuple(int(s), py::none());
@@ -187,8 +188,9 @@ struct PyTable {
   }
 
   // reserve + copy + commit, the copy without the GIL and without the lock.
-  int put(py::bytes key, py::buffer data) {
+  int put(py::bytes key, py::buffer data, py::object ns) {
     Key k = key_from(key);
+    Key n = ns.is_none() ? Key{0, 0} : key_from(ns);
     py::buffer_info info = data.request();
     size_t nbytes = size_t(info.size) * size_t(info.itemsize);
     if (!c_contiguous(info)) throw py::value_error("put() needs a C-contiguous buffer");
@@ -196,7 +198,7 @@ struct PyTable {
     {
       py::gil_scoped_release nogil;
       Reservation r;
-      s = t->reserve(k, nbytes, &r);
+      s = t->reserve(k, nbytes, &r, n);
       if (s == Status::kOk) {
         std::memcpy(t->payload(r.offset), info.ptr, nbytes);
         s = t->commit(r);
@@ -283,6 +285,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = SHMKV_VERSION;
 #endif
   m.attr("FORMAT_VERSION") = kFormatVersion;
+  m.attr("FLAG_SPILLED") = kFlagSpilled;
 
   py::dict codes;
   for (int i : {0, 1, 2, 3, 4, 5, 16, 17, 18, 19, 20, 21, 22, 23, 24})
@@ -341,28 +344,30 @@ PYBIND11_MODULE(_C, m) {
         return reinterpret_cast<uintptr_t>(l.table->payload(l.h.offset));
       })
       .def_property_readonly("is_open", [](const PyLease& l) { return l.open; })
-      .def("release", &PyLease::release);
+      .def("release", &PyLease::release, py::arg("cold") = false);
 
   py::class_<PyTable>(m, "Table")
-      .def("reserve", &PyTable::reserve, py::arg("key"), py::arg("size"))
+      .def("reserve", &PyTable::reserve, py::arg("key"), py::arg("size"), py::arg("ns") = py::none())
       .def("acquire", &PyTable::acquire, py::arg("key"))
       .def("acquire_prefix", &PyTable::acquire_prefix, py::arg("keys"), py::arg("count_lookup") = true)
       .def("lookup_prefix", &PyTable::lookup_prefix, py::arg("keys"), py::arg("count_lookup") = true)
       .def("contains", &PyTable::contains, py::arg("keys"))
-      .def("put", &PyTable::put, py::arg("key"), py::arg("data"))
+      .def("put", &PyTable::put, py::arg("key"), py::arg("data"), py::arg("ns") = py::none())
       .def("get_into", &PyTable::get_into, py::arg("key"), py::arg("out"))
       .def("pin", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::pin, k); })
       .def("unpin", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::unpin, k); })
       .def("erase", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::erase, k); })
-      .def("clear", [](PyTable& t) {
-        uint64_t n;
+      .def("clear", [](PyTable& t, py::object ns) {
+        bool one = !ns.is_none();
+        Key n = one ? key_from(ns) : Key{0, 0};
+        uint64_t removed;
         {
           py::gil_scoped_release nogil;
-          n = t.t->clear();
+          removed = t.t->clear(one ? &n : nullptr);
         }
         flush_events(*t.t);
-        return n;
-      })
+        return removed;
+      }, py::arg("ns") = py::none())
       .def("reclaim", [](PyTable& t) {
         ReclaimResult r;
         {
@@ -383,6 +388,27 @@ PYBIND11_MODULE(_C, m) {
         }
         flush_events(*t.t);
       })
+      .def("coldest", [](PyTable& t, size_t n) {
+        std::vector<ColdEntry> v;
+        {
+          py::gil_scoped_release nogil;
+          v = t.t->coldest(n);
+        }
+        py::list out;
+        for (auto& c : v)
+          out.append(py::make_tuple(py::bytes(reinterpret_cast<const char*>(&c.key), 16), c.size, c.flags,
+                                    py::bytes(reinterpret_cast<const char*>(&c.ns), 16)));
+        return out;
+      }, py::arg("max_n"))
+      .def("set_flags", [](PyTable& t, py::bytes k, uint32_t flags) {
+        Key key = key_from(k);
+        py::gil_scoped_release nogil;
+        return int(t.t->set_flags(key, flags));
+      })
+      .def("evict_spilled", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::evict_spilled, k); })
+      .def("bump", [](PyTable& t, const std::string& name, uint64_t n) {
+        if (!t.t->bump(name, n)) throw py::value_error("no tier counter named '" + name + "'");
+      }, py::arg("counter"), py::arg("n") = 1)
       .def("detach", [](PyTable& t) { t.t->detach_process(); })
       .def("check_consistency", [](PyTable& t) { return t.t->check_consistency(); })
       .def("stats", [](PyTable& t) { return t.t->stats(); })

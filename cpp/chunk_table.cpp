@@ -334,6 +334,7 @@ bool ChunkTable::do_evict_one_locked() {
   do_lru_unlink_locked(e);
   do_index_remove_locked(e);
   c().evictions.fetch_add(1, std::memory_order_relaxed);
+  if (!(entries()[e].flags & kFlagSpilled)) c().evicted_unspilled.fetch_add(1, std::memory_order_relaxed);
   c().evicted_bytes.fetch_add(entries()[e].alloc_size, std::memory_order_relaxed);
   do_free_entry_locked(e);
   return true;
@@ -379,12 +380,12 @@ Status ChunkTable::do_grant_lease_locked(uint32_t e, LeaseHandle* out) {
   ls.state.store(kLeaseHeld, std::memory_order_release);  // commit point
   hd->leases_held += 1;
   if (en.refcount++ == 0 && en.pin_count == 0) do_lru_unlink_locked(e);
-  en.last_use = ++hd->use_clock;
+  // last_use is stamped at release (a cold release keeps the old one)
   *out = LeaseHandle{l, ls.generation, e, en.offset, en.size};
   return Status::kOk;
 }
 
-void ChunkTable::do_drop_lease_locked(uint32_t l) {
+void ChunkTable::do_drop_lease_locked(uint32_t l, bool cold) {
   Header* hd = h();
   Lease& ls = leases()[l];
   uint32_t e = ls.entry;
@@ -394,23 +395,45 @@ void ChunkTable::do_drop_lease_locked(uint32_t l) {
   hd->leases_held -= 1;
   Entry& en = entries()[e];
   en.refcount -= 1;
-  if (en.refcount == 0) do_after_refcount_drop_locked(e);
+  if (en.refcount == 0) do_after_refcount_drop_locked(e, cold);
 }
 
-void ChunkTable::do_after_refcount_drop_locked(uint32_t e) {
+void ChunkTable::do_after_refcount_drop_locked(uint32_t e, bool cold) {
   Entry& en = entries()[e];
   uint32_t st = en.state.load(std::memory_order_relaxed);
   if (st == kEntryDoomed) {
     do_free_entry_locked(e);
   } else if (st == kEntryReady && en.pin_count == 0) {
-    en.last_use = ++h()->use_clock;
-    do_lru_link_head_locked(e);
+    if (cold) {
+      do_lru_link_tail_locked(e);  // back where its (unchanged) last_use puts it
+    } else {
+      en.last_use = ++h()->use_clock;
+      do_lru_link_head_locked(e);
+    }
   }
+}
+
+// The LRU list is ordered by last_use (head newest). Re-insert `e` at its
+// place by age, walking from the tail: short for the cold entries the
+// maintainer reads, and it keeps their order.
+void ChunkTable::do_lru_link_tail_locked(uint32_t e) {
+  Entry* ent = entries();
+  Header* hd = h();
+  uint32_t newer = hd->lru_tail;  // first entry, from the tail, not older than e
+  while (newer != kNone && ent[newer].last_use < ent[e].last_use) newer = ent[newer].lru_prev;
+  uint32_t older = newer == kNone ? hd->lru_head : ent[newer].lru_next;
+  ent[e].lru_prev = newer;
+  ent[e].lru_next = older;
+  if (newer != kNone) ent[newer].lru_next = e;
+  else hd->lru_head = e;
+  if (older != kNone) ent[older].lru_prev = e;
+  else hd->lru_tail = e;
+  hd->evictable_bytes += ent[e].alloc_size;
 }
 
 // --------------------------------------------------------------- stores ----
 
-Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out) {
+Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns) {
   const Geometry& g = h()->geo;
   if (size == 0) return Status::kInvalidArgument;
   if (size > g.max_payload_bytes) {
@@ -475,7 +498,8 @@ Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out) {
   en.generation += 1;
   en.owner_pid = self_pid();
   en.pin_count = 0;
-  en.flags = 0;
+  en.flags = 0;  // a re-stored key starts unspilled
+  en.ns = ns;
   en.refcount = 0;
   en.lru_prev = en.lru_next = kNone;
   en.state.store(kEntryWriting, std::memory_order_release);  // commit point
@@ -545,7 +569,7 @@ Status ChunkTable::acquire_prefix(const Key* keys, size_t n, LeaseHandle* out, s
   return s;
 }
 
-Status ChunkTable::release(const LeaseHandle& hnd) {
+Status ChunkTable::release(const LeaseHandle& hnd, bool cold) {
   if (hnd.lease >= h()->geo.max_leases) return Status::kInvalidArgument;
   TableLock lock(*this);
   Lease& ls = leases()[hnd.lease];
@@ -553,7 +577,7 @@ Status ChunkTable::release(const LeaseHandle& hnd) {
     c().stale_handles.fetch_add(1, std::memory_order_relaxed);
     return Status::kStale;  // reclaimed or reset: the bytes read may be wrong
   }
-  do_drop_lease_locked(hnd.lease);
+  do_drop_lease_locked(hnd.lease, cold);
   return Status::kOk;
 }
 
@@ -640,13 +664,14 @@ Status ChunkTable::erase(const Key& key) {
   return Status::kBusy;
 }
 
-uint64_t ChunkTable::clear() {
+uint64_t ChunkTable::clear(const Key* ns) {
   TableLock lock(*this);
   Entry* ent = entries();
   uint64_t removed = 0;
   for (uint32_t e = 0; e < h()->geo.max_entries; ++e) {
     Entry& en = ent[e];
     if (en.state.load(std::memory_order_relaxed) != kEntryReady) continue;
+    if (ns && !(en.ns == *ns)) continue;
     do_index_remove_locked(e);
     ++removed;
     if (en.refcount == 0) {
@@ -712,6 +737,56 @@ ReclaimResult ChunkTable::do_reclaim_locked(bool full_scan) {
               std::to_string(r.writes) + " unfinished write(s) of exited processes");
   }
   return r;
+}
+
+// ---------------------------------------------------------------- tiers ----
+
+std::vector<ColdEntry> ChunkTable::coldest(size_t max_n) {
+  TableLock lock(*this);
+  std::vector<ColdEntry> out;
+  Entry* ent = entries();
+  for (uint32_t e = h()->lru_tail; e != kNone && out.size() < max_n; e = ent[e].lru_prev)
+    out.push_back(ColdEntry{ent[e].key, ent[e].ns, ent[e].size, ent[e].flags});
+  return out;
+}
+
+Status ChunkTable::set_flags(const Key& key, uint32_t flags) {
+  TableLock lock(*this);
+  uint32_t e = do_find_locked(key);
+  if (e == kNone || entries()[e].state.load(std::memory_order_relaxed) != kEntryReady) return Status::kMiss;
+  entries()[e].flags |= flags;
+  return Status::kOk;
+}
+
+Status ChunkTable::evict_spilled(const Key& key) {
+  TableLock lock(*this);
+  uint32_t e = do_find_locked(key);
+  if (e == kNone) return Status::kMiss;
+  Entry& en = entries()[e];
+  if (en.state.load(std::memory_order_relaxed) != kEntryReady) return Status::kMiss;
+  if (en.refcount || en.pin_count || !(en.flags & kFlagSpilled)) return Status::kBusy;
+  do_lru_unlink_locked(e);
+  do_index_remove_locked(e);
+  c().evictions.fetch_add(1, std::memory_order_relaxed);
+  c().evicted_bytes.fetch_add(en.alloc_size, std::memory_order_relaxed);
+  do_free_entry_locked(e);
+  return Status::kOk;
+}
+
+bool ChunkTable::bump(const std::string& name, uint64_t n) {
+  Counters& k = c();
+  std::atomic<uint64_t>* target = nullptr;
+  if (name == "spills") target = &k.spills;
+  else if (name == "spill_bytes") target = &k.spill_bytes;
+  else if (name == "spill_errors") target = &k.spill_errors;
+  else if (name == "disk_hits") target = &k.disk_hits;
+  else if (name == "promote_bytes") target = &k.promote_bytes;
+  else if (name == "disk_damaged") target = &k.disk_damaged;
+  else if (name == "disk_removed") target = &k.disk_removed;
+  else if (name == "promote_errors") target = &k.promote_errors;
+  if (!target) return false;
+  target->fetch_add(n, std::memory_order_relaxed);
+  return true;
 }
 
 // ------------------------------------------------------------- recovery ----
@@ -1032,6 +1107,15 @@ std::map<std::string, uint64_t> ChunkTable::stats() {
   m["segment_resets"] = ld(k.segment_resets);
   m["index_rehashes"] = ld(k.index_rehashes);
   m["procs_table_full"] = ld(k.procs_table_full);
+  m["evicted_unspilled"] = ld(k.evicted_unspilled);
+  m["spills"] = ld(k.spills);
+  m["spill_bytes"] = ld(k.spill_bytes);
+  m["spill_errors"] = ld(k.spill_errors);
+  m["disk_hits"] = ld(k.disk_hits);
+  m["promote_bytes"] = ld(k.promote_bytes);
+  m["disk_damaged"] = ld(k.disk_damaged);
+  m["disk_removed"] = ld(k.disk_removed);
+  m["promote_errors"] = ld(k.promote_errors);
   m["bytes_used"] = ld(k.bytes_used);
   m["entries"] = ld(k.entries);
   m["ready_entries"] = ld(k.ready_entries);

@@ -47,6 +47,13 @@ struct LeaseHandle {
   uint64_t size = 0;
 };
 
+struct ColdEntry {
+  Key key;
+  Key ns;
+  uint64_t size;
+  uint32_t flags;
+};
+
 struct ReclaimResult {
   uint64_t leases = 0;
   uint64_t writes = 0;
@@ -61,7 +68,7 @@ class ChunkTable {
   uint8_t* payload(uint64_t offset) const { return seg_->arena() + offset; }
 
   // -- stores
-  Status reserve(const Key& key, uint64_t size, Reservation* out);
+  Status reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns = Key{0, 0});
   Status commit(const Reservation& r);
   Status abort(const Reservation& r);
 
@@ -70,7 +77,8 @@ class ChunkTable {
   // Leases on the longest READY prefix of keys[0..n); *n_out of them.
   Status acquire_prefix(const Key* keys, size_t n, LeaseHandle* out, size_t* n_out,
                         bool count_lookup = true);
-  Status release(const LeaseHandle& h);
+  // cold: relink at the LRU tail, as if unread (the maintainer's spill reads)
+  Status release(const LeaseHandle& h, bool cold = false);
   // Number of leading keys that are READY (one lock, no leases).
   size_t lookup_prefix(const Key* keys, size_t n, bool count_lookup = true);
   void contains(const Key* keys, size_t n, uint8_t* out);
@@ -79,8 +87,16 @@ class ChunkTable {
   Status pin(const Key& key);
   Status unpin(const Key& key);
   Status erase(const Key& key);  // kBusy: leased, hidden now, freed at release
-  uint64_t clear();              // erase everything; returns entries removed
+  uint64_t clear(const Key* ns = nullptr);  // erase everything (or one namespace)
   ReclaimResult reclaim();       // leases and WRITING entries of dead processes
+  // -- tiers (the maintainer)
+  // Up to max_n evictable entries, coldest first (the next eviction victims).
+  std::vector<ColdEntry> coldest(size_t max_n);
+  Status set_flags(const Key& key, uint32_t flags);  // OR into a READY entry
+  // Evict `key` if it is READY, unleased, unpinned and spilled (kBusy if not).
+  Status evict_spilled(const Key& key);
+  // Add n to a tier counter by name; false if no such counter.
+  bool bump(const std::string& counter, uint64_t n);
   void detach_process();         // drop this process from the attached list
   void rebuild();                // force a full rebuild from authoritative records
   std::vector<std::string> check_consistency();
@@ -122,8 +138,9 @@ class ChunkTable {
   // records
   void do_free_entry_locked(uint32_t e);
   Status do_grant_lease_locked(uint32_t e, LeaseHandle* out);
-  void do_drop_lease_locked(uint32_t l);
-  void do_after_refcount_drop_locked(uint32_t e);
+  void do_drop_lease_locked(uint32_t l, bool cold = false);
+  void do_after_refcount_drop_locked(uint32_t e, bool cold = false);
+  void do_lru_link_tail_locked(uint32_t e);
   // recovery
   ReclaimResult do_reclaim_locked(bool full_scan);
   void do_rebuild_locked(const char* why);

@@ -65,13 +65,16 @@ struct Entry {
   uint32_t generation;           // bumped each time the record is reused
   int32_t owner_pid;             // writer while WRITING
   uint32_t pin_count;            // persistent pins (authoritative)
-  uint32_t flags;                // reserved for tiers (e.g. spilled to disk)
+  uint32_t flags;                // kFlag* below (authoritative, single store)
   // derived:
   uint32_t refcount;             // live leases on this entry
   uint32_t lru_prev;             // LRU list of evictable entries (READY, unleased,
   uint32_t lru_next;             // unpinned); also free-record list via lru_next
-  uint32_t reserved[4];
+  Key ns;                        // namespace digest given at reserve (tiers, clear)
 };
+
+// Entry::flags
+constexpr uint32_t kFlagSpilled = 1;  // a copy is in the disk tier
 
 enum LeaseState : uint32_t { kLeaseFree = 0, kLeaseHeld = 1 };
 
@@ -139,7 +142,17 @@ struct Counters {
   std::atomic<uint64_t> segment_resets;   // rebuild impossible: emptied
   std::atomic<uint64_t> index_rehashes;   // tombstone clean-ups
   std::atomic<uint64_t> procs_table_full;
-  std::atomic<uint64_t> reserved_counters[10];
+  std::atomic<uint64_t> evicted_unspilled;  // evicted by a put before it reached disk
+  // tier counters, bumped by the Python tiers through ChunkTable::bump()
+  std::atomic<uint64_t> spills;             // chunks written to the disk tier
+  std::atomic<uint64_t> spill_bytes;        // raw bytes spilled
+  std::atomic<uint64_t> spill_errors;       // disk full / I/O error: not spilled
+  std::atomic<uint64_t> disk_hits;          // chunks promoted from disk
+  std::atomic<uint64_t> promote_bytes;
+  std::atomic<uint64_t> disk_damaged;       // bad files found (miss + unlink)
+  std::atomic<uint64_t> disk_removed;       // files removed by the disk byte cap
+  std::atomic<uint64_t> promote_errors;
+  std::atomic<uint64_t> reserved_counters[1];
   // gauges (maintained under the lock, rebuilt on recovery)
   std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries
   std::atomic<uint64_t> entries;          // non-FREE entries

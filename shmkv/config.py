@@ -62,6 +62,16 @@ def _parse_int(key: str, value: Any, lo: int, hi: int) -> int:
     return n
 
 
+def _parse_fraction(key: str, value: Any) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = -1.0
+    if not 0.0 <= x < 1.0:
+        raise ConfigError(f"{key}={value!r}: expected a fraction in [0, 1)")
+    return x
+
+
 def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     s = str(value).strip().lower()
     if s not in choices:
@@ -90,6 +100,13 @@ class ShmkvConfig:
     max_payload: int = 0  # bytes; 0 = a quarter of the segment's arena
     populate: bool = True  # pre-fault the mapping at attach
     load_failure_policy: str = "recompute"  # what vLLM does if a planned load misses
+    disk_dir: str = ""  # empty: no disk tier
+    disk_capacity: int = 64 << 30  # byte cap of the disk tier
+    disk_level: int = 1  # zstd level
+    disk_shuffle_bytes: int = 0  # byte-plane shuffle element size; 0 = the KV dtype's size
+    low_watermark: float = 0.10  # keep this fraction of the shared tier free (spilled chunks evicted)
+    spill_ahead: float = 0.20  # keep this fraction of the coldest chunks already on disk
+    maintainer: bool = True  # without a daemon, a vLLM scheduler process maintains the cache
     log_level: str = "info"
     debug_digest_file: str = ""  # append per-chunk KV digests (tests prove byte equality)
     config_file: str = ""
@@ -106,6 +123,13 @@ class ShmkvConfig:
             "populate": _parse_bool,
             "load_failure_policy": lambda k, v: _parse_choice(k, v, ("recompute", "fail")),
             "log_level": lambda k, v: _parse_choice(k, v, ("debug", "info", "warning", "error")),
+            "disk_dir": lambda k, v: os.path.expanduser(str(v)),
+            "disk_capacity": parse_size,
+            "disk_level": lambda k, v: _parse_int(k, v, 1, 22),
+            "disk_shuffle_bytes": lambda k, v: _parse_int(k, v, 0, 8),
+            "low_watermark": lambda k, v: _parse_fraction(k, v),
+            "spill_ahead": lambda k, v: _parse_fraction(k, v),
+            "maintainer": _parse_bool,
             "debug_digest_file": lambda k, v: str(v),
             "config_file": lambda k, v: str(v),
         }

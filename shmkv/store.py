@@ -206,11 +206,12 @@ class Lease(_PayloadHandle):
         self._c = c
         self._views = []
 
-    def release(self) -> bool:
+    def release(self, *, cold: bool = False) -> bool:
         """Give the lease back. False means it had been reclaimed: bytes read
-        through it may be wrong and must be discarded."""
+        through it may be wrong and must be discarded. `cold` leaves the chunk
+        where it was in the LRU order (a maintenance read is not a use)."""
         self._drop_views()
-        code = self._c.release()
+        code = self._c.release(cold)
         _raise_if_error(code)
         return code == 0
 
@@ -311,11 +312,13 @@ class Store:
         return self._t
 
     # ------------------------------------------------------------- stores --
-    def reserve(self, key: Key, nbytes: int) -> Reservation | PutResult:
-        """Room for `nbytes` under `key`, or FULL / EXISTS / BUSY."""
+    def reserve(self, key: Key, nbytes: int, *, namespace: bytes | None = None) -> Reservation | PutResult:
+        """Room for `nbytes` under `key`, or FULL / EXISTS / BUSY. `namespace`
+        (16 bytes, the chunk's namespace root key) tags the entry for the
+        tiers and for clear(namespace=...)."""
         if nbytes <= 0:
             raise InvalidArgumentError(f"payload size must be > 0, got {nbytes}")
-        code, res = self.table.reserve(key, nbytes)
+        code, res = self.table.reserve(key, nbytes, namespace)
         if code == 0:
             return Reservation(res, key)
         if code == 17:
@@ -326,9 +329,9 @@ class Store:
         _raise_if_error(code)
         return PutResult(code)
 
-    def put(self, key: Key, data: Any) -> PutResult:
+    def put(self, key: Key, data: Any, *, namespace: bytes | None = None) -> PutResult:
         """reserve + copy + commit of a C-contiguous buffer (bytes, numpy...)."""
-        code = self.table.put(key, data)
+        code = self.table.put(key, data, namespace)
         if code == 17:
             raise PayloadTooLargeError(f"payload exceeds max_payload_bytes of segment '{self.name}'")
         if code == 16:
@@ -382,13 +385,29 @@ class Store:
         and its bytes are freed at the last release."""
         return self.table.erase(key) in (0, 4)
 
-    def clear(self) -> int:
-        """Remove every cached chunk; returns how many."""
-        return int(self.table.clear())
+    def clear(self, *, namespace: bytes | None = None) -> int:
+        """Remove every cached chunk (or those of one namespace); returns how many."""
+        return int(self.table.clear(namespace))
 
     def reclaim(self) -> dict[str, int]:
         """Release leases and unfinished writes of processes that exited."""
         return dict(self.table.reclaim())
+
+    # -------------------------------------------------- tier maintenance --
+    def coldest(self, max_n: int) -> list[tuple[bytes, int, int, bytes]]:
+        """(key, size, flags, namespace) of the next eviction victims, coldest first."""
+        return self.table.coldest(max_n)
+
+    def mark_spilled(self, key: Key) -> bool:
+        return self.table.set_flags(key, _C.FLAG_SPILLED) == 0
+
+    def evict_spilled(self, key: Key) -> bool:
+        """Evict `key` if it is spilled and nobody leases or pins it."""
+        return self.table.evict_spilled(key) == 0
+
+    def bump(self, counter: str, n: int = 1) -> None:
+        """Add to a shared tier counter (spills, disk_hits, disk_damaged...)."""
+        self.table.bump(counter, n)
 
     def rebuild(self) -> None:
         """Rebuild every derived structure from the authoritative records."""

@@ -48,7 +48,7 @@ def test_lookup_hits_full_chunks_and_the_tail_piece(store):
     p = Planner([ns()], BS)
     t = tokens(3000)
     put_units(store, p.units(t))
-    hit, units = p.lookup(store, t, p.units(t))
+    hit, units, _ = p.lookup(store, t, p.units(t))
     assert hit == 2944 and units[-1].end == 2944
 
 
@@ -56,7 +56,7 @@ def test_lookup_never_returns_the_whole_prompt(store):
     p = Planner([ns()], BS)
     t = tokens(2944)  # 11 chunks + 1 block: everything cacheable
     put_units(store, p.units(t))
-    hit, _ = p.lookup(store, t, p.units(t))
+    hit, _, _ = p.lookup(store, t, p.units(t))
     assert hit == 2816, "one block is left for vLLM to compute"
 
 
@@ -65,7 +65,7 @@ def test_longer_prompt_reuses_the_stored_tail_piece(store):
     first = tokens(3000)
     put_units(store, p.units(first))
     longer = np.concatenate([first, tokens(500, seed=1)])
-    hit, units = p.lookup(store, longer, p.units(longer))
+    hit, units, _ = p.lookup(store, longer, p.units(longer))
     assert hit == 2944, "the piece stored for the shorter prompt extends the hit"
     plan = RequestPlan("r", len(longer), p.units(longer), hit_tokens=hit, hit_units=units,
                        block_ids=list(range(100, 130)))
@@ -79,7 +79,7 @@ def test_shared_prefix_hits_exactly_the_shared_full_chunks(store):
     a = tokens(3000)
     put_units(store, p.units(a))
     b = np.concatenate([a[:2000], tokens(1000, seed=7)])
-    hit, _ = p.lookup(store, b, p.units(b))
+    hit, _, _ = p.lookup(store, b, p.units(b))
     assert hit == 7 * 256
 
 
@@ -88,7 +88,7 @@ def test_load_window_starts_after_vllms_own_hit(store):
     t = tokens(3000)
     units = p.units(t)
     put_units(store, units)
-    hit, found = p.lookup(store, t, units)
+    hit, found, _ = p.lookup(store, t, units)
     plan = RequestPlan("r", 3000, units, local_tokens=384, hit_tokens=hit - 384, hit_units=found,
                        block_ids=list(range(1000, 1024)))
     items = p.load_items(plan)
@@ -136,3 +136,21 @@ def test_salted_requests_do_not_share(store):
     put_units(store, salted.units(t))
     other = Planner([ns(salt="tenant-b")], BS)
     assert other.lookup(store, t, other.units(t))[0] == 0
+
+
+def test_lookup_continues_into_the_disk_tier(store, tmp_path):
+    from shmkv.disk.tier import DiskTier
+
+    disk = DiskTier(str(tmp_path / "disk"), capacity_bytes=1 << 30)
+    p = Planner([ns()], BS)
+    t = tokens(3000)
+    units = p.units(t)
+    for u in units[:3]:
+        store.put(u.keys[0], b"m" * 64)
+    for u in units[3:8]:
+        disk.write(u.keys[0], b"n" * 16, b"d" * 64)
+    hit, found, on_disk = p.lookup(store, t, units, disk=disk)
+    assert hit == 8 * 256 and [u.start for u in on_disk] == [768, 1024, 1280, 1536, 1792]
+    assert p.lookup(store, t, units)[0] == 768, "without the disk tier the prefix ends in memory"
+    disk.write(units[-1].keys[0], b"n" * 16, b"d" * 64)  # the tail piece alone does not extend it
+    assert p.lookup(store, t, units, disk=disk)[0] == 8 * 256

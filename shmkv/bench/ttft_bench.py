@@ -45,7 +45,8 @@ def run(argv: list[str]) -> dict:
     name = f"shmkv-bench-ttft-{os.getpid()}"
     cfg = {"cache_name": name, "capacity": "2GiB"}
     logs = a.workdir
-    out: dict = {"prompt_tokens": n, "prompts": a.prompts, "model": f"llama-h{spec.hidden_size}-l{spec.num_hidden_layers}"}
+    model_name = f"llama-h{spec.hidden_size}-l{spec.num_hidden_layers}"
+    out: dict = {"prompt_tokens": n, "prompts": a.prompts, "model": model_name}
     try:
         with EngineProcess(EngineSpec(model, shmkv=None, prefix_caching=True), f"{logs}/nocon.log") as e:
             e.generate([warm[0]], max_tokens=1)

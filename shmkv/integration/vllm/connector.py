@@ -24,7 +24,9 @@ without the cache (vLLM is told to recompute blocks that could not be loaded).
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +42,7 @@ from shmkv.config import ShmkvConfig, load_config
 from shmkv.errors import SegmentMismatchError
 from shmkv.integration.vllm.planner import LoadItem, Planner, RequestPlan, StoreItem
 from shmkv.keys import Namespace
+from shmkv.maintainer import promote
 from shmkv.store import Store
 
 if TYPE_CHECKING:
@@ -62,6 +65,10 @@ def _setup_logging(level: str) -> None:
                                          "%m-%d %H:%M:%S"))
         root.addHandler(h)
         root.propagate = False
+
+
+class _AskAgain(Exception):
+    """A promotion for the request is still running."""
 
 
 @dataclass
@@ -178,7 +185,29 @@ class ShmKVConnector(KVConnectorBase_V1):
         self._plans: dict[str, RequestPlan] = {}
         self._pending_loads: dict[str, RequestPlan] = {}
         self._asked: set[str] = set()
+        self._promotions: dict[str, Future] = {}
+        self._promoted: set[str] = set()  # promotion done: look up in memory only
         self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0}
+        self.disk = None
+        self._promoter: ThreadPoolExecutor | None = None
+        if self.cfg.disk_dir:
+            from shmkv.disk.tier import DiskTier
+
+            dtype_bytes = torch.empty((), dtype=self._vllm_config.model_config.dtype).element_size()
+            self.disk = DiskTier(os.path.join(self.cfg.disk_dir, self.cfg.cache_name),
+                                 capacity_bytes=self.cfg.disk_capacity, level=self.cfg.disk_level,
+                                 element_size=self.cfg.disk_shuffle_bytes or dtype_bytes,
+                                 counter=self.store.bump)
+            # NOTE: promotion reads and decompresses off the scheduler's thread
+            self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
+            log.info("shmkv: disk tier at %s (cap %.1f GiB, zstd level %d)", self.disk.dir,
+                     self.cfg.disk_capacity / 2**30, self.cfg.disk_level)
+        self._role = None
+        if self.cfg.maintainer:
+            from shmkv.maintainer import MaintainerRole
+
+            self._role = MaintainerRole(self.cfg, self.store, self.disk)
+            self._role.start()
         if self.cfg.load_failure_policy == "recompute" and ktc.kv_load_failure_policy != "recompute":
             # A chunk evicted between lookup and load must mean "recompute it",
             # never a failed request. vLLM reads this after building us.
@@ -199,7 +228,17 @@ class ShmKVConnector(KVConnectorBase_V1):
                 return 0, False
             first = request.request_id not in self._asked
             self._asked.add(request.request_id)
-            hit, units = planner.lookup(self.store, tokens, plan.units, count=first)
+            hit, units, on_disk = planner.lookup(self.store, tokens, plan.units, count=first,
+                                                 disk=self._disk_for(request.request_id))
+            if on_disk:
+                # Promote from disk in the background; vLLM asks again next step.
+                keys = [k for u in on_disk for k in u.keys]
+                assert self._promoter is not None and self.disk is not None
+                self._promotions[request.request_id] = self._promoter.submit(
+                    promote, self.store, self.disk, keys)
+                log.info("shmkv: request %s: %d tokens found on disk, promoting", request.request_id,
+                         sum(u.tokens for u in on_disk))
+                return None, False
             extra = max(0, hit - num_computed_tokens)
             extra -= extra % self.block_size  # whole blocks past vLLM's own (aligned) hit
             plan.hit_tokens = extra
@@ -210,6 +249,8 @@ class ShmKVConnector(KVConnectorBase_V1):
                 log.info("shmkv: request %s: prompt %d tokens, vLLM prefix cache %d, shmkv hit %d",
                          request.request_id, len(tokens), num_computed_tokens, extra)
             return extra, False
+        except _AskAgain:
+            return None, False
         except Exception:
             self.counters["lookup_errors"] += 1
             log.exception("shmkv: lookup for request %s failed; it runs without the cache",
@@ -218,6 +259,22 @@ class ShmKVConnector(KVConnectorBase_V1):
             if plan is not None:
                 plan.hit_tokens, plan.hit_units = 0, []
             return 0, False
+
+    def _disk_for(self, req_id: str) -> Any:
+        """The disk tier for this lookup, or None while/after a promotion for
+        the request (its outcome is final: what did not promote is a miss)."""
+        fut = self._promotions.get(req_id)
+        if fut is None:
+            return None if req_id in self._promoted else self.disk
+        if not fut.done():
+            raise _AskAgain()
+        self._promotions.pop(req_id)
+        try:
+            fut.result()
+        except Exception:
+            log.exception("shmkv: promotion for request %s failed; it runs with what is in memory", req_id)
+        self._promoted.add(req_id)
+        return None
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
@@ -284,6 +341,8 @@ class ShmKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         plan = self._plans.pop(request.request_id, None)
         self._asked.discard(request.request_id)
+        self._promotions.pop(request.request_id, None)
+        self._promoted.discard(request.request_id)
         self._pending_loads.pop(request.request_id, None)
         # GPU stores complete asynchronously: keep the blocks until the worker
         # reports the request in finished_sending.
@@ -362,4 +421,8 @@ class ShmKVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if getattr(self, "_worker", None) is not None:
             self._worker.shutdown()
+        if getattr(self, "_role", None) is not None:
+            self._role.stop()
+        if getattr(self, "_promoter", None) is not None:
+            self._promoter.shutdown(wait=True)
 

@@ -120,28 +120,41 @@ class Planner:
         return max(0, (prompt_len - 1) // self.block_size * self.block_size)
 
     # ------------------------------------------------------------ lookup --
-    def lookup(self, store, tokens: Sequence[int] | np.ndarray, units: list[Unit],
-               count: bool = True) -> tuple[int, list[Unit]]:
-        """(tokens every rank has cached, the units that hold them), the
-        count capped so that at least one token is left to compute."""
+    def lookup(self, store, tokens: Sequence[int] | np.ndarray, units: list[Unit], count: bool = True,
+               disk=None) -> tuple[int, list[Unit], list[Unit]]:
+        """(tokens every rank has cached, the units that hold them, those of
+        them only on disk). The prefix continues into the disk tier where the
+        shared tier's ends; the count is capped so that at least one token is
+        left to compute."""
         full = [u for u in units if u.tokens == self.chunk_size]
+        ranks = range(len(self.roots))
         n = len(full)
-        for r in range(len(self.roots)):
+        for r in ranks:
             if n == 0:
                 break
             n = min(n, store.lookup_prefix([u.keys[r] for u in full[:n]], count_lookup=count and r == 0))
-        found = full[:n]
+        found, on_disk = full[:n], []
+        if disk is not None:
+            for u in full[n:]:
+                if not all(disk.contains([u.keys[r] for r in ranks])):
+                    break
+                found.append(u)
+                on_disk.append(u)
         if self.store_tail and self.chunk_size > self.block_size:
-            prev = full[n - 1].keys if n else self.roots
-            cands = self.piece_candidates(tokens, n * self.chunk_size, prev)
+            prev = found[-1].keys if found else self.roots
+            cands = self.piece_candidates(tokens, len(found) * self.chunk_size, prev)
             if cands:
-                flags = [store.contains([c.keys[r] for c in cands]) for r in range(len(self.roots))]
-                for i, c in enumerate(cands):
-                    if all(f[i] for f in flags):
-                        found.append(c)
-                        break
+                flags = [store.contains([c.keys[r] for c in cands]) for r in ranks]
+                piece = next((c for i, c in enumerate(cands) if all(f[i] for f in flags)), None)
+                if piece is None and disk is not None:
+                    piece = next((c for c in cands if all(disk.contains([c.keys[r] for r in ranks]))), None)
+                    if piece is not None:
+                        on_disk.append(piece)
+                if piece is not None:
+                    found.append(piece)
         hit = min(found[-1].end if found else 0, self.max_loadable(len(tokens)))
-        return hit, [u for u in found if u.start < hit]
+        keep = [u for u in found if u.start < hit]
+        return hit, keep, [u for u in on_disk if u.start < hit]
 
     # ---------------------------------------------------------- loading --
     def load_items(self, plan: RequestPlan) -> list[LoadItem]:
