@@ -28,6 +28,10 @@ Status check_block_copy(const PagedLayout& L, const int64_t* ids, int64_t n, uin
                           " is out of range [0, " + std::to_string(L.num_blocks) + ")");
   }
   if (w->payload_blocks < 0) w->payload_blocks = n;
+  if (w->layer_end < 0) w->layer_end = L.num_layers;
+  if (w->layer_begin < 0 || w->layer_begin > w->layer_end || w->layer_end > L.num_layers)
+    return bad(err, "layer range [" + std::to_string(w->layer_begin) + ", " + std::to_string(w->layer_end) +
+                        ") is not inside [0, " + std::to_string(L.num_layers) + ")");
   if (w->first < 0 || w->first + n > w->payload_blocks)
     return bad(err, "block window [" + std::to_string(w->first) + ", " + std::to_string(w->first + n) +
                         ") does not fit a payload of " + std::to_string(w->payload_blocks) + " blocks");
@@ -63,10 +67,11 @@ Status check_token_copy(const PagedLayout& L, const int64_t* slots, int64_t n, u
 namespace {
 
 template <bool kGather>
-void copy_tokens(const PagedLayout& L, const int64_t* slots, int64_t n, uint8_t* payload) {
+void copy_tokens(const PagedLayout& L, const int64_t* slots, int64_t n, uint8_t* payload, int64_t l0,
+                 int64_t l1) {
   const int64_t tok_bytes = L.token_payload_bytes();
-  uint8_t* p = payload;
-  for (int64_t l = 0; l < L.num_layers; ++l) {
+  uint8_t* p = payload + l0 * n * tok_bytes;
+  for (int64_t l = l0; l < l1; ++l) {
     uint8_t* layer = reinterpret_cast<uint8_t*>(L.layer_base[l]);
     for (int64_t t = 0; t < n; ++t, p += tok_bytes) {
       int64_t slot = slots[t];
@@ -115,7 +120,7 @@ Status gather_blocks(const PagedLayout& L, const int64_t* ids, int64_t n, uint8_
                      uint64_t payload_bytes, BlockWindow w, std::string* err) {
   Status s = check_block_copy(L, ids, n, payload_bytes, &w, err);
   if (s != Status::kOk) return s;
-  for (int64_t l = 0; l < L.num_layers; ++l) {
+  for (int64_t l = w.layer_begin; l < w.layer_end; ++l) {
     const uint8_t* layer = reinterpret_cast<const uint8_t*>(L.layer_base[l]);
     uint8_t* p = payload + (l * w.payload_blocks + w.first) * L.block_bytes;
     for (int64_t k = 0; k < n; ++k, p += L.block_bytes)
@@ -128,7 +133,7 @@ Status scatter_blocks(const PagedLayout& L, const int64_t* ids, int64_t n, const
                       uint64_t payload_bytes, BlockWindow w, std::string* err) {
   Status s = check_block_copy(L, ids, n, payload_bytes, &w, err);
   if (s != Status::kOk) return s;
-  for (int64_t l = 0; l < L.num_layers; ++l) {
+  for (int64_t l = w.layer_begin; l < w.layer_end; ++l) {
     uint8_t* layer = reinterpret_cast<uint8_t*>(L.layer_base[l]);
     const uint8_t* p = payload + (l * w.payload_blocks + w.first) * L.block_bytes;
     for (int64_t k = 0; k < n; ++k, p += L.block_bytes)
@@ -138,18 +143,23 @@ Status scatter_blocks(const PagedLayout& L, const int64_t* ids, int64_t n, const
 }
 
 Status gather_tokens(const PagedLayout& L, const int64_t* slots, int64_t n, uint8_t* payload,
-                     uint64_t payload_bytes, std::string* err) {
+                     uint64_t payload_bytes, std::string* err, int64_t l0, int64_t l1) {
   Status s = check_token_copy(L, slots, n, payload_bytes, err);
   if (s != Status::kOk) return s;
-  copy_tokens<true>(L, slots, n, payload);
+  if (l1 < 0) l1 = L.num_layers;
+  if (l0 < 0 || l0 > l1 || l1 > L.num_layers) return bad(err, "layer range is not inside the layout");
+  copy_tokens<true>(L, slots, n, payload, l0, l1);
   return Status::kOk;
 }
 
 Status scatter_tokens(const PagedLayout& L, const int64_t* slots, int64_t n,
-                      const uint8_t* payload, uint64_t payload_bytes, std::string* err) {
+                      const uint8_t* payload, uint64_t payload_bytes, std::string* err, int64_t l0,
+                      int64_t l1) {
   Status s = check_token_copy(L, slots, n, payload_bytes, err);
   if (s != Status::kOk) return s;
-  copy_tokens<false>(L, slots, n, const_cast<uint8_t*>(payload));
+  if (l1 < 0) l1 = L.num_layers;
+  if (l0 < 0 || l0 > l1 || l1 > L.num_layers) return bad(err, "layer range is not inside the layout");
+  copy_tokens<false>(L, slots, n, const_cast<uint8_t*>(payload), l0, l1);
   return Status::kOk;
 }
 

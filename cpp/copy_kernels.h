@@ -49,6 +49,10 @@ struct PagedLayout {
 struct BlockWindow {
   int64_t first = 0;
   int64_t payload_blocks = -1;  // -1: n
+  // Only layers [layer_begin, layer_end) are copied (layer-wise pipelining);
+  // the payload keeps its full [layers] shape.
+  int64_t layer_begin = 0;
+  int64_t layer_end = -1;       // -1: all layers
 };
 
 // Checks that make a layout usable at all (sizes positive, runs inside blocks).
@@ -70,8 +74,10 @@ Status scatter_blocks(const PagedLayout& L, const int64_t* block_ids, int64_t n,
 // slots: [n] slot = block * block_size + offset; negative slots are skipped
 // (gather leaves zeros in their place). payload: [layers][n][token_payload_bytes].
 Status gather_tokens(const PagedLayout& L, const int64_t* slots, int64_t n, uint8_t* payload,
-                     uint64_t payload_bytes, std::string* err);
+                     uint64_t payload_bytes, std::string* err, int64_t layer_begin = 0,
+                     int64_t layer_end = -1);
 Status scatter_tokens(const PagedLayout& L, const int64_t* slots, int64_t n,
-                      const uint8_t* payload, uint64_t payload_bytes, std::string* err);
+                      const uint8_t* payload, uint64_t payload_bytes, std::string* err,
+                      int64_t layer_begin = 0, int64_t layer_end = -1);
 
 }  // namespace shmkv

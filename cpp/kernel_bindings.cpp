@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "byte_shuffle.h"
 #include "copy_kernels.h"
 
 namespace py = pybind11;
@@ -64,8 +65,10 @@ void run_copy(const PyPagedLayout& self, py::buffer idx, py::buffer payload, boo
   {
     py::gil_scoped_release nogil;
     if (tokens) {
-      s = gather ? gather_tokens(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err)
-                 : scatter_tokens(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err);
+      s = gather ? gather_tokens(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err,
+                                 w.layer_begin, w.layer_end)
+                 : scatter_tokens(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, &err,
+                                  w.layer_begin, w.layer_end);
     } else {
       s = gather ? gather_blocks(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, w, &err)
                  : scatter_blocks(self.L, ids.data(), int64_t(ids.size()), p.ptr, p.bytes, w, &err);
@@ -76,7 +79,25 @@ void run_copy(const PyPagedLayout& self, py::buffer idx, py::buffer payload, boo
 
 }  // namespace
 
+py::bytes shuffle_impl(py::buffer src, size_t es, bool forward) {
+  Payload p = payload_from(src, false);
+  if (es < 1 || es > 64) throw py::value_error("element_size must be in [1, 64]");
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(p.bytes));
+  if (!out) throw py::error_already_set();
+  auto* dst = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(out));
+  {
+    py::gil_scoped_release nogil;
+    if (forward) byte_shuffle(p.ptr, dst, p.bytes, es);
+    else byte_unshuffle(p.ptr, dst, p.bytes, es);
+  }
+  return py::reinterpret_steal<py::bytes>(out);
+}
+
 void register_kernels(py::module_& m) {
+  m.def("byte_shuffle", [](py::buffer src, size_t es) { return shuffle_impl(src, es, true); },
+        py::arg("data"), py::arg("element_size"), "Byte-plane shuffle (elements -> planes).");
+  m.def("byte_unshuffle", [](py::buffer src, size_t es) { return shuffle_impl(src, es, false); },
+        py::arg("data"), py::arg("element_size"), "Inverse of byte_shuffle.");
   py::class_<PyPagedLayout>(m, "PagedLayout")
       .def(py::init([](std::vector<uint64_t> layer_bases, int64_t num_blocks, int64_t block_stride,
                        int64_t block_bytes, int64_t block_size, bool token_mode, int64_t token_stride,
@@ -113,14 +134,20 @@ void register_kernels(py::module_& m) {
       .def_property_readonly("token_mode", [](const PyPagedLayout& p) { return p.token_mode; })
       .def_property_readonly("token_payload_bytes", [](const PyPagedLayout& p) { return p.L.token_payload_bytes(); })
       .def_property_readonly("block_bytes", [](const PyPagedLayout& p) { return p.L.block_bytes; })
-      .def("gather_blocks", [](const PyPagedLayout& s, py::buffer ids, py::buffer out, int64_t first, int64_t blocks) {
-             run_copy(s, ids, out, true, false, BlockWindow{first, blocks});
-           }, py::arg("block_ids"), py::arg("payload"), py::arg("payload_first") = 0, py::arg("payload_blocks") = -1)
-      .def("scatter_blocks", [](const PyPagedLayout& s, py::buffer ids, py::buffer src, int64_t first, int64_t blocks) {
-             run_copy(s, ids, src, false, false, BlockWindow{first, blocks});
-           }, py::arg("block_ids"), py::arg("payload"), py::arg("payload_first") = 0, py::arg("payload_blocks") = -1)
-      .def("gather_tokens", [](const PyPagedLayout& s, py::buffer slots, py::buffer out) { run_copy(s, slots, out, true, true); },
-           py::arg("slot_mapping"), py::arg("payload"))
-      .def("scatter_tokens", [](const PyPagedLayout& s, py::buffer slots, py::buffer src) { run_copy(s, slots, src, false, true); },
-           py::arg("slot_mapping"), py::arg("payload"));
+      .def("gather_blocks", [](const PyPagedLayout& s, py::buffer ids, py::buffer out, int64_t first, int64_t blocks,
+                               int64_t l0, int64_t l1) {
+             run_copy(s, ids, out, true, false, BlockWindow{first, blocks, l0, l1});
+           }, py::arg("block_ids"), py::arg("payload"), py::arg("payload_first") = 0, py::arg("payload_blocks") = -1,
+           py::arg("layer_begin") = 0, py::arg("layer_end") = -1)
+      .def("scatter_blocks", [](const PyPagedLayout& s, py::buffer ids, py::buffer src, int64_t first, int64_t blocks,
+                                int64_t l0, int64_t l1) {
+             run_copy(s, ids, src, false, false, BlockWindow{first, blocks, l0, l1});
+           }, py::arg("block_ids"), py::arg("payload"), py::arg("payload_first") = 0, py::arg("payload_blocks") = -1,
+           py::arg("layer_begin") = 0, py::arg("layer_end") = -1)
+      .def("gather_tokens", [](const PyPagedLayout& s, py::buffer slots, py::buffer out, int64_t l0, int64_t l1) {
+             run_copy(s, slots, out, true, true, BlockWindow{0, -1, l0, l1});
+           }, py::arg("slot_mapping"), py::arg("payload"), py::arg("layer_begin") = 0, py::arg("layer_end") = -1)
+      .def("scatter_tokens", [](const PyPagedLayout& s, py::buffer slots, py::buffer src, int64_t l0, int64_t l1) {
+             run_copy(s, slots, src, false, true, BlockWindow{0, -1, l0, l1});
+           }, py::arg("slot_mapping"), py::arg("payload"), py::arg("layer_begin") = 0, py::arg("layer_end") = -1);
 }

@@ -156,6 +156,7 @@ class KVLayout:
         self.device = first.device
         self.geometry = _geometry(kind, first)
         self.layers = list(layers)  # keeps the storage alive
+        self._index_of = {n: i for i, n in enumerate(self.names)}
         g = self.geometry
         self._bases = [int(t.data_ptr()) for t in layers]
         self._c = _C.PagedLayout(
@@ -167,6 +168,9 @@ class KVLayout:
     def from_tensors(cls, kv_caches: Mapping[str, torch.Tensor], kind: str) -> KVLayout:
         """From vLLM's register_kv_caches dict (layer name -> tensor), in order."""
         return cls(kind, list(kv_caches.values()), list(kv_caches))
+
+    def layer_index(self, name: str) -> int | None:
+        return self._index_of.get(name)
 
     # ------------------------------------------------------------- sizes --
     @property
@@ -198,35 +202,38 @@ class KVLayout:
 
     # ------------------------------------------------------------ copies --
     def gather(self, index: Any, payload: Any, stream: Any = None, *, payload_first: int = 0,
-               payload_blocks: int = -1) -> None:
+               payload_blocks: int = -1, layers: tuple[int, int] | None = None) -> None:
         """Paged cache -> payload. `index`: block ids (block mode) or a slot
         mapping (token mode; negative slots are skipped). In block mode the
         payload may hold `payload_blocks` blocks per layer, of which this
-        copy fills those from `payload_first` on."""
-        self._copy(index, payload, True, stream, payload_first, payload_blocks)
+        copy fills those from `payload_first` on. `layers=(begin, end)`
+        copies only those layers (the payload keeps all of them)."""
+        self._copy(index, payload, True, stream, payload_first, payload_blocks, layers)
 
     def scatter(self, index: Any, payload: Any, stream: Any = None, *, payload_first: int = 0,
-                payload_blocks: int = -1) -> None:
+                payload_blocks: int = -1, layers: tuple[int, int] | None = None) -> None:
         """Payload -> paged cache (the inverse of gather)."""
-        self._copy(index, payload, False, stream, payload_first, payload_blocks)
+        self._copy(index, payload, False, stream, payload_first, payload_blocks, layers)
 
-    def _copy(self, index: Any, payload: Any, gather: bool, stream: Any, first: int, blocks: int) -> None:
+    def _copy(self, index: Any, payload: Any, gather: bool, stream: Any, first: int, blocks: int,
+              layers: tuple[int, int] | None) -> None:
         what = "slot_mapping" if self.token_mode else "block_ids"
         idx = _as_index(index, what)
+        l0, l1 = layers if layers is not None else (0, -1)
         if self.device.type == "cuda":
             from shmkv import gpu
 
-            if first or blocks >= 0:
-                raise InvalidArgumentError("block windows are CPU-only; CUDA layouts copy tokens")
+            if first or blocks >= 0 or layers is not None:
+                raise InvalidArgumentError("block windows and layer ranges are CPU-only")
             gpu.paged_copy(self, idx, payload, gather, stream)
             return
         buf = _as_payload(payload)
         if self.token_mode:
             if first or blocks >= 0:
                 raise InvalidArgumentError("payload_first/payload_blocks apply to block layouts only")
-            (self._c.gather_tokens if gather else self._c.scatter_tokens)(idx, buf)
+            (self._c.gather_tokens if gather else self._c.scatter_tokens)(idx, buf, l0, l1)
         else:
-            (self._c.gather_blocks if gather else self._c.scatter_blocks)(idx, buf, first, blocks)
+            (self._c.gather_blocks if gather else self._c.scatter_blocks)(idx, buf, first, blocks, l0, l1)
 
     def slots_for_blocks(self, block_ids: Sequence[int], num_tokens: int) -> np.ndarray:
         """Slot mapping of the first `num_tokens` tokens held in `block_ids`."""

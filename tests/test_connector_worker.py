@@ -71,3 +71,16 @@ def test_full_and_existing_stores_are_skipped(cache_name):
     t = w.finish("r")
     assert t.not_stored == 1 and t.already_cached == 1 and t.stored_units == 0
     store.close()
+
+
+def test_pipelined_load_signals_each_layer_then_releases(setup):
+    store, a, b, src, dst = setup
+    a.store([StoreItem("r", (b"k1" * 8,), 2, (3, 5))])
+    b.start_load([LoadItem("q", (b"k1" * 8,), 0, 2, (0, 1))], pipelined=True)
+    for name in b.layout.names:  # as vLLM's attention layers would, in order
+        b.wait_layer(name)
+        i = b.layout.layer_index(name)
+        assert torch.equal(src[i][3].view(torch.uint8), dst[i][0].view(torch.uint8))
+    failed, done = b.finish_load()
+    assert failed == set() and done["q"][0] == 2 * BS
+    assert store.stats()["leases_held"] == 0

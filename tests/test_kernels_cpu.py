@@ -166,3 +166,26 @@ def test_block_window_loads_a_sub_range_of_a_chunk():
         assert bool((seg[:2 * block] == 0xEE).all()) and bool((seg[3 * block:] == 0xEE).all())
     with pytest.raises(ValueError, match="does not fit"):
         layout.scatter(np.array([1, 2]), payload, payload_first=3, payload_blocks=4)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nhd"])
+def test_layer_ranges_copy_only_those_layers(kind):
+    layers = make_cache(kind, 4, 6, 16, 2, 8, torch.bfloat16)
+    layout = KVLayout(kind, layers)
+    idx = np.array([3, 1], dtype=np.int64) if kind == "cpu" else np.arange(20, 40, dtype=np.int64)
+    full = torch.empty(layout.payload_bytes(32 if kind == "cpu" else 20), dtype=torch.uint8)
+    layout.gather(idx, full)
+    target = make_cache(kind, 4, 6, 16, 2, 8, torch.bfloat16, seed=3)
+    before = _snapshot(target)
+    t_layout = KVLayout(kind, target)
+    t_layout.scatter(idx, full, layers=(1, 3))
+    for i in range(4):
+        touched = not torch.equal(target[i].view(torch.uint8), before[i])
+        assert touched == (i in (1, 2))
+    for a in range(4):  # layer by layer, the whole payload arrives
+        t_layout.scatter(idx, full, layers=(a, a + 1))
+    out = torch.empty_like(full)
+    t_layout.gather(idx, out)
+    assert torch.equal(out, full)
+    with pytest.raises(ValueError, match="layer range"):
+        layout.scatter(idx, full, layers=(2, 5))

@@ -11,6 +11,7 @@ BENCHES = {
     "store": "shmkv.bench.store_bench",
     "kernels": "shmkv.bench.kernels_bench",
     "ttft": "shmkv.bench.ttft_bench",
+    "disk": "shmkv.bench.disk_bench",
 }
 
 

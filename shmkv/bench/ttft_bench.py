@@ -9,6 +9,8 @@ Each figure is the median over several distinct prompts:
   cold_with_shmkv_s   with shmkv, first sight (lookup miss + stores)
   warm_cross_s        with shmkv, a fresh engine process, the same prompt
   prefix_s            with shmkv, a prompt sharing the first 2,000 tokens
+  disk_s              with shmkv, a fresh engine, the chunks only on disk
+                      (spilled, then the shared tier emptied): promotion + load
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import tempfile
 
 from shmkv import Store
 from shmkv.bench.engines import EngineProcess, EngineSpec
+from shmkv.disk.tier import DiskTier
+from shmkv.maintainer import Maintainer
 from shmkv.models import TEST_MODEL, TIMING_MODEL, write_llama
 
 
@@ -69,15 +74,32 @@ def run(argv: list[str]) -> dict:
                 hits.append(r["num_cached_tokens"][0])
                 outs_equal &= e.generate([p], max_tokens=16)["outputs"][0] == ref
             pref = [e.ttft(q)["wall_s"] for q in prefixed]
+        # disk: spill everything, empty the shared tier, ask a fresh engine
+        disk_cfg = dict(cfg, disk_dir=os.path.join(a.workdir, "disk"))
+        store = Store.attach(name)
+        tier = DiskTier(os.path.join(disk_cfg["disk_dir"], name), capacity_bytes=1 << 40)
+        Maintainer(store, tier).spill_all()
+        store.clear()
+        store.close()
+        with EngineProcess(EngineSpec(model, shmkv=disk_cfg), f"{logs}/shmkv-disk.log") as e:
+            e.generate([warm[0]], max_tokens=1)
+            disk, disk_hits = [], []
+            for p in prompts:
+                r = e.ttft(p)
+                disk.append(r["wall_s"])
+                disk_hits.append(r["num_cached_tokens"][0])
     finally:
         Store.unlink(name)
+        shutil.rmtree(os.path.join(a.workdir, "disk"), ignore_errors=True)
     med = statistics.median
     out.update({
         "cold_s": med(cold), "apc_same_engine_s": med(apc), "cold_with_shmkv_s": med(cold_shm),
         "warm_cross_s": med(cross), "prefix_s": med(pref), "hit_tokens": min(hits),
         "apc_hit_tokens": min(apc_hits), "outputs_equal": bool(outs_equal),
+        "disk_s": med(disk), "disk_hit_tokens": min(disk_hits), "disk_over_cold": med(disk) / med(cold),
         "warm_cross_over_apc": med(cross) / med(apc), "cold_shmkv_over_cold": med(cold_shm) / med(cold),
-        "samples": {"cold": cold, "apc": apc, "cold_shmkv": cold_shm, "cross": cross, "prefix": pref},
+        "samples": {"cold": cold, "apc": apc, "cold_shmkv": cold_shm, "cross": cross, "prefix": pref,
+                    "disk": disk},
     })
     return out
 
@@ -90,4 +112,6 @@ def report(r: dict) -> None:
     print(f"  shmkv, another engine      {r['warm_cross_s'] * 1e3:8.0f} ms  ({r['warm_cross_over_apc']:.2f}x APC, "
           f"hit {r['hit_tokens']})")
     print(f"  shmkv, 2,000-token prefix  {r['prefix_s'] * 1e3:8.0f} ms")
+    print(f"  shmkv, from disk           {r['disk_s'] * 1e3:8.0f} ms  ({r['disk_over_cold']:.2f}x cold, "
+          f"hit {r['disk_hit_tokens']})")
     print(f"  outputs equal: {r['outputs_equal']}")

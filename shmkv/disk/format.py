@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import struct
 
-import numpy as np
 import xxhash
 import zstandard
+
+from shmkv import _C
 
 MAGIC = b"SHMKVCK1"
 VERSION = 1
@@ -50,20 +51,12 @@ class DamagedChunk(Exception):
 
 
 def shuffle(raw: bytes | memoryview, element_size: int) -> bytes:
-    if element_size <= 1:
-        return bytes(raw)
-    a = np.frombuffer(raw, dtype=np.uint8)
-    n = a.size // element_size * element_size
-    planes = a[:n].reshape(-1, element_size).T.tobytes()
-    return planes + a[n:].tobytes()
+    """Elements -> byte planes (C++, without the GIL)."""
+    return _C.byte_shuffle(raw, max(1, element_size))
 
 
 def unshuffle(data: bytes, element_size: int) -> bytes:
-    if element_size <= 1:
-        return data
-    a = np.frombuffer(data, dtype=np.uint8)
-    n = a.size // element_size * element_size
-    return a[:n].reshape(element_size, -1).T.tobytes() + a[n:].tobytes()
+    return _C.byte_unshuffle(data, max(1, element_size))
 
 
 def encode(key: bytes, namespace: bytes, raw: bytes | memoryview, *, element_size: int = 2,

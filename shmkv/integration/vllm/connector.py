@@ -158,6 +158,7 @@ class ShmKVConnector(KVConnectorBase_V1):
             self._tp_rank = self._get_tp_rank()
             self._load_errors: set[int] = set()
             self._finished_waiting: set[str] = set()
+            self._loading: ShmKVMetadata | None = None
         log.info("shmkv: %s connector ready (role %s, chunk %d tokens, block %d, loads %s, stores %s)",
                  role.name.lower(), ktc.kv_role, self.cfg.chunk_size, self.block_size,
                  "on" if self.loads_enabled else "off", "on" if self.stores_enabled else "off")
@@ -374,7 +375,18 @@ class ShmKVConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, ShmKVMetadata) or not meta.loads or self._worker is None:
             return
-        failed, done = self._worker.load(meta.loads)
+        self._loading = meta
+        self._worker.start_load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._loading is not None and self._worker is not None:
+            self._worker.wait_layer(layer_name)
+
+    def _finish_load(self) -> None:
+        meta, self._loading = self._loading, None
+        if meta is None or self._worker is None:
+            return
+        failed, done = self._worker.finish_load()
         self._load_errors |= failed
         for req_id, (tokens, seconds) in done.items():
             s = meta.summaries.get(req_id)
@@ -383,13 +395,11 @@ class ShmKVConnector(KVConnectorBase_V1):
                      s.local_tokens if s else -1, tokens, seconds * 1e3,
                      f", {len(failed)} blocks to recompute" if failed else "")
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous and complete before the forward pass
-
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # all layers of a unit are gathered at once in wait_for_save
 
     def wait_for_save(self) -> None:
+        self._finish_load()  # the forward pass is over: release this step's leases
         meta = self._connector_metadata
         if self._worker is None:
             return
@@ -415,6 +425,7 @@ class ShmKVConnector(KVConnectorBase_V1):
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_load()
         out, self._load_errors = self._load_errors, set()
         return out
 

@@ -15,6 +15,8 @@ scheduler keeps the request's blocks until `finished_sending` says so.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -28,6 +30,19 @@ from shmkv.layout import KVLayout
 from shmkv.store import PutResult, Reservation, Store
 
 log = logging.getLogger("shmkv.connector")
+
+
+def _avoid_cores_of_the_main_thread() -> None:
+    """Move the calling thread to the CPUs its creator is not bound to: vLLM
+    binds the worker's OpenMP threads (and so the threads it starts) to its
+    compute cores; a copy thread there would only steal from the forward."""
+    try:
+        mine = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - mine
+        if others:
+            os.sched_setaffinity(0, others)
+    except OSError:
+        pass
 
 
 @dataclass
@@ -69,18 +84,24 @@ class KVWorker:
             self._side_stream = torch.cuda.Stream(layout.device)
 
     # ------------------------------------------------------------ loads --
+    # A step's loads are pipelined with the forward pass on the CPU: a helper
+    # thread (moved off the cores vLLM's OpenMP pool is bound to) scatters the
+    # units layer by layer, and wait_layer(name) blocks only until that layer
+    # is in place. finish_load() joins, releases the leases and reports.
     def load(self, items: list[LoadItem]) -> tuple[set[int], dict[str, tuple[int, float]]]:
-        """Scatter every item; returns (block ids that failed, per request
+        """Scatter every item now; returns (block ids that failed, per request
         (tokens loaded, seconds))."""
-        failed: set[int] = set()
-        done: dict[str, tuple[int, float]] = {}
-        by_req: dict[str, list[LoadItem]] = defaultdict(list)
+        self.start_load(items, pipelined=False)
+        return self.finish_load()
+
+    def start_load(self, items: list[LoadItem], *, pipelined: bool = True) -> None:
+        self._t0 = time.perf_counter()
+        self._failed: set[int] = set()
+        self._jobs: list[tuple[LoadItem, Any]] = []
+        self._req_items: dict[str, list[LoadItem]] = defaultdict(list)
         for it in items:
-            by_req[it.req_id].append(it)
-        bs = self.layout.block_size
-        for req_id, its in by_req.items():
-            t0 = time.perf_counter()
-            loaded = 0
+            self._req_items[it.req_id].append(it)
+        for req_id, its in self._req_items.items():
             try:
                 leases = self.cache.acquire_prefix([it.keys[self.rank] for it in its], count_lookup=False)
             except Exception:
@@ -88,36 +109,75 @@ class KVWorker:
                 self.counters["load_errors"] += 1
                 leases = []
             for i, it in enumerate(its):
-                if i >= len(leases):
-                    failed.update(it.block_ids)
+                if i < len(leases):
+                    self._jobs.append((it, leases[i]))
+                else:
+                    self._failed.update(it.block_ids)
                     self.counters["load_missing_units"] += 1
+        n = self.layout.num_layers
+        self._layer_done = [threading.Event() for _ in range(n)]
+        self._broken: set[int] = set()  # job indices whose copy failed
+        if pipelined and not self.on_gpu and n > 1 and self._jobs:
+            self._loader = threading.Thread(target=self._load_layers, args=(True,), name="shmkv-load", daemon=True)
+            self._loader.start()
+        else:
+            self._loader = None
+            self._load_layers(False)
+
+    def _load_layers(self, move_off_omp_cores: bool) -> None:
+        if move_off_omp_cores:
+            _avoid_cores_of_the_main_thread()
+        for layer in range(self.layout.num_layers):
+            for j, (it, lease) in enumerate(self._jobs):
+                if j in self._broken:
                     continue
                 try:
-                    self._scatter(it, leases[i])
-                    loaded += len(it.block_ids) * bs
-                    if self.digest_file:
-                        self._digest("load", it.keys[self.rank], it.block_ids, it.payload_first, it.payload_blocks)
+                    self._scatter(it, lease, (layer, layer + 1))
                 except Exception:
-                    log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", req_id)
-                    failed.update(it.block_ids)
+                    log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
+                    self._broken.add(j)
                     self.counters["load_errors"] += 1
-            if self.on_gpu and leases:
-                import torch
+            self._layer_done[layer].set()
+        if self.on_gpu and self._jobs:
+            import torch
 
-                torch.cuda.current_stream(self.layout.device).synchronize()
-            for i, lease in enumerate(leases):
-                if not lease.release():  # reclaimed meanwhile: the bytes may be wrong
-                    failed.update(its[i].block_ids)
-                    loaded -= len(its[i].block_ids) * bs
-                    self.counters["load_stale"] += 1
-            self.counters["loaded_tokens"] += loaded
-            done[req_id] = (loaded, time.perf_counter() - t0)
+            torch.cuda.current_stream(self.layout.device).synchronize()
+
+    def wait_layer(self, name: str) -> None:
+        idx = self.layout.layer_index(name)
+        if idx is not None and self._loader is not None:
+            self._layer_done[idx].wait()
+
+    def finish_load(self) -> tuple[set[int], dict[str, tuple[int, float]]]:
+        if getattr(self, "_jobs", None) is None:
+            return set(), {}
+        if self._loader is not None:
+            self._loader.join()
+            self._loader = None
+        bs = self.layout.block_size
+        loaded: dict[str, int] = defaultdict(int)
+        for j, (it, lease) in enumerate(self._jobs):
+            ok = j not in self._broken
+            if ok and self.digest_file:
+                self._digest("load", it.keys[self.rank], it.block_ids, it.payload_first, it.payload_blocks)
+            if not lease.release():  # reclaimed meanwhile: the bytes may be wrong
+                self.counters["load_stale"] += 1
+                ok = False
+            if ok:
+                loaded[it.req_id] += len(it.block_ids) * bs
+            else:
+                self._failed.update(it.block_ids)
+        seconds = time.perf_counter() - self._t0
+        done = {r: (loaded[r], seconds) for r in self._req_items}
+        self.counters["loaded_tokens"] += sum(loaded.values())
+        failed = self._failed
+        self._jobs = None
         return failed, done
 
-    def _scatter(self, it: LoadItem, lease: Any) -> None:
+    def _scatter(self, it: LoadItem, lease: Any, layers: tuple[int, int] | None = None) -> None:
         if not self.layout.token_mode:
             self.layout.scatter(list(it.block_ids), lease, payload_first=it.payload_first,
-                                payload_blocks=it.payload_blocks)
+                                payload_blocks=it.payload_blocks, layers=layers)
             return
         # token payloads: slots of the unit's tokens outside the window are -1
         import numpy as np
@@ -126,7 +186,7 @@ class KVWorker:
         slots = np.full(it.payload_blocks * bs, -1, dtype=np.int64)
         inside = self.layout.slots_for_blocks(list(it.block_ids), len(it.block_ids) * bs)
         slots[it.payload_first * bs:it.payload_first * bs + len(inside)] = inside
-        self.layout.scatter(slots, lease)
+        self.layout.scatter(slots, lease, layers=None if self.on_gpu else layers)
 
     # ----------------------------------------------------------- stores --
     def store(self, items: Iterable[StoreItem]) -> None:

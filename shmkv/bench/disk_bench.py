@@ -1,0 +1,120 @@
+"""Disk tier throughput and compression.
+
+  spill_gbps      raw bytes/s written by the maintainer's path (shuffle + zstd + write + rename)
+  promote_gbps    raw bytes/s brought back (read + check + zstd + unshuffle + put into the segment)
+  ratio_shuffled  raw / compressed bytes with the byte-plane shuffle
+  ratio_plain     the same without it
+measured on KV that vLLM computed for a random-weight model (fields `kv_*`)
+and on Gaussian bf16 (fields `gauss_*`; the top-level fields are the KV ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import tempfile
+import time
+
+import torch
+import xxhash
+
+from shmkv import Store
+from shmkv.disk import format as fmt
+from shmkv.disk.tier import DiskTier
+from shmkv.maintainer import promote
+
+MiB = 1 << 20
+
+
+def _ratios(chunks: list[bytes], level: int) -> tuple[float, float]:
+    raw = sum(len(c) for c in chunks)
+    shuf = sum(len(fmt.encode(b"k" * 16, b"n" * 16, c, element_size=2, level=level)) for c in chunks)
+    plain = sum(len(fmt.encode(b"k" * 16, b"n" * 16, c, element_size=1, level=level)) for c in chunks)
+    return raw / shuf, raw / plain
+
+
+def _throughput(chunks: list[bytes], workdir: str, level: int) -> tuple[float, float]:
+    name = f"shmkv-bench-disk-{os.getpid()}"
+    size = max(len(c) for c in chunks)
+    store = Store.create(name, len(chunks) * size + 64 * MiB, max_payload_bytes=size)
+    disk = DiskTier(os.path.join(workdir, "disk"), capacity_bytes=1 << 40, level=level, element_size=2)
+    try:
+        keys = [xxhash.xxh3_128_digest(str(i).encode()) for i in range(len(chunks))]
+        t0 = time.perf_counter()
+        for k, c in zip(keys, chunks):
+            assert disk.write(k, b"n" * 16, c)
+        spill = sum(map(len, chunks)) / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        assert promote(store, disk, keys) == len(keys)
+        prom = sum(map(len, chunks)) / (time.perf_counter() - t0) / 1e9
+        assert store.get(keys[-1]) == chunks[-1]
+        return spill, prom
+    finally:
+        store.close()
+        Store.unlink(name)
+        shutil.rmtree(os.path.join(workdir, "disk"), ignore_errors=True)
+
+
+def _vllm_kv(workdir: str) -> list[bytes]:
+    """Chunk payloads vLLM computed for a 3,000-token prompt (tiny random Llama)."""
+    from shmkv.bench.engines import EngineProcess, EngineSpec
+    from shmkv.models import TEST_MODEL, write_llama
+
+    model = write_llama(os.path.join(workdir, "model"), TEST_MODEL)
+    name = f"shmkv-bench-kv-{os.getpid()}"
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, TEST_MODEL.vocab_size) for _ in range(3000)] for _ in range(3)]
+    try:
+        with EngineProcess(EngineSpec(model, shmkv={"cache_name": name, "capacity": "256MiB"}),
+                           os.path.join(workdir, "engine.log")) as e:
+            e.generate(prompts, max_tokens=1)
+        store = Store.attach(name)
+        chunks = []
+        for key, _size, _flags, _ns in store.coldest(1 << 20):
+            chunks.append(store.get(key))
+        store.close()
+        return chunks
+    finally:
+        Store.unlink(name)
+
+
+def run(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m shmkv.bench disk")
+    ap.add_argument("--level", type=int, default=1, help="zstd level")
+    ap.add_argument("--gauss-chunks", type=int, default=16)
+    ap.add_argument("--chunk-mib", type=int, default=8)
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM KV part")
+    a = ap.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="shmkv-bench-disk-")
+    try:
+        g = torch.Generator().manual_seed(0)
+        n = a.chunk_mib * MiB // 2
+        gauss = [torch.randn(n, generator=g).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+                 for _ in range(a.gauss_chunks)]
+        gs, gp = _ratios(gauss, a.level)
+        g_spill, g_prom = _throughput(gauss, work, a.level)
+        out = {"level": a.level, "gauss_ratio_shuffled": gs, "gauss_ratio_plain": gp,
+               "gauss_spill_gbps": g_spill, "gauss_promote_gbps": g_prom,
+               "gauss_chunk_bytes": len(gauss[0])}
+        if not a.no_vllm:
+            kv = _vllm_kv(work)
+            ks, kp = _ratios(kv, a.level)
+            k_spill, k_prom = _throughput(kv, work, a.level)
+            out.update({"kv_chunks": len(kv), "kv_chunk_bytes": len(kv[0]), "kv_ratio_shuffled": ks,
+                        "kv_ratio_plain": kp, "kv_spill_gbps": k_spill, "kv_promote_gbps": k_prom})
+        src = "kv" if "kv_ratio_shuffled" in out else "gauss"
+        out.update({"spill_gbps": out[f"{src}_spill_gbps"], "promote_gbps": out[f"{src}_promote_gbps"],
+                    "ratio_shuffled": out[f"{src}_ratio_shuffled"], "ratio_plain": out[f"{src}_ratio_plain"],
+                    "source": src})
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def report(r: dict) -> None:
+    for src, label in (("kv", "vLLM KV (random Llama)"), ("gauss", "Gaussian bf16")):
+        if f"{src}_ratio_shuffled" in r:
+            print(f"{label:24s} ratio {r[f'{src}_ratio_shuffled']:.3f} shuffled / {r[f'{src}_ratio_plain']:.3f} "
+                  f"plain; spill {r[f'{src}_spill_gbps']:.2f} GB/s, promote {r[f'{src}_promote_gbps']:.2f} GB/s")
