@@ -83,6 +83,52 @@ struct LivenessCache {
   }
 };
 
+// Every counter of the segment by name: stats() lists them all; bump() may
+// change only those marked as the tiers' (Python-side events).
+struct NamedCounter {
+  const char* name;
+  std::atomic<uint64_t> Counters::*member;
+  bool tier;
+};
+
+constexpr NamedCounter kCounters[] = {
+    {"lookups", &Counters::lookups, false},
+    {"hits", &Counters::hits, false},
+    {"misses", &Counters::misses, false},
+    {"puts", &Counters::puts, false},
+    {"put_full", &Counters::put_full, false},
+    {"put_exists", &Counters::put_exists, false},
+    {"put_busy", &Counters::put_busy, false},
+    {"put_too_large", &Counters::put_too_large, false},
+    {"evictions", &Counters::evictions, false},
+    {"evicted_bytes", &Counters::evicted_bytes, false},
+    {"evicted_unspilled", &Counters::evicted_unspilled, false},
+    {"writes_aborted", &Counters::writes_aborted, false},
+    {"writes_reclaimed", &Counters::writes_reclaimed, false},
+    {"leases_reclaimed", &Counters::leases_reclaimed, false},
+    {"lease_table_full", &Counters::lease_table_full, false},
+    {"entry_table_full", &Counters::entry_table_full, false},
+    {"stale_handles", &Counters::stale_handles, false},
+    {"deletes", &Counters::deletes, false},
+    {"pins", &Counters::pins, false},
+    {"lock_recoveries", &Counters::lock_recoveries, false},
+    {"segment_resets", &Counters::segment_resets, false},
+    {"index_rehashes", &Counters::index_rehashes, false},
+    {"procs_table_full", &Counters::procs_table_full, false},
+    {"bytes_used", &Counters::bytes_used, false},
+    {"entries", &Counters::entries, false},
+    {"ready_entries", &Counters::ready_entries, false},
+    {"pinned_entries", &Counters::pinned_entries, false},
+    {"spills", &Counters::spills, true},
+    {"spill_bytes", &Counters::spill_bytes, true},
+    {"spill_errors", &Counters::spill_errors, true},
+    {"disk_hits", &Counters::disk_hits, true},
+    {"promote_bytes", &Counters::promote_bytes, true},
+    {"disk_damaged", &Counters::disk_damaged, true},
+    {"disk_removed", &Counters::disk_removed, true},
+    {"promote_errors", &Counters::promote_errors, true},
+};
+
 }  // namespace
 
 // Takes the table mutex; on EOWNERDEAD rebuilds the table before the caller
@@ -774,19 +820,13 @@ Status ChunkTable::evict_spilled(const Key& key) {
 }
 
 bool ChunkTable::bump(const std::string& name, uint64_t n) {
-  Counters& k = c();
-  std::atomic<uint64_t>* target = nullptr;
-  if (name == "spills") target = &k.spills;
-  else if (name == "spill_bytes") target = &k.spill_bytes;
-  else if (name == "spill_errors") target = &k.spill_errors;
-  else if (name == "disk_hits") target = &k.disk_hits;
-  else if (name == "promote_bytes") target = &k.promote_bytes;
-  else if (name == "disk_damaged") target = &k.disk_damaged;
-  else if (name == "disk_removed") target = &k.disk_removed;
-  else if (name == "promote_errors") target = &k.promote_errors;
-  if (!target) return false;
-  target->fetch_add(n, std::memory_order_relaxed);
-  return true;
+  for (const NamedCounter& nc : kCounters) {
+    if (nc.tier && name == nc.name) {
+      (c().*nc.member).fetch_add(n, std::memory_order_relaxed);
+      return true;
+    }
+  }
+  return false;
 }
 
 // ------------------------------------------------------------- recovery ----
@@ -1084,42 +1124,7 @@ std::map<std::string, uint64_t> ChunkTable::stats() {
   Header* hd = h();
   const Geometry& g = hd->geo;
   Counters& k = c();
-  auto ld = [](const std::atomic<uint64_t>& a) { return a.load(std::memory_order_relaxed); };
-  m["lookups"] = ld(k.lookups);
-  m["hits"] = ld(k.hits);
-  m["misses"] = ld(k.misses);
-  m["puts"] = ld(k.puts);
-  m["put_full"] = ld(k.put_full);
-  m["put_exists"] = ld(k.put_exists);
-  m["put_busy"] = ld(k.put_busy);
-  m["put_too_large"] = ld(k.put_too_large);
-  m["evictions"] = ld(k.evictions);
-  m["evicted_bytes"] = ld(k.evicted_bytes);
-  m["writes_aborted"] = ld(k.writes_aborted);
-  m["writes_reclaimed"] = ld(k.writes_reclaimed);
-  m["leases_reclaimed"] = ld(k.leases_reclaimed);
-  m["lease_table_full"] = ld(k.lease_table_full);
-  m["entry_table_full"] = ld(k.entry_table_full);
-  m["stale_handles"] = ld(k.stale_handles);
-  m["deletes"] = ld(k.deletes);
-  m["pins"] = ld(k.pins);
-  m["lock_recoveries"] = ld(k.lock_recoveries);
-  m["segment_resets"] = ld(k.segment_resets);
-  m["index_rehashes"] = ld(k.index_rehashes);
-  m["procs_table_full"] = ld(k.procs_table_full);
-  m["evicted_unspilled"] = ld(k.evicted_unspilled);
-  m["spills"] = ld(k.spills);
-  m["spill_bytes"] = ld(k.spill_bytes);
-  m["spill_errors"] = ld(k.spill_errors);
-  m["disk_hits"] = ld(k.disk_hits);
-  m["promote_bytes"] = ld(k.promote_bytes);
-  m["disk_damaged"] = ld(k.disk_damaged);
-  m["disk_removed"] = ld(k.disk_removed);
-  m["promote_errors"] = ld(k.promote_errors);
-  m["bytes_used"] = ld(k.bytes_used);
-  m["entries"] = ld(k.entries);
-  m["ready_entries"] = ld(k.ready_entries);
-  m["pinned_entries"] = ld(k.pinned_entries);
+  for (const NamedCounter& nc : kCounters) m[nc.name] = (k.*nc.member).load(std::memory_order_relaxed);
   m["capacity_bytes"] = g.capacity_bytes;
   m["arena_bytes"] = g.arena_bytes;
   m["max_payload_bytes"] = g.max_payload_bytes;
