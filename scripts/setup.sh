@@ -18,6 +18,6 @@ fi
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
 pipi "scikit-build-core>=0.10" "pybind11>=2.12" numpy xxhash zstandard posix-ipc PyYAML \
-     safetensors pytest hypothesis
+     safetensors prometheus_client pytest hypothesis
 pipi --no-build-isolation -e .
 "$PY" -c "import shmkv, torch, vllm; print('shmkv', shmkv.__version__, '| torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -252,7 +252,7 @@ class Store:
             raise error_for(code, msg)
         store = cls(table, OpenOutcome(outcome))
         st = table.stats()
-        log.info(
+        log.debug(
             "%s shared-memory segment '%s': capacity %s, payload arena %s, max payload %s, "
             "%d entries max",
             {0: "created", 1: "attached", 2: "re-initialised stale", 3: "adopted stale"}[outcome],

@@ -86,9 +86,6 @@ class Planner:
         if self.chunk_size % block_size:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of block_size {block_size}")
 
-    def with_salt(self, namespaces: Sequence[Namespace]) -> Planner:
-        return Planner(namespaces, self.block_size, store_tail=self.store_tail)
-
     # ------------------------------------------------------------- units --
     def units(self, tokens: Sequence[int] | np.ndarray) -> list[Unit]:
         """Full chunks, then the tail piece (if any full block remains)."""

@@ -1,0 +1,186 @@
+"""`python -m shmkv.stats`: what the cache is doing, read from the segment itself.
+
+Works with or without the daemon: it attaches the shared segment (counters
+live there, shared by every process) and, when given the disk tier's
+directory, counts its files.
+
+    python -m shmkv.stats                      # table for the default cache
+    python -m shmkv.stats --cache NAME --json
+    python -m shmkv.stats --watch 2            # refresh every 2 s (Ctrl-C ends)
+    python -m shmkv.stats --prometheus         # Prometheus text exposition
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from shmkv.errors import SegmentError, SegmentNotFoundError
+from shmkv.store import Store, default_cache_name
+
+# (metric, help, kind) for the Prometheus view; kind "counter" gets _total
+_SHM_METRICS = [
+    ("lookups", "Keys looked up in the shared tier", "counter"),
+    ("hits", "Keys found in the shared tier", "counter"),
+    ("misses", "Lookups that ended a cached prefix", "counter"),
+    ("puts", "Chunks committed to the shared tier", "counter"),
+    ("put_full", "Puts refused because nothing could be evicted", "counter"),
+    ("put_exists", "Puts of chunks already cached", "counter"),
+    ("put_busy", "Puts of chunks another process was writing", "counter"),
+    ("evictions", "Chunks evicted from the shared tier", "counter"),
+    ("evicted_unspilled", "Evictions of chunks that were not on disk", "counter"),
+    ("leases_reclaimed", "Read leases of dead processes released", "counter"),
+    ("writes_reclaimed", "Unfinished writes of dead processes freed", "counter"),
+    ("writes_aborted", "Writes aborted by their writer", "counter"),
+    ("lock_recoveries", "Table rebuilds after a process died holding the lock", "counter"),
+    ("segment_resets", "Segments emptied because they could not be rebuilt", "counter"),
+    ("bytes_used", "Payload bytes in use", "gauge"),
+    ("arena_bytes", "Payload byte cap", "gauge"),
+    ("capacity_bytes", "Size of the shared segment", "gauge"),
+    ("entries", "Chunks held (any state)", "gauge"),
+    ("pinned_entries", "Chunks pinned", "gauge"),
+    ("leases_held", "Read leases held now", "gauge"),
+    ("processes_attached", "Processes attached to the segment", "gauge"),
+]
+_DISK_METRICS = [
+    ("spills", "Chunks written to the disk tier", "counter"),
+    ("spill_bytes", "Raw bytes written to the disk tier", "counter"),
+    ("spill_errors", "Spills that failed (disk full, I/O error)", "counter"),
+    ("disk_hits", "Chunks promoted from disk into the shared tier", "counter"),
+    ("promote_bytes", "Raw bytes promoted from disk", "counter"),
+    ("promote_errors", "Promotions that failed", "counter"),
+    ("disk_damaged", "Damaged disk chunks found and removed", "counter"),
+    ("disk_removed", "Disk chunks removed by the byte cap", "counter"),
+]
+
+
+def collect(cache: str, disk_dir: str | None = None) -> dict[str, Any]:
+    """A snapshot of one cache: {"cache", "shm": {...}, "disk": {...}}."""
+    store = Store.attach(cache, populate=False)
+    try:
+        st = store.stats()
+    finally:
+        store.close()
+    st["processes_attached"] = max(0, st["processes_attached"] - 1)  # not counting ourselves
+    shm = {name: st[name] for name, _, _ in _SHM_METRICS}
+    shm["hit_rate"] = st["hits"] / st["lookups"] if st["lookups"] else 0.0
+    disk: dict[str, Any] = {name: st[name] for name, _, _ in _DISK_METRICS}
+    if disk_dir:
+        path = os.path.join(disk_dir, cache)
+        files = size = 0
+        if os.path.isdir(path):
+            with os.scandir(path) as it:
+                for d in it:
+                    if d.name.endswith(".kv"):
+                        files += 1
+                        size += d.stat().st_size
+        disk.update({"dir": path, "files": files, "bytes_on_disk": size})
+    return {"cache": cache, "time": time.time(), "shm": shm, "disk": disk}
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def render_table(snap: dict[str, Any]) -> str:
+    s, d = snap["shm"], snap["disk"]
+    rows = [
+        f"shmkv cache '{snap['cache']}'",
+        "",
+        "shared tier (/dev/shm)",
+        f"  capacity          {_fmt_bytes(s['capacity_bytes'])} (payload cap {_fmt_bytes(s['arena_bytes'])})",
+        f"  used              {_fmt_bytes(s['bytes_used'])} ({100 * s['bytes_used'] / max(1, s['arena_bytes']):.1f}%)",
+        f"  entries           {s['entries']} ({s['pinned_entries']} pinned, {s['leases_held']} leases held)",
+        f"  hit rate          {100 * s['hit_rate']:.1f}% ({s['hits']} hits / {s['lookups']} lookups)",
+        f"  puts              {s['puts']} (full {s['put_full']}, already cached {s['put_exists']}, "
+        f"busy {s['put_busy']})",
+        f"  evictions         {s['evictions']} ({s['evicted_unspilled']} not on disk)",
+        f"  processes         {s['processes_attached']} attached",
+        f"  reclaims          {s['leases_reclaimed']} leases, {s['writes_reclaimed']} writes; "
+        f"lock recoveries {s['lock_recoveries']}, resets {s['segment_resets']}",
+        "",
+        "disk tier",
+        f"  spills            {d['spills']} ({_fmt_bytes(d['spill_bytes'])}), errors {d['spill_errors']}",
+        f"  promotions        {d['disk_hits']} ({_fmt_bytes(d['promote_bytes'])}), errors {d['promote_errors']}",
+        f"  damaged / capped  {d['disk_damaged']} removed damaged, {d['disk_removed']} removed by the cap",
+    ]
+    if "files" in d:
+        rows.append(f"  on disk           {d['files']} chunks, {_fmt_bytes(d['bytes_on_disk'])} in {d['dir']}")
+    return "\n".join(rows)
+
+
+def render_prometheus(snap: dict[str, Any]) -> str:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Collector:
+        def collect(self):  # noqa: ANN202 - prometheus_client protocol
+            for tier, metrics in (("shm", _SHM_METRICS), ("disk", _DISK_METRICS)):
+                values = snap[tier]
+                for name, help_text, kind in metrics:
+                    family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                        f"shmkv_{name}", help_text, labels=["cache", "tier"])
+                    family.add_metric([snap["cache"], tier], values[name])
+                    yield family
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    return generate_latest(registry).decode()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m shmkv.stats", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache", default=os.environ.get("SHMKV_CACHE_NAME") or default_cache_name(),
+                    help="cache name (default: $SHMKV_CACHE_NAME or shmkv-<uid>)")
+    ap.add_argument("--disk-dir", default=os.environ.get("SHMKV_DISK_DIR"),
+                    help="disk tier directory, to count its files")
+    fmt = ap.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="one JSON object per snapshot")
+    fmt.add_argument("--prometheus", action="store_true", help="Prometheus text exposition")
+    ap.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
+    ap.add_argument("--count", type=int, default=0, help="with --watch: stop after this many snapshots")
+    args = ap.parse_args(argv)
+    if args.watch is not None and args.watch <= 0:
+        ap.error("--watch needs a positive number of seconds")
+
+    shown = 0
+    try:
+        while True:
+            try:
+                snap = collect(args.cache, args.disk_dir)
+            except SegmentNotFoundError:
+                print(f"shmkv: no cache named '{args.cache}' (looked for /dev/shm/{args.cache}).\n"
+                      "Start one with scripts/start_shm_daemon.sh, or start vLLM with the shmkv connector "
+                      "(the first process creates it); pick another name with --cache NAME.", file=sys.stderr)
+                return 1
+            except SegmentError as e:
+                print(f"shmkv: cannot read cache '{args.cache}': {e}", file=sys.stderr)
+                return 1
+            if args.json:
+                print(json.dumps(snap, sort_keys=True), flush=True)
+            elif args.prometheus:
+                sys.stdout.write(render_prometheus(snap))
+                sys.stdout.flush()
+            else:
+                if args.watch and sys.stdout.isatty():
+                    sys.stdout.write("\x1b[2J\x1b[H")
+                print(render_table(snap), flush=True)
+            shown += 1
+            if args.watch is None or (args.count and shown >= args.count):
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
