@@ -377,13 +377,41 @@ void ChunkTable::do_lru_unlink_locked(uint32_t e) {
 bool ChunkTable::do_evict_one_locked() {
   uint32_t e = h()->lru_tail;
   if (e == kNone) return false;
+  do_evict_locked(e);
+  return true;
+}
+
+void ChunkTable::do_evict_locked(uint32_t e) {
   do_lru_unlink_locked(e);
   do_index_remove_locked(e);
   c().evictions.fetch_add(1, std::memory_order_relaxed);
   if (!(entries()[e].flags & kFlagSpilled)) c().evicted_unspilled.fetch_add(1, std::memory_order_relaxed);
   c().evicted_bytes.fetch_add(entries()[e].alloc_size, std::memory_order_relaxed);
   do_free_entry_locked(e);
-  return true;
+}
+
+uint32_t ChunkTable::do_find_ready_locked(const Key& k) const {
+  uint32_t e = do_find_locked(k);
+  if (e == kNone || entries()[e].state.load(std::memory_order_relaxed) != kEntryReady) return kNone;
+  return e;
+}
+
+// Out of the index now; freed now, or (leased) doomed and freed at the last release.
+bool ChunkTable::do_remove_ready_locked(uint32_t e) {
+  Entry& en = entries()[e];
+  do_index_remove_locked(e);
+  if (en.refcount == 0) {
+    if (en.pin_count == 0) do_lru_unlink_locked(e);
+    do_free_entry_locked(e);
+    return true;
+  }
+  if (en.pin_count) {
+    c().pinned_entries.fetch_sub(1, std::memory_order_relaxed);
+    en.pin_count = 0;
+  }
+  en.state.store(kEntryDoomed, std::memory_order_release);
+  c().ready_entries.fetch_sub(1, std::memory_order_relaxed);
+  return false;
 }
 
 // -------------------------------------------------------------- records ----
@@ -656,10 +684,9 @@ void ChunkTable::contains(const Key* keys, size_t n, uint8_t* out) {
 
 Status ChunkTable::pin(const Key& key) {
   TableLock lock(*this);
-  uint32_t e = do_find_locked(key);
+  uint32_t e = do_find_ready_locked(key);
   if (e == kNone) return Status::kMiss;
   Entry& en = entries()[e];
-  if (en.state.load(std::memory_order_relaxed) != kEntryReady) return Status::kMiss;
   if (en.pin_count == 0) {
     if (en.refcount == 0) do_lru_unlink_locked(e);
     c().pinned_entries.fetch_add(1, std::memory_order_relaxed);
@@ -671,11 +698,9 @@ Status ChunkTable::pin(const Key& key) {
 
 Status ChunkTable::unpin(const Key& key) {
   TableLock lock(*this);
-  uint32_t e = do_find_locked(key);
-  if (e == kNone) return Status::kMiss;
+  uint32_t e = do_find_ready_locked(key);
+  if (e == kNone || entries()[e].pin_count == 0) return Status::kMiss;
   Entry& en = entries()[e];
-  if (en.state.load(std::memory_order_relaxed) != kEntryReady || en.pin_count == 0)
-    return Status::kMiss;
   en.pin_count -= 1;
   if (en.pin_count == 0) {
     c().pinned_entries.fetch_sub(1, std::memory_order_relaxed);
@@ -689,25 +714,10 @@ Status ChunkTable::unpin(const Key& key) {
 
 Status ChunkTable::erase(const Key& key) {
   TableLock lock(*this);
-  uint32_t e = do_find_locked(key);
+  uint32_t e = do_find_ready_locked(key);
   if (e == kNone) return Status::kMiss;
-  Entry& en = entries()[e];
-  if (en.state.load(std::memory_order_relaxed) != kEntryReady) return Status::kMiss;
   c().deletes.fetch_add(1, std::memory_order_relaxed);
-  do_index_remove_locked(e);
-  if (en.refcount == 0) {
-    if (en.pin_count == 0) do_lru_unlink_locked(e);
-    do_free_entry_locked(e);
-    return Status::kOk;
-  }
-  // Leased: hide it now, free its bytes when the last lease goes.
-  if (en.pin_count) {
-    c().pinned_entries.fetch_sub(1, std::memory_order_relaxed);
-    en.pin_count = 0;
-  }
-  en.state.store(kEntryDoomed, std::memory_order_release);
-  c().ready_entries.fetch_sub(1, std::memory_order_relaxed);
-  return Status::kBusy;
+  return do_remove_ready_locked(e) ? Status::kOk : Status::kBusy;
 }
 
 uint64_t ChunkTable::clear(const Key* ns) {
@@ -715,22 +725,10 @@ uint64_t ChunkTable::clear(const Key* ns) {
   Entry* ent = entries();
   uint64_t removed = 0;
   for (uint32_t e = 0; e < h()->geo.max_entries; ++e) {
-    Entry& en = ent[e];
-    if (en.state.load(std::memory_order_relaxed) != kEntryReady) continue;
-    if (ns && !(en.ns == *ns)) continue;
-    do_index_remove_locked(e);
+    if (ent[e].state.load(std::memory_order_relaxed) != kEntryReady) continue;
+    if (ns && !(ent[e].ns == *ns)) continue;
+    do_remove_ready_locked(e);
     ++removed;
-    if (en.refcount == 0) {
-      if (en.pin_count == 0) do_lru_unlink_locked(e);
-      do_free_entry_locked(e);
-    } else {
-      if (en.pin_count) {
-        c().pinned_entries.fetch_sub(1, std::memory_order_relaxed);
-        en.pin_count = 0;
-      }
-      en.state.store(kEntryDoomed, std::memory_order_release);
-      c().ready_entries.fetch_sub(1, std::memory_order_relaxed);
-    }
   }
   c().deletes.fetch_add(removed, std::memory_order_relaxed);
   return removed;
@@ -798,24 +796,19 @@ std::vector<ColdEntry> ChunkTable::coldest(size_t max_n) {
 
 Status ChunkTable::set_flags(const Key& key, uint32_t flags) {
   TableLock lock(*this);
-  uint32_t e = do_find_locked(key);
-  if (e == kNone || entries()[e].state.load(std::memory_order_relaxed) != kEntryReady) return Status::kMiss;
+  uint32_t e = do_find_ready_locked(key);
+  if (e == kNone) return Status::kMiss;
   entries()[e].flags |= flags;
   return Status::kOk;
 }
 
 Status ChunkTable::evict_spilled(const Key& key) {
   TableLock lock(*this);
-  uint32_t e = do_find_locked(key);
+  uint32_t e = do_find_ready_locked(key);
   if (e == kNone) return Status::kMiss;
-  Entry& en = entries()[e];
-  if (en.state.load(std::memory_order_relaxed) != kEntryReady) return Status::kMiss;
+  const Entry& en = entries()[e];
   if (en.refcount || en.pin_count || !(en.flags & kFlagSpilled)) return Status::kBusy;
-  do_lru_unlink_locked(e);
-  do_index_remove_locked(e);
-  c().evictions.fetch_add(1, std::memory_order_relaxed);
-  c().evicted_bytes.fetch_add(en.alloc_size, std::memory_order_relaxed);
-  do_free_entry_locked(e);
+  do_evict_locked(e);
   return Status::kOk;
 }
 

@@ -135,6 +135,9 @@ class ChunkTable {
   void do_lru_link_head_locked(uint32_t e);
   void do_lru_unlink_locked(uint32_t e);
   bool do_evict_one_locked();
+  void do_evict_locked(uint32_t e);          // e is READY and in the LRU list
+  uint32_t do_find_ready_locked(const Key& k) const;  // kNone unless READY
+  bool do_remove_ready_locked(uint32_t e);   // false: leased, doomed until release
   // records
   void do_free_entry_locked(uint32_t e);
   Status do_grant_lease_locked(uint32_t e, LeaseHandle* out);
