@@ -108,6 +108,7 @@ class ShmkvConfig:
     spill_ahead: float = 0.20  # keep this fraction of the coldest chunks already on disk
     maintainer: bool = True  # without a daemon, a vLLM scheduler process maintains the cache
     log_level: str = "info"
+    listen: str = "127.0.0.1:7470"  # daemon controller: loopback HOST:PORT or unix:/path (socket 0600)
     debug_digest_file: str = ""  # append per-chunk KV digests (tests prove byte equality)
     config_file: str = ""
 
@@ -130,9 +131,41 @@ class ShmkvConfig:
             "low_watermark": lambda k, v: _parse_fraction(k, v),
             "spill_ahead": lambda k, v: _parse_fraction(k, v),
             "maintainer": _parse_bool,
+            "listen": _parse_listen,
             "debug_digest_file": lambda k, v: str(v),
             "config_file": lambda k, v: str(v),
         }
+
+
+def parse_listen(value: str) -> tuple[str, str, int]:
+    """("unix", path, 0) or ("tcp", host, port) of a controller address; the
+    host must be a loopback address (the controller has no authentication)."""
+    import ipaddress
+    import socket
+
+    s = str(value).strip()
+    if s.startswith("unix:"):
+        path = s[5:]
+        if not path.startswith("/"):
+            raise ConfigError(f"listen={value!r}: a unix socket needs an absolute path (unix:/run/...)")
+        return "unix", path, 0
+    host, sep, port_s = s.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not port_s.isdigit() or not 0 <= int(port_s) <= 65535 or not host:
+        raise ConfigError(f"listen={value!r}: expected HOST:PORT (loopback) or unix:/absolute/path")
+    try:
+        addrs = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(host, None)}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"listen={value!r}: cannot resolve {host!r}: {e}") from e
+    if not all(a.is_loopback for a in addrs):
+        raise ConfigError(f"listen={value!r}: the controller listens on loopback only (127.0.0.1, ::1, "
+                          "localhost) or on a unix socket; it has no authentication")
+    return "tcp", host, int(port_s)
+
+
+def _parse_listen(key: str, value: Any) -> str:
+    parse_listen(value)
+    return str(value).strip()
 
 
 def _check_name(key: str, value: Any) -> str:

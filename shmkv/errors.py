@@ -15,6 +15,7 @@ plus configuration errors found in Python.
     │   └── PermissionDeniedError  (also a PermissionError)
     ├── PayloadTooLargeError   (also a ValueError)
     ├── InvalidArgumentError   (also a ValueError)
+    ├── RequestError           a controller request refused (carries its HTTP status)
     └── StaleHandleError       a lease/reservation was reclaimed: its bytes are void
 """
 
@@ -63,6 +64,15 @@ class PayloadTooLargeError(ShmkvError, ValueError):
 
 class InvalidArgumentError(ShmkvError, ValueError):
     pass
+
+
+class RequestError(ShmkvError, ValueError):
+    """A controller request that is malformed, out of range or not possible
+    here; `status` is the HTTP status to answer with (4xx)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class StaleHandleError(ShmkvError):

@@ -11,9 +11,9 @@ healthy, off vLLM's hot path.
   * reclaim: leases and half-written chunks of dead processes are released.
 
 The role is an exclusive flock on <runtime dir>/<cache>.maintainer.lock: the
-daemon takes it when it runs; without a daemon, the first vLLM scheduler
-process to get it does the work in a background thread, and another takes
-over when that process exits.
+daemon takes it when it runs (an embedded holder hands it over within a
+second); without a daemon, the first vLLM scheduler process to get it does
+the work in a background thread, and another takes over when it exits.
 
 Promotion (disk -> shared tier) is not the maintainer's: the process that
 found a disk hit promotes it (`promote`), so a lookup never waits on another
@@ -26,6 +26,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 
 from shmkv.disk.tier import DiskTier
@@ -45,11 +46,13 @@ def runtime_dir() -> str:
     return path
 
 
-class MaintainerLock:
-    """Exclusive, process-lifetime role lock (released by the kernel on exit)."""
+class PidLock:
+    """An exclusive, process-lifetime flock on a 0600 file in the runtime
+    directory that also records the holder's pid (released by the kernel
+    when the holder exits, however it exits)."""
 
-    def __init__(self, cache_name: str) -> None:
-        self.path = os.path.join(runtime_dir(), f"{cache_name}.maintainer.lock")
+    def __init__(self, path: str) -> None:
+        self.path = path
         self._fd: int | None = None
 
     def try_acquire(self) -> bool:
@@ -67,11 +70,28 @@ class MaintainerLock:
         return True
 
     def holder_pid(self) -> int | None:
+        """The pid written by the holder (None if never held or unreadable)."""
         try:
             with open(self.path) as f:
                 return int(f.read().strip() or 0) or None
         except (OSError, ValueError):
             return None
+
+    def is_held_elsewhere(self) -> bool:
+        """Whether another process holds the lock now."""
+        if self._fd is not None:
+            return False
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing drops a shared lock we may have taken
+        return False
 
     def release(self) -> None:
         if self._fd is not None:
@@ -81,6 +101,16 @@ class MaintainerLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+
+def MaintainerLock(cache_name: str) -> PidLock:  # noqa: N802 - a lock "class" per role
+    """The maintainer role of one cache."""
+    return PidLock(os.path.join(runtime_dir(), f"{cache_name}.maintainer.lock"))
+
+
+def DaemonLock(cache_name: str) -> PidLock:  # noqa: N802
+    """Held by the one daemon of a cache for its lifetime."""
+    return PidLock(os.path.join(runtime_dir(), f"{cache_name}.daemon.lock"))
 
 
 class Maintainer:
@@ -109,7 +139,7 @@ class Maintainer:
                 break
             covered += size
             if not flags & 1:
-                did["spilled"] += self._spill(key, ns)
+                did["spilled"] += self.spill(key, ns)
         # evict spilled chunks from the cold end until above the low watermark
         while free < self.low_bytes:
             progressed = False
@@ -131,10 +161,11 @@ class Maintainer:
             return 0
         for key, _size, flags, ns in self.store.coldest(1 << 30):
             if not flags & 1:
-                n += self._spill(key, ns)
+                n += self.spill(key, ns)
         return n
 
-    def _spill(self, key: bytes, ns: bytes) -> int:
+    def spill(self, key: bytes, ns: bytes) -> int:
+        """Write one shared-tier chunk to disk and mark it spilled; 1 if written."""
         assert self.disk is not None
         if self.disk.contains([key])[0]:
             self.store.mark_spilled(key)
@@ -182,11 +213,14 @@ def promote(store: Store, disk: DiskTier, keys: Sequence[bytes]) -> int:
 class MaintainerRole:
     """Background thread of a process that may maintain the cache: it takes
     the maintainer lock when it is free (at start, or when the holder exits)
-    and then runs maintenance passes."""
+    and then runs maintenance passes. An embedded role (a vLLM process,
+    `yield_to_daemon`) hands the role over as soon as a daemon runs for the
+    cache, and stays in standby while one does."""
 
     def __init__(self, cfg, store: Store, disk: DiskTier | None, *, interval_s: float = 0.05,
-                 standby_s: float = 1.0) -> None:
+                 standby_s: float = 1.0, yield_to_daemon: bool = True) -> None:
         self.lock = MaintainerLock(cfg.cache_name)
+        self.daemon = DaemonLock(cfg.cache_name) if yield_to_daemon else None
         self.maintainer = Maintainer(store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead)
         self.disk = disk
         self.interval_s = interval_s
@@ -204,16 +238,27 @@ class MaintainerRole:
             self._thread.join(timeout=30)
         self.lock.release()
 
+    def _daemon_runs(self) -> bool:
+        return self.daemon is not None and self.daemon.is_held_elsewhere()
+
     def _loop(self) -> None:
+        next_daemon_check = 0.0
         while not self._stop.is_set():
             if not self.lock.held:
-                if not self.lock.try_acquire():
+                if self._daemon_runs() or not self.lock.try_acquire():
                     self._stop.wait(self.standby_s)
                     continue
                 log.info("shmkv: this process (pid %d) is now the cache maintainer", os.getpid())
                 if self.disk is not None:
                     files, size = self.disk.rebuild_index()
                     log.info("shmkv: disk tier index rebuilt: %d chunks, %.1f MiB", files, size / 2**20)
+            elif time.monotonic() >= next_daemon_check:
+                next_daemon_check = time.monotonic() + self.standby_s
+                if self._daemon_runs():
+                    log.info("shmkv: the daemon (pid %s) runs: handing it the maintainer role",
+                             self.daemon.holder_pid() if self.daemon else "?")
+                    self.lock.release()
+                    continue
             try:
                 self.maintainer.run_once()
             except Exception:

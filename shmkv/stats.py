@@ -58,19 +58,34 @@ _DISK_METRICS = [
 ]
 
 
+CONTROLLER_METRICS = [
+    ("requests", "Requests the controller answered", "counter"),
+    ("bad_requests", "Requests refused with a 4xx (malformed or out of range)", "counter"),
+    ("errors", "Requests that failed inside the daemon (5xx)", "counter"),
+    ("uptime_seconds", "Seconds since the daemon started", "gauge"),
+]
+
+
 def collect(cache: str, disk_dir: str | None = None) -> dict[str, Any]:
     """A snapshot of one cache: {"cache", "shm": {...}, "disk": {...}}."""
     store = Store.attach(cache, populate=False)
     try:
-        st = store.stats()
+        return snapshot(store, disk_dir, count_self=False)
     finally:
         store.close()
-    st["processes_attached"] = max(0, st["processes_attached"] - 1)  # not counting ourselves
+
+
+def snapshot(store: Store, disk_dir: str | None = None, *, count_self: bool = True) -> dict[str, Any]:
+    """A snapshot through an attached store; `count_self=False` leaves the
+    calling process out of processes_attached (a stats reader is no user)."""
+    st = store.stats()
+    if not count_self:
+        st["processes_attached"] = max(0, st["processes_attached"] - 1)
     shm = {name: st[name] for name, _, _ in _SHM_METRICS}
     shm["hit_rate"] = st["hits"] / st["lookups"] if st["lookups"] else 0.0
     disk: dict[str, Any] = {name: st[name] for name, _, _ in _DISK_METRICS}
     if disk_dir:
-        path = os.path.join(disk_dir, cache)
+        path = os.path.join(disk_dir, store.name)
         files = size = 0
         if os.path.isdir(path):
             with os.scandir(path) as it:
@@ -79,7 +94,7 @@ def collect(cache: str, disk_dir: str | None = None) -> dict[str, Any]:
                         files += 1
                         size += d.stat().st_size
         disk.update({"dir": path, "files": files, "bytes_on_disk": size})
-    return {"cache": cache, "time": time.time(), "shm": shm, "disk": disk}
+    return {"cache": store.name, "time": time.time(), "shm": shm, "disk": disk}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -118,18 +133,26 @@ def render_table(snap: dict[str, Any]) -> str:
 
 
 def render_prometheus(snap: dict[str, Any]) -> str:
+    """Prometheus text: shmkv_<name>{cache, tier} per tier, and the daemon's
+    controller counters (shmkv_controller_<name>{cache}) when present."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    def family(name: str, help_text: str, kind: str, labels: list[str]):  # noqa: ANN202
+        return (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, help_text, labels=labels)
 
     class Collector:
         def collect(self):  # noqa: ANN202 - prometheus_client protocol
             for tier, metrics in (("shm", _SHM_METRICS), ("disk", _DISK_METRICS)):
                 values = snap[tier]
                 for name, help_text, kind in metrics:
-                    family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-                        f"shmkv_{name}", help_text, labels=["cache", "tier"])
-                    family.add_metric([snap["cache"], tier], values[name])
-                    yield family
+                    f = family(f"shmkv_{name}", help_text, kind, ["cache", "tier"])
+                    f.add_metric([snap["cache"], tier], values[name])
+                    yield f
+            for name, help_text, kind in CONTROLLER_METRICS if "controller" in snap else ():
+                f = family(f"shmkv_controller_{name}", help_text, kind, ["cache"])
+                f.add_metric([snap["cache"]], snap["controller"][name])
+                yield f
 
     registry = CollectorRegistry()
     registry.register(Collector())

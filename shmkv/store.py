@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shmkv import _C
-from shmkv.errors import InvalidArgumentError, PayloadTooLargeError, StaleHandleError, error_for
+from shmkv.errors import (
+    InvalidArgumentError,
+    PayloadTooLargeError,
+    SegmentMismatchError,
+    StaleHandleError,
+    error_for,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -431,6 +437,24 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store(name={self.name!r}, outcome={self.outcome.name})"
+
+
+def open_store(cfg: Any) -> Store:
+    """The configured segment (a ShmkvConfig): attached, or created if nobody
+    has (the embedded default). A live segment made with another geometry
+    (another instance's or the daemon's settings) is attached as it is."""
+    try:
+        store = Store.open_or_create(cfg.cache_name, cfg.capacity, populate=cfg.populate,
+                                     max_payload_bytes=cfg.max_payload)
+    except SegmentMismatchError as e:
+        log.warning("shmkv: segment %s exists with other settings; attaching it as it is (%s)",
+                    cfg.cache_name, str(e).replace("\n", ";"))
+        store = Store.attach(cfg.cache_name, populate=cfg.populate)
+    st = store.stats()
+    log.info("shmkv: %s segment '%s' (capacity %.1f GiB, max chunk %.1f MiB, %d processes attached)",
+             store.outcome.name.lower().replace("_", " "), cfg.cache_name, st["capacity_bytes"] / 2**30,
+             st["max_payload_bytes"] / 2**20, st["processes_attached"])
+    return store
 
 
 def _fmt_bytes(n: int) -> str:

@@ -31,9 +31,15 @@ def payload_for(k: bytes, n: int) -> bytes:
 def cache_name() -> Iterator[str]:
     from shmkv import Store
 
+    from shmkv.maintainer import runtime_dir
+
     name = f"shmkv-test-{uuid.uuid4().hex[:12]}"
     yield name
     Store.unlink(name)
+    rt = runtime_dir()
+    for f in os.listdir(rt):  # lock, registry and log files of this cache
+        if f.startswith(name + "."):
+            os.unlink(os.path.join(rt, f))
 
 
 class Child:
@@ -77,6 +83,88 @@ def child() -> Iterator[type[Child]]:
     for c in made:
         if c.proc.poll() is None:
             c.kill9()
+
+
+# --------------------------------------------------------------- daemon ---
+class DaemonProcess:
+    """`scripts/start_shm_daemon.sh ARGS` in the foreground; `url` once it serves."""
+
+    def __init__(self, cache: str, *args: str, log_path: str) -> None:
+        self.log_path = log_path
+        self.log = open(log_path, "ab")
+        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   PYTHON=sys.executable)
+        self.proc = subprocess.Popen(
+            ["bash", os.path.join(REPO, "scripts", "start_shm_daemon.sh"), "--cache", cache, *args],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO)
+        self.url = ""
+
+    def wait_ready(self, timeout: float = 60) -> str:
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if "shmkv daemon ready" not in line:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"daemon did not start: {line!r}; log:\n{open(self.log_path).read()}")
+        self.url = line.rsplit(" ", 1)[-1].strip()
+        return self.url
+
+    def stop(self, timeout: float = 30) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=timeout)
+        self.log.close()
+        return rc
+
+
+@pytest.fixture
+def daemon(tmp_path) -> Iterator:
+    """daemon(cache, *args) -> a started DaemonProcess (stopped after the test)."""
+    made: list[DaemonProcess] = []
+
+    def start(cache: str, *args: str, ready: bool = True) -> DaemonProcess:
+        d = DaemonProcess(cache, *args, log_path=str(tmp_path / f"daemon-{len(made)}.log"))
+        made.append(d)
+        if ready:
+            d.wait_ready()
+        return d
+
+    yield start
+    for d in made:
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
+
+
+def http(url: str, method: str, path: str, body=None, *, raw: bytes | None = None,
+         headers: dict | None = None) -> tuple[int, object]:
+    """One controller request (http://host:port or unix:/path); (status, JSON or text)."""
+    import http.client
+    import json
+    import socket
+
+    if url.startswith("unix:"):
+        class UnixConnection(http.client.HTTPConnection):
+            def connect(self) -> None:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(60)
+                self.sock.connect(url[5:])
+
+        conn: http.client.HTTPConnection = UnixConnection("localhost", timeout=60)
+    else:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=60)
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    conn.request(method, path, body=data, headers=headers or {})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    ctype = resp.getheader("Content-Type") or ""
+    return resp.status, (json.loads(text) if ctype.startswith("application/json") else text)
 
 
 # ---------------------------------------------------------------- vLLM ----

@@ -1,7 +1,7 @@
 """The disk tier: one file per chunk in a 0700 directory, files 0600.
 
     <dir>/<key hex>.kv            a complete chunk (shmkv.disk.format)
-    <dir>/.<key hex>.<pid>.tmp    being written; renamed into place when whole
+    <dir>/.<key hex>.<pid>.<thread>.tmp   being written; renamed into place when whole
 
 Any process may look chunks up (a stat per key: no shared index to keep
 consistent) and read them. Only the maintainer writes and removes files, so
@@ -43,6 +43,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] | None = None  # maintainer only
         self._bytes = 0
+        self._unsynced: set[str] = set()  # written since the last sync()
         self._cctx = threading.local()
         _make_private_dir(self.dir)
 
@@ -93,7 +94,7 @@ class DiskTier:
     def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview) -> bool:
         """Write one chunk (temp file + rename). False, counted, on any error."""
         final = self.path(key)
-        tmp = os.path.join(self.dir, f".{key.hex()}.{os.getpid()}.tmp")
+        tmp = os.path.join(self.dir, f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             data = fmt.encode(key, namespace, raw, element_size=self.element_size, level=self.level,
                               compressor=self._cctx_get())
@@ -105,6 +106,8 @@ class DiskTier:
             finally:
                 os.close(fd)
             os.replace(tmp, final)
+            with self._lock:
+                self._unsynced.add(final)
         except OSError as e:
             log.warning("shmkv: spilling %s failed (%s); the chunk stays in memory only", key.hex(), e)
             self._count("spill_errors", 1)
@@ -120,6 +123,51 @@ class DiskTier:
 
     def remove(self, key: bytes) -> bool:
         return self._unlink(self.path(key), key)
+
+    def clear(self, namespace: bytes | None = None) -> int:
+        """Remove every chunk file (or those whose header names `namespace`,
+        and any file whose header cannot be read). Returns how many."""
+        removed = 0
+        for name in self._chunk_names():
+            path = os.path.join(self.dir, name)
+            key = bytes.fromhex(name[:32])
+            if namespace is not None:
+                try:
+                    with open(path, "rb") as f:
+                        _es, ns, *_ = fmt.read_header(f.read(fmt.HEADER_BYTES))
+                except FileNotFoundError:
+                    continue
+                except (OSError, fmt.DamagedChunk):
+                    ns = None  # unreadable: not worth keeping either
+                if ns is not None and ns != namespace:
+                    continue
+            removed += self._unlink(path, key)
+        return removed
+
+    def sync(self) -> int:
+        """Make the chunk files this process wrote since the last sync, and
+        the directory, durable (fsync). Returns how many files."""
+        with self._lock:
+            paths, self._unsynced = self._unsynced, set()
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return len(paths)
+
+    def _chunk_names(self) -> list[str]:
+        with os.scandir(self.dir) as it:
+            return [d.name for d in it if d.name.endswith(SUFFIX) and len(d.name) == 32 + len(SUFFIX)]
 
     def rebuild_index(self) -> tuple[int, int]:
         """Scan the directory (stat only), drop temporary files, enforce the

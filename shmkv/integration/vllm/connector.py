@@ -39,11 +39,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from shmkv.config import ShmkvConfig, load_config
-from shmkv.errors import SegmentMismatchError
 from shmkv.integration.vllm.planner import LoadItem, Planner, RequestPlan, StoreItem
 from shmkv.keys import Namespace
 from shmkv.maintainer import promote
-from shmkv.store import Store
+from shmkv.namespaces import register
+from shmkv.store import open_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,24 +84,6 @@ class ShmKVMetadata(KVConnectorMetadata):
     loads: list[LoadItem] = field(default_factory=list)
     stores: list[StoreItem] = field(default_factory=list)
     summaries: dict[str, RequestSummary] = field(default_factory=dict)
-
-
-def open_store(cfg: ShmkvConfig) -> Store:
-    """Attach to the configured segment, creating it if nobody has (the
-    embedded default). A live segment made with another geometry (another
-    instance's or the daemon's settings) is attached as it is."""
-    try:
-        store = Store.open_or_create(cfg.cache_name, cfg.capacity, populate=cfg.populate,
-                                     max_payload_bytes=cfg.max_payload)
-    except SegmentMismatchError as e:
-        log.warning("shmkv: segment %s exists with other settings; attaching it as it is (%s)",
-                    cfg.cache_name, str(e).replace("\n", ";"))
-        store = Store.attach(cfg.cache_name, populate=cfg.populate)
-    st = store.stats()
-    log.info("shmkv: %s segment '%s' (capacity %.1f GiB, max chunk %.1f MiB, %d processes attached)",
-             store.outcome.name.lower().replace("_", " "), cfg.cache_name, st["capacity_bytes"] / 2**30,
-             st["max_payload_bytes"] / 2**20, st["processes_attached"])
-    return store
 
 
 def namespace_for(vllm_config: VllmConfig, cfg: ShmkvConfig, tp_rank: int) -> Namespace:
@@ -191,6 +173,10 @@ class ShmKVConnector(KVConnectorBase_V1):
         self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0}
         self.disk = None
         self._promoter: ThreadPoolExecutor | None = None
+        for rank, ns in enumerate(self._base_ns):
+            # operators name a namespace by this root in the controller API (lookup, clear, pin...)
+            log.info("shmkv: namespace of TP rank %d: root %s (model %s, %s, %d layers)", rank,
+                     register(self.cfg.cache_name, ns), ns.model_id, ns.dtype, ns.num_layers)
         if self.cfg.disk_dir:
             from shmkv.disk.tier import DiskTier
 
@@ -222,7 +208,7 @@ class ShmKVConnector(KVConnectorBase_V1):
             planner = self._planner(getattr(request, "cache_salt", None))
             plan = self._plans.get(request.request_id)
             if plan is None or plan.prompt_len != len(tokens):
-                plan = RequestPlan(request.request_id, len(tokens), planner.units(tokens))
+                plan = RequestPlan(request.request_id, len(tokens), planner.units(tokens), roots=planner.roots)
                 self._plans[request.request_id] = plan
             plan.local_tokens = num_computed_tokens
             if not self.loads_enabled:

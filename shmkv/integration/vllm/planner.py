@@ -58,6 +58,7 @@ class StoreItem:
     keys: tuple[bytes, ...]
     payload_blocks: int
     block_ids: tuple[int, ...]
+    namespaces: tuple[bytes, ...] = ()  # root key per rank: tags the entry (clear by namespace, tiers)
 
 
 @dataclass
@@ -73,14 +74,20 @@ class RequestPlan:
     block_ids: list[int] = field(default_factory=list)
     next_store: int = 0  # first unit not yet considered for storing
     stored_any: bool = False
+    roots: tuple[bytes, ...] = ()  # namespace root key per rank (the request's cache salt included)
 
 
 class Planner:
-    def __init__(self, namespaces: Sequence[Namespace], block_size: int, *, store_tail: bool = True):
+    def __init__(self, namespaces: Sequence[Namespace | bytes], block_size: int, *, store_tail: bool = True,
+                 chunk_size: int | None = None):
+        """One namespace (or its 16-byte root key, then give chunk_size) per TP rank."""
         if not namespaces:
             raise ValueError("need one namespace per TP rank")
-        self.roots = tuple(ns.root_key() for ns in namespaces)
-        self.chunk_size = namespaces[0].chunk_size
+        self.roots = tuple(ns if isinstance(ns, bytes) else ns.root_key() for ns in namespaces)
+        first = namespaces[0]
+        self.chunk_size = chunk_size or (first.chunk_size if isinstance(first, Namespace) else 0)
+        if self.chunk_size <= 0:
+            raise ValueError("chunk_size is needed when namespaces are given as root keys")
         self.block_size = block_size
         self.store_tail = store_tail
         if self.chunk_size % block_size:
@@ -118,11 +125,11 @@ class Planner:
 
     # ------------------------------------------------------------ lookup --
     def lookup(self, store, tokens: Sequence[int] | np.ndarray, units: list[Unit], count: bool = True,
-               disk=None) -> tuple[int, list[Unit], list[Unit]]:
+               disk=None, cap: bool = True) -> tuple[int, list[Unit], list[Unit]]:
         """(tokens every rank has cached, the units that hold them, those of
         them only on disk). The prefix continues into the disk tier where the
-        shared tier's ends; the count is capped so that at least one token is
-        left to compute."""
+        shared tier's ends; with `cap` the count leaves at least one token to
+        compute (vLLM's rule)."""
         full = [u for u in units if u.tokens == self.chunk_size]
         ranks = range(len(self.roots))
         n = len(full)
@@ -149,7 +156,9 @@ class Planner:
                         on_disk.append(piece)
                 if piece is not None:
                     found.append(piece)
-        hit = min(found[-1].end if found else 0, self.max_loadable(len(tokens)))
+        hit = found[-1].end if found else 0
+        if cap:
+            hit = min(hit, self.max_loadable(len(tokens)))
         keep = [u for u in found if u.start < hit]
         return hit, keep, [u for u in on_disk if u.start < hit]
 
@@ -182,7 +191,7 @@ class Planner:
             if u.end <= hit_end:
                 continue  # it came from shmkv: cached already
             blocks = tuple(plan.block_ids[u.start // bs:u.end // bs])
-            items.append(StoreItem(plan.req_id, u.keys, u.tokens // bs, blocks))
+            items.append(StoreItem(plan.req_id, u.keys, u.tokens // bs, blocks, plan.roots))
         if items:
             plan.stored_any = True
         return items

@@ -197,7 +197,8 @@ class KVWorker:
             key = it.keys[self.rank]
             try:
                 nbytes = self.layout.payload_bytes(it.payload_blocks * bs)
-                r = self.cache.reserve(key, nbytes)
+                ns = it.namespaces[self.rank] if it.namespaces else None
+                r = self.cache.reserve(key, nbytes, namespace=ns)
                 if isinstance(r, PutResult):
                     if r in (PutResult.EXISTS, PutResult.BUSY):
                         tally.already_cached += 1

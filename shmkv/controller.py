@@ -1,0 +1,322 @@
+"""The controller API of the shmkv daemon: JSON over HTTP, transport-free here.
+
+    GET  /health       liveness, pid, whether this daemon holds the maintainer role
+    GET  /stats        the same snapshot as `python -m shmkv.stats --json`
+    GET  /metrics      Prometheus text (shmkv_* per tier, shmkv_controller_*)
+    GET  /namespaces   the namespaces engines registered (root hex -> fields)
+    POST /lookup       {"tokens": [...], "namespace": N} -> tokens cached per tier
+    POST /clear        {} (everything) or {"namespace": N}
+    POST /pin          {"tokens", "namespace"} -> chunks never evicted nor spilled until unpinned
+    POST /unpin        {"tokens", "namespace"}
+    POST /move         {"tokens", "namespace", "to": "shm" | "disk"}
+    POST /flush        {} -> returns once every chunk of the shared tier is on disk (fsync'd)
+
+A namespace N is either the 32-hex root key of a registered namespace
+(`/namespaces`), or an object of Namespace fields (shmkv.keys.Namespace, with
+`cache_salt` for a tenant's chunks). With an unregistered root, `chunk_size`
+(default: the daemon's) and `block_size` (tail pieces; default none) may be
+given.
+
+Invariant: a request is fully validated before anything changes; a bad one
+is a RequestError (4xx) naming the field. Pins nest: every pin needs an unpin.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shmkv.config import ShmkvConfig
+from shmkv.disk.tier import DiskTier
+from shmkv.errors import ConfigError, RequestError
+from shmkv.integration.vllm.planner import Planner, Unit
+from shmkv.maintainer import Maintainer, MaintainerRole, promote
+from shmkv.namespaces import known, namespace_from_dict
+from shmkv.stats import render_prometheus, snapshot
+from shmkv.store import Store
+
+log = logging.getLogger("shmkv.controller")
+
+MAX_BODY_BYTES = 16 << 20
+MAX_TOKENS = 1 << 20
+
+JSON = "application/json"
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _Resolved:
+    """A request's namespace, ready to compute keys."""
+
+    def __init__(self, root: bytes, chunk_size: int, block_size: int | None) -> None:
+        self.root = root
+        self.planner = Planner([root], block_size or chunk_size, store_tail=block_size is not None,
+                               chunk_size=chunk_size)
+
+
+class Controller:
+    def __init__(self, cfg: ShmkvConfig, store: Store, disk: DiskTier | None,
+                 role: MaintainerRole | None = None) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.disk = disk
+        self.role = role
+        self.maintainer = role.maintainer if role is not None else Maintainer(
+            store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead)
+        self.started = time.time()
+        self.counters = {"requests": 0, "bad_requests": 0, "errors": 0}
+        self._count_lock = threading.Lock()
+        self._mutate = threading.Lock()  # one changing operation at a time
+        self.routes: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
+            "/health": ("GET", self.health),
+            "/stats": ("GET", self.stats),
+            "/metrics": ("GET", self.metrics),
+            "/namespaces": ("GET", self.namespaces),
+            "/lookup": ("POST", self.lookup),
+            "/clear": ("POST", self.clear),
+            "/pin": ("POST", self.pin),
+            "/unpin": ("POST", self.unpin),
+            "/move": ("POST", self.move),
+            "/flush": ("POST", self.flush),
+        }
+
+    # ----------------------------------------------------------- dispatch --
+    def handle(self, method: str, path: str, body: bytes) -> tuple[int, str, bytes]:
+        """(HTTP status, content type, body) for one request. Never raises."""
+        try:
+            status, ctype, out = self._dispatch(method, path.split("?", 1)[0].rstrip("/") or "/", body)
+        except RequestError as e:
+            status, ctype, out = e.status, JSON, _json({"error": str(e)})
+        except Exception as e:  # a bug or an I/O failure: the daemon stays up
+            log.exception("shmkv: controller request %s %s failed", method, path)
+            status, ctype, out = 500, JSON, _json({"error": f"internal error: {type(e).__name__}: {e}"})
+        self.count(status)
+        return status, ctype, out
+
+    def count(self, status: int) -> None:
+        """Count one answered request (the transport calls it for what it refuses itself)."""
+        with self._count_lock:
+            self.counters["requests"] += 1
+            if 400 <= status < 500:
+                self.counters["bad_requests"] += 1
+            elif status >= 500:
+                self.counters["errors"] += 1
+
+    def _dispatch(self, method: str, path: str, body: bytes) -> tuple[int, str, bytes]:
+        route = self.routes.get(path)
+        if route is None:
+            raise RequestError(f"no endpoint {path!r}; endpoints: {', '.join(sorted(self.routes))}", 404)
+        want, fn = route
+        if method != want:
+            raise RequestError(f"{path} takes {want}, not {method}", 405)
+        if len(body) > MAX_BODY_BYTES:
+            raise RequestError(f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}", 413)
+        args = _parse_body(body) if want == "POST" else {}
+        result = fn(args)
+        if isinstance(result, str):
+            return 200, PROMETHEUS, result.encode()
+        return 200, JSON, _json(result)
+
+    # ---------------------------------------------------------- endpoints --
+    def health(self, _args: dict[str, Any]) -> dict[str, Any]:
+        return {"status": "ok", "cache": self.store.name, "pid": os.getpid(),
+                "maintainer": bool(self.role and self.role.lock.held),
+                "disk_tier": self.disk.dir if self.disk else None,
+                "uptime_s": round(time.time() - self.started, 3)}
+
+    def stats(self, _args: dict[str, Any]) -> dict[str, Any]:
+        snap = snapshot(self.store, self.cfg.disk_dir or None)
+        snap["controller"] = self._controller_counters()
+        return snap
+
+    def metrics(self, args: dict[str, Any]) -> str:
+        return render_prometheus(self.stats(args))
+
+    def namespaces(self, _args: dict[str, Any]) -> dict[str, Any]:
+        return {"namespaces": [{"root": root, **fields} for root, fields in sorted(known(self.store.name).items())]}
+
+    def lookup(self, args: dict[str, Any]) -> dict[str, Any]:
+        _allow(args, "tokens", "namespace", "chunk_size", "block_size")
+        tokens, ns = _tokens(args), self._namespace(args)
+        return self._tiers(ns, tokens)
+
+    def clear(self, args: dict[str, Any]) -> dict[str, Any]:
+        _allow(args, "namespace", "chunk_size", "block_size")
+        root = self._namespace(args).root if "namespace" in args else None
+        with self._mutate:
+            shm = self.store.clear(namespace=root)
+            disk = self.disk.clear(root) if self.disk else 0
+        log.info("shmkv: controller cleared %s: %d chunks in memory, %d on disk",
+                 f"namespace {root.hex()}" if root else "everything", shm, disk)
+        return {"removed": {"shm": shm, "disk": disk}}
+
+    def pin(self, args: dict[str, Any]) -> dict[str, Any]:
+        _allow(args, "tokens", "namespace", "chunk_size", "block_size")
+        tokens, ns = _tokens(args), self._namespace(args)
+        with self._mutate:
+            self._promote(ns, tokens)  # a pinned chunk lives in the shared tier
+            units = self._units(ns, tokens)[0]
+            pinned = []
+            for u in units:
+                if not self.store.pin(u.keys[0]):
+                    break  # evicted between lookup and pin: the pinned prefix ends here
+                pinned.append(u)
+        return {"pinned_chunks": len(pinned), "pinned_tokens": pinned[-1].end if pinned else 0}
+
+    def unpin(self, args: dict[str, Any]) -> dict[str, Any]:
+        _allow(args, "tokens", "namespace", "chunk_size", "block_size")
+        tokens, ns = _tokens(args), self._namespace(args)
+        with self._mutate:
+            units = self._units(ns, tokens)[0]
+            n = sum(self.store.unpin(u.keys[0]) for u in units)
+        return {"unpinned_chunks": n}
+
+    def move(self, args: dict[str, Any]) -> dict[str, Any]:
+        _allow(args, "tokens", "namespace", "to", "chunk_size", "block_size")
+        tokens, ns = _tokens(args), self._namespace(args)
+        to = args.get("to")
+        if to not in ("shm", "disk"):
+            raise RequestError(f"to={to!r}: expected 'shm' (warm from disk) or 'disk' (push out of memory)")
+        self._need_disk("move")
+        with self._mutate:
+            if to == "shm":
+                moved = self._promote(ns, tokens)
+                kept = 0
+            else:
+                moved = kept = 0
+                for u in self._units(ns, tokens)[0]:
+                    key = u.keys[0]
+                    self.maintainer.spill(key, ns.root)
+                    if self.store.evict_spilled(key):
+                        moved += 1
+                    else:
+                        kept += 1  # pinned, leased right now, or not on disk (spill failed)
+        out = self._tiers(ns, tokens)
+        out.update({"moved_chunks": moved, "kept_chunks": kept})
+        return out
+
+    def flush(self, args: dict[str, Any]) -> dict[str, Any]:
+        _allow(args)
+        self._need_disk("flush")
+        assert self.disk is not None
+        with self._mutate:
+            spilled = self.maintainer.spill_all()
+            synced = self.disk.sync()
+        log.info("shmkv: controller flush: %d chunks spilled, %d files synced", spilled, synced)
+        return {"spilled_chunks": spilled, "synced_files": synced}
+
+    # ---------------------------------------------------------- internals --
+    def _controller_counters(self) -> dict[str, Any]:
+        with self._count_lock:
+            out: dict[str, Any] = dict(self.counters)
+        out["uptime_seconds"] = round(time.time() - self.started, 3)
+        return out
+
+    def _need_disk(self, what: str) -> None:
+        if self.disk is None:
+            raise RequestError(f"{what} needs the disk tier; start the daemon with --disk-dir DIR", 409)
+
+    def _namespace(self, args: dict[str, Any]) -> _Resolved:
+        if "namespace" not in args:
+            raise RequestError("namespace: required (a root hex from /namespaces, or an object of fields)")
+        value = args["namespace"]
+        chunk_size, block_size = args.get("chunk_size"), args.get("block_size")
+        if isinstance(value, str):
+            try:
+                root = bytes.fromhex(value)
+            except ValueError:
+                root = b""
+            if len(root) != 16:
+                raise RequestError(f"namespace={value!r}: expected 32 hex digits (a root key) or an object")
+            fields = known(self.store.name).get(root.hex())
+            if fields is not None:
+                chunk_size = fields.get("chunk_size") if chunk_size is None else chunk_size
+                block_size = (fields.get("block_size") or None) if block_size is None else block_size
+            chunk_size = self.cfg.chunk_size if chunk_size is None else chunk_size
+        elif isinstance(value, dict):
+            if chunk_size is not None or block_size is not None:
+                raise RequestError("chunk_size and block_size come from the namespace object; do not give them")
+            try:
+                nso = namespace_from_dict(value)
+            except (ConfigError, TypeError) as e:
+                raise RequestError(str(e)) from e
+            root, chunk_size, block_size = nso.root_key(), nso.chunk_size, nso.block_size or None
+        else:
+            raise RequestError(f"namespace: expected a 32-hex string or an object, got {type(value).__name__}")
+        chunk_size = _int_in("chunk_size", chunk_size, 1, 1 << 16)
+        if block_size is not None:
+            block_size = _int_in("block_size", block_size, 1, chunk_size)
+            if chunk_size % block_size:
+                raise RequestError(f"chunk_size {chunk_size} is not a multiple of block_size {block_size}")
+        return _Resolved(root, chunk_size, block_size)
+
+    def _units(self, ns: _Resolved, tokens: list[int], *, disk: bool = False) -> tuple[list[Unit], list[Unit]]:
+        """(cached units in prefix order, those of them only on disk)."""
+        p = ns.planner
+        _hit, units, on_disk = p.lookup(self.store, tokens, p.units(tokens), count=False,
+                                        disk=self.disk if disk else None, cap=False)
+        return units, on_disk
+
+    def _tiers(self, ns: _Resolved, tokens: list[int]) -> dict[str, Any]:
+        units, on_disk = self._units(ns, tokens, disk=self.disk is not None)
+        disk_starts = {u.start for u in on_disk}
+        chunks = [{"start": u.start, "end": u.end, "tier": "disk" if u.start in disk_starts else "shm"}
+                  for u in units]
+        per_tier = {"shm": 0, "disk": 0}
+        for c in chunks:
+            per_tier[c["tier"]] += c["end"] - c["start"]
+        return {"namespace": ns.root.hex(), "tokens": len(tokens), "cached_tokens": units[-1].end if units else 0,
+                "tiers": per_tier, "chunks": chunks}
+
+    def _promote(self, ns: _Resolved, tokens: list[int]) -> int:
+        """Bring the disk part of the cached prefix into the shared tier."""
+        if self.disk is None:
+            return 0
+        units, on_disk = self._units(ns, tokens, disk=True)
+        if not on_disk:
+            return 0
+        return promote(self.store, self.disk, [u.keys[0] for u in on_disk])
+
+
+def _json(obj: Any) -> bytes:
+    return (json.dumps(obj, sort_keys=True) + "\n").encode()
+
+
+def _parse_body(body: bytes) -> dict[str, Any]:
+    if not body.strip():
+        return {}
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(f"request body is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise RequestError(f"request body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _allow(args: dict[str, Any], *names: str) -> None:
+    unknown = sorted(set(args) - set(names))
+    if unknown:
+        raise RequestError(f"unknown field(s) {unknown}; this endpoint takes {list(names) or 'no fields'}")
+
+
+def _int_in(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise RequestError(f"{name}={value!r}: expected an integer in [{lo}, {hi}]")
+    return value
+
+
+def _tokens(args: dict[str, Any]) -> list[int]:
+    toks = args.get("tokens")
+    if not isinstance(toks, list):
+        raise RequestError("tokens: required, a list of token ids")
+    if len(toks) > MAX_TOKENS:
+        raise RequestError(f"tokens: {len(toks)} ids exceed the limit of {MAX_TOKENS}", 413)
+    for i, t in enumerate(toks):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 1 << 32:
+            raise RequestError(f"tokens[{i}]={t!r}: token ids are integers in [0, 2^32)")
+    return toks
