@@ -30,7 +30,6 @@ def payload_for(k: bytes, n: int) -> bytes:
 @pytest.fixture
 def cache_name() -> Iterator[str]:
     from shmkv import Store
-
     from shmkv.maintainer import runtime_dir
 
     name = f"shmkv-test-{uuid.uuid4().hex[:12]}"
