@@ -127,6 +127,15 @@ constexpr NamedCounter kCounters[] = {
     {"disk_damaged", &Counters::disk_damaged, true},
     {"disk_removed", &Counters::disk_removed, true},
     {"promote_errors", &Counters::promote_errors, true},
+    {"remote_puts", &Counters::remote_puts, true},
+    {"remote_put_bytes", &Counters::remote_put_bytes, true},
+    {"remote_put_errors", &Counters::remote_put_errors, true},
+    {"remote_dropped", &Counters::remote_dropped, true},
+    {"remote_hits", &Counters::remote_hits, true},
+    {"remote_get_bytes", &Counters::remote_get_bytes, true},
+    {"remote_misses", &Counters::remote_misses, true},
+    {"remote_errors", &Counters::remote_errors, true},
+    {"remote_damaged", &Counters::remote_damaged, true},
 };
 
 }  // namespace

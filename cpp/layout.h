@@ -36,7 +36,7 @@
 namespace shmkv {
 
 constexpr uint64_t kMagic = 0x31564b4d48535f5fULL;  // "__SHMKV1" little-endian
-constexpr uint32_t kFormatVersion = 1;
+constexpr uint32_t kFormatVersion = 2;
 constexpr uint32_t kNone = 0xffffffffu;       // null record index
 constexpr uint32_t kIndexEmpty = 0xffffffffu;  // index slot never used
 constexpr uint32_t kIndexTomb = 0xfffffffeu;   // index slot whose entry left
@@ -152,6 +152,15 @@ struct Counters {
   std::atomic<uint64_t> disk_damaged;       // bad files found (miss + unlink)
   std::atomic<uint64_t> disk_removed;       // files removed by the disk byte cap
   std::atomic<uint64_t> promote_errors;
+  std::atomic<uint64_t> remote_puts;        // chunks written to the remote tier
+  std::atomic<uint64_t> remote_put_bytes;   // encoded bytes sent
+  std::atomic<uint64_t> remote_put_errors;  // writes that failed (remote down, timeout)
+  std::atomic<uint64_t> remote_dropped;     // writes dropped: queue full or chunk gone
+  std::atomic<uint64_t> remote_hits;        // chunks promoted from the remote tier
+  std::atomic<uint64_t> remote_get_bytes;   // encoded bytes fetched
+  std::atomic<uint64_t> remote_misses;      // remote lookups that ended a prefix
+  std::atomic<uint64_t> remote_errors;      // calls that failed or timed out (a miss)
+  std::atomic<uint64_t> remote_damaged;     // values that failed the chunk checks
   std::atomic<uint64_t> reserved_counters[1];
   // gauges (maintained under the lock, rebuilt on recovery)
   std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries

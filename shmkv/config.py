@@ -104,6 +104,11 @@ class ShmkvConfig:
     disk_capacity: int = 64 << 30  # byte cap of the disk tier
     disk_level: int = 1  # zstd level
     disk_shuffle_bytes: int = 0  # byte-plane shuffle element size; 0 = the KV dtype's size
+    remote_url: str = ""  # redis://, rediss:// or unix:// (Redis or Valkey); empty: no remote tier
+    remote_timeout: float = 0.5  # seconds: bound of every remote call (connect, each read)
+    remote_ttl: int = 0  # seconds a chunk lives in the remote; 0 = no expiry
+    remote_capacity: int = 0  # byte budget in the remote (oldest writes dropped); 0 = none
+    remote_write_through: bool = False  # also write each chunk when committed, not only when spilled
     low_watermark: float = 0.10  # keep this fraction of the shared tier free (spilled chunks evicted)
     spill_ahead: float = 0.20  # keep this fraction of the coldest chunks already on disk
     maintainer: bool = True  # without a daemon, a vLLM scheduler process maintains the cache
@@ -128,6 +133,11 @@ class ShmkvConfig:
             "disk_capacity": parse_size,
             "disk_level": lambda k, v: _parse_int(k, v, 1, 22),
             "disk_shuffle_bytes": lambda k, v: _parse_int(k, v, 0, 8),
+            "remote_url": _parse_remote_url,
+            "remote_timeout": _parse_seconds,
+            "remote_ttl": lambda k, v: _parse_int(k, v, 0, 1 << 31),
+            "remote_capacity": lambda k, v: 0 if str(v) == "0" else parse_size(k, v),
+            "remote_write_through": _parse_bool,
             "low_watermark": lambda k, v: _parse_fraction(k, v),
             "spill_ahead": lambda k, v: _parse_fraction(k, v),
             "maintainer": _parse_bool,
@@ -135,6 +145,23 @@ class ShmkvConfig:
             "debug_digest_file": lambda k, v: str(v),
             "config_file": lambda k, v: str(v),
         }
+
+
+def _parse_remote_url(key: str, value: Any) -> str:
+    s = str(value).strip()
+    if s and not s.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"{key}={value!r}: expected a redis://, rediss:// or unix:// URL (or empty)")
+    return s
+
+
+def _parse_seconds(key: str, value: Any) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = -1.0
+    if not 0.001 <= x <= 600:
+        raise ConfigError(f"{key}={value!r}: expected seconds in [0.001, 600]")
+    return x
 
 
 def parse_listen(value: str) -> tuple[str, str, int]:

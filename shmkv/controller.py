@@ -60,13 +60,14 @@ class _Resolved:
 
 class Controller:
     def __init__(self, cfg: ShmkvConfig, store: Store, disk: DiskTier | None,
-                 role: MaintainerRole | None = None) -> None:
+                 role: MaintainerRole | None = None, remote=None) -> None:
         self.cfg = cfg
         self.store = store
         self.disk = disk
+        self.remote = remote
         self.role = role
         self.maintainer = role.maintainer if role is not None else Maintainer(
-            store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead)
+            store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead, remote=remote)
         self.started = time.time()
         self.counters = {"requests": 0, "bad_requests": 0, "errors": 0}
         self._count_lock = threading.Lock()
@@ -126,6 +127,7 @@ class Controller:
         return {"status": "ok", "cache": self.store.name, "pid": os.getpid(),
                 "maintainer": bool(self.role and self.role.lock.held),
                 "disk_tier": self.disk.dir if self.disk else None,
+                "remote_tier": self.remote.display_url if self.remote else None,
                 "uptime_s": round(time.time() - self.started, 3)}
 
     def stats(self, _args: dict[str, Any]) -> dict[str, Any]:
@@ -150,9 +152,10 @@ class Controller:
         with self._mutate:
             shm = self.store.clear(namespace=root)
             disk = self.disk.clear(root) if self.disk else 0
-        log.info("shmkv: controller cleared %s: %d chunks in memory, %d on disk",
-                 f"namespace {root.hex()}" if root else "everything", shm, disk)
-        return {"removed": {"shm": shm, "disk": disk}}
+            remote = self.remote.clear(root) if self.remote else 0
+        log.info("shmkv: controller cleared %s: %d chunks in memory, %d on disk, %d in the remote",
+                 f"namespace {root.hex()}" if root else "everything", shm, disk, remote)
+        return {"removed": {"shm": shm, "disk": disk, "remote": remote}}
 
     def pin(self, args: dict[str, Any]) -> dict[str, Any]:
         _allow(args, "tokens", "namespace", "chunk_size", "block_size")
@@ -181,7 +184,8 @@ class Controller:
         to = args.get("to")
         if to not in ("shm", "disk"):
             raise RequestError(f"to={to!r}: expected 'shm' (warm from disk) or 'disk' (push out of memory)")
-        self._need_disk("move")
+        if to == "disk":
+            self._need_disk("move to disk")
         with self._mutate:
             if to == "shm":
                 moved = self._promote(ns, tokens)
@@ -254,32 +258,35 @@ class Controller:
                 raise RequestError(f"chunk_size {chunk_size} is not a multiple of block_size {block_size}")
         return _Resolved(root, chunk_size, block_size)
 
-    def _units(self, ns: _Resolved, tokens: list[int], *, disk: bool = False) -> tuple[list[Unit], list[Unit]]:
-        """(cached units in prefix order, those of them only on disk)."""
+    def _units(self, ns: _Resolved, tokens: list[int], *, lower: bool = False) -> tuple[list[Unit], list[Unit]]:
+        """(cached units in prefix order, those of them not in the shared tier);
+        the disk and remote tiers are looked into only with `lower`."""
         p = ns.planner
-        _hit, units, on_disk = p.lookup(self.store, tokens, p.units(tokens), count=False,
-                                        disk=self.disk if disk else None, cap=False)
-        return units, on_disk
+        _hit, units, below = p.lookup(self.store, tokens, p.units(tokens), count=False, cap=False,
+                                      disk=self.disk if lower else None, remote=self.remote if lower else None)
+        return units, below
 
     def _tiers(self, ns: _Resolved, tokens: list[int]) -> dict[str, Any]:
-        units, on_disk = self._units(ns, tokens, disk=self.disk is not None)
-        disk_starts = {u.start for u in on_disk}
-        chunks = [{"start": u.start, "end": u.end, "tier": "disk" if u.start in disk_starts else "shm"}
-                  for u in units]
-        per_tier = {"shm": 0, "disk": 0}
+        units, below = self._units(ns, tokens, lower=True)
+        below_starts = {u.start for u in below}
+        on_disk_starts = ({u.start for u, d in zip(below, self.disk.contains([u.keys[0] for u in below])) if d}
+                          if self.disk else set())
+        chunks = [{"start": u.start, "end": u.end,
+                   "tier": "shm" if u.start not in below_starts else
+                   ("disk" if u.start in on_disk_starts else "remote")} for u in units]
+        per_tier = {"shm": 0, "disk": 0, "remote": 0}
         for c in chunks:
             per_tier[c["tier"]] += c["end"] - c["start"]
         return {"namespace": ns.root.hex(), "tokens": len(tokens), "cached_tokens": units[-1].end if units else 0,
                 "tiers": per_tier, "chunks": chunks}
 
     def _promote(self, ns: _Resolved, tokens: list[int]) -> int:
-        """Bring the disk part of the cached prefix into the shared tier."""
-        if self.disk is None:
+        """Bring the disk / remote part of the cached prefix into the shared tier."""
+        _units, below = self._units(ns, tokens, lower=True)
+        if not below:
             return 0
-        units, on_disk = self._units(ns, tokens, disk=True)
-        if not on_disk:
-            return 0
-        return promote(self.store, self.disk, [u.keys[0] for u in on_disk])
+        return promote(self.store, self.disk, [u.keys[0] for u in below], remote=self.remote,
+                       namespaces=[ns.root] * len(below))
 
 
 def _json(obj: Any) -> bytes:

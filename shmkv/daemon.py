@@ -40,6 +40,7 @@ from shmkv.controller import MAX_BODY_BYTES, Controller
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import ShmkvError
 from shmkv.maintainer import DaemonLock, MaintainerRole
+from shmkv.remote.tier import open_remote
 from shmkv.store import open_store
 
 log = logging.getLogger("shmkv.daemon")
@@ -138,6 +139,7 @@ class Daemon:
         self.lock = DaemonLock(cfg.cache_name)
         self.store = None
         self.role: MaintainerRole | None = None
+        self.remote = None
         self.server: socketserver.BaseServer | None = None
         self.url = ""
 
@@ -150,9 +152,10 @@ class Daemon:
             disk = DiskTier(os.path.join(cfg.disk_dir, cfg.cache_name), capacity_bytes=cfg.disk_capacity,
                             level=cfg.disk_level, element_size=cfg.disk_shuffle_bytes or 2,
                             counter=self.store.bump)
-        self.role = MaintainerRole(cfg, self.store, disk, standby_s=0.2, yield_to_daemon=False)
+        self.remote = open_remote(cfg, store=self.store, disk=disk, element_size=cfg.disk_shuffle_bytes or 2)
+        self.role = MaintainerRole(cfg, self.store, disk, standby_s=0.2, yield_to_daemon=False, remote=self.remote)
         self.role.start()
-        self.server, self.url = make_server(cfg.listen, Controller(cfg, self.store, disk, self.role))
+        self.server, self.url = make_server(cfg.listen, Controller(cfg, self.store, disk, self.role, self.remote))
 
     def serve(self) -> None:
         assert self.server is not None
@@ -174,6 +177,9 @@ class Daemon:
                     pass
         if self.role is not None:
             self.role.stop()
+        if self.remote is not None:
+            self.remote.flush(timeout_s=30)
+            self.remote.close()
         if self.store is not None:
             left = max(0, self.store.stats()["processes_attached"] - 1)
             self.store.close()

@@ -115,9 +115,10 @@ def DaemonLock(cache_name: str) -> PidLock:  # noqa: N802
 
 class Maintainer:
     def __init__(self, store: Store, disk: DiskTier | None, *, low_watermark: float = 0.10,
-                 spill_ahead: float = 0.20) -> None:
+                 spill_ahead: float = 0.20, remote=None) -> None:
         self.store = store
         self.disk = disk
+        self.remote = remote  # spilled chunks are also queued for the remote tier
         arena = store.arena_bytes
         self.low_bytes = int(arena * low_watermark)
         self.spill_ahead_bytes = int(arena * spill_ahead)
@@ -180,22 +181,33 @@ class Maintainer:
             valid = lease.release(cold=True)
         if ok and valid:
             self.store.mark_spilled(key)
+            if self.remote is not None:
+                self.remote.enqueue(key, ns)
             return 1
         if ok and not valid:
             self.disk.remove(key)  # the bytes may have been reused under us
         return 0
 
 
-def promote(store: Store, disk: DiskTier, keys: Sequence[bytes]) -> int:
-    """Read chunks from disk into the shared tier, in prefix order, stopping
-    at the first that is missing, damaged or does not fit. Returns how many
-    of `keys` are in the shared tier afterwards (a prefix)."""
+def promote(store: Store, disk: DiskTier | None, keys: Sequence[bytes], *, remote=None,
+            namespaces: Sequence[bytes] | None = None, deadline_s: float | None = None) -> int:
+    """Read chunks from disk (or, failing that, the remote tier; `namespaces`
+    gives each key's) into the shared tier, in prefix order, stopping at the
+    first that is missing, damaged or does not fit, or when `deadline_s`
+    seconds have passed. Returns how many of `keys` are in the shared tier
+    afterwards (a prefix)."""
+    t_end = None if deadline_s is None else time.monotonic() + deadline_s
     n = 0
-    for key in keys:
+    for i, key in enumerate(keys):
         if store.contains([key])[0]:
             n += 1
             continue
-        got = disk.read_with_namespace(key)
+        if t_end is not None and time.monotonic() > t_end:
+            break
+        got = disk.read_with_namespace(key) if disk is not None else None
+        source = "disk"
+        if got is None and remote is not None and namespaces is not None:
+            got, source = remote.read_with_namespace(key, namespaces[i]), "remote"
         if got is None:
             break
         raw, ns = got
@@ -203,8 +215,9 @@ def promote(store: Store, disk: DiskTier, keys: Sequence[bytes]) -> int:
         if r not in (PutResult.OK, PutResult.EXISTS):
             store.bump("promote_errors")
             break
-        store.mark_spilled(key)
-        store.bump("disk_hits")
+        if source == "disk":
+            store.mark_spilled(key)  # a copy is on disk: evicting it loses nothing
+        store.bump("disk_hits" if source == "disk" else "remote_hits")
         store.bump("promote_bytes", len(raw))
         n += 1
     return n
@@ -218,10 +231,11 @@ class MaintainerRole:
     cache, and stays in standby while one does."""
 
     def __init__(self, cfg, store: Store, disk: DiskTier | None, *, interval_s: float = 0.05,
-                 standby_s: float = 1.0, yield_to_daemon: bool = True) -> None:
+                 standby_s: float = 1.0, yield_to_daemon: bool = True, remote=None) -> None:
         self.lock = MaintainerLock(cfg.cache_name)
         self.daemon = DaemonLock(cfg.cache_name) if yield_to_daemon else None
-        self.maintainer = Maintainer(store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead)
+        self.maintainer = Maintainer(store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead,
+                                     remote=remote)
         self.disk = disk
         self.interval_s = interval_s
         self.standby_s = standby_s

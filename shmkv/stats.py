@@ -58,6 +58,17 @@ _DISK_METRICS = [
 ]
 
 
+_REMOTE_METRICS = [
+    ("remote_puts", "Chunks written to the remote tier", "counter"),
+    ("remote_put_bytes", "Encoded bytes written to the remote tier", "counter"),
+    ("remote_put_errors", "Remote writes that failed (down, timeout)", "counter"),
+    ("remote_dropped", "Remote writes dropped (queue full, chunk gone)", "counter"),
+    ("remote_hits", "Chunks promoted from the remote tier", "counter"),
+    ("remote_get_bytes", "Encoded bytes read from the remote tier", "counter"),
+    ("remote_misses", "Remote lookups of chunks it did not have (or could not answer)", "counter"),
+    ("remote_errors", "Remote calls that failed or timed out", "counter"),
+    ("remote_damaged", "Remote values rejected by the chunk checks", "counter"),
+]
 CONTROLLER_METRICS = [
     ("requests", "Requests the controller answered", "counter"),
     ("bad_requests", "Requests refused with a 4xx (malformed or out of range)", "counter"),
@@ -84,6 +95,7 @@ def snapshot(store: Store, disk_dir: str | None = None, *, count_self: bool = Tr
     shm = {name: st[name] for name, _, _ in _SHM_METRICS}
     shm["hit_rate"] = st["hits"] / st["lookups"] if st["lookups"] else 0.0
     disk: dict[str, Any] = {name: st[name] for name, _, _ in _DISK_METRICS}
+    remote = {name: st[name] for name, _, _ in _REMOTE_METRICS}
     if disk_dir:
         path = os.path.join(disk_dir, store.name)
         files = size = 0
@@ -94,7 +106,7 @@ def snapshot(store: Store, disk_dir: str | None = None, *, count_self: bool = Tr
                         files += 1
                         size += d.stat().st_size
         disk.update({"dir": path, "files": files, "bytes_on_disk": size})
-    return {"cache": store.name, "time": time.time(), "shm": shm, "disk": disk}
+    return {"cache": store.name, "time": time.time(), "shm": shm, "disk": disk, "remote": remote}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -129,6 +141,16 @@ def render_table(snap: dict[str, Any]) -> str:
     ]
     if "files" in d:
         rows.append(f"  on disk           {d['files']} chunks, {_fmt_bytes(d['bytes_on_disk'])} in {d['dir']}")
+    r = snap["remote"]
+    rows += [
+        "",
+        "remote tier (Redis/Valkey)",
+        f"  writes            {r['remote_puts']} ({_fmt_bytes(r['remote_put_bytes'])}), errors "
+        f"{r['remote_put_errors']}, dropped {r['remote_dropped']}",
+        f"  promotions        {r['remote_hits']} ({_fmt_bytes(r['remote_get_bytes'])} fetched), misses "
+        f"{r['remote_misses']}",
+        f"  faults            {r['remote_errors']} failed calls, {r['remote_damaged']} damaged values rejected",
+    ]
     return "\n".join(rows)
 
 
@@ -143,7 +165,7 @@ def render_prometheus(snap: dict[str, Any]) -> str:
 
     class Collector:
         def collect(self):  # noqa: ANN202 - prometheus_client protocol
-            for tier, metrics in (("shm", _SHM_METRICS), ("disk", _DISK_METRICS)):
+            for tier, metrics in (("shm", _SHM_METRICS), ("disk", _DISK_METRICS), ("remote", _REMOTE_METRICS)):
                 values = snap[tier]
                 for name, help_text, kind in metrics:
                     f = family(f"shmkv_{name}", help_text, kind, ["cache", "tier"])

@@ -90,7 +90,7 @@ def test_lookup_reports_each_tier_in_prefix_order(served):
     for ns in (NS.root_key().hex(), namespace_to_dict(NS)):  # by registered root, or by fields
         st, body = http(served.url, "POST", "/lookup", {"tokens": TOKENS, "namespace": ns})
         assert st == 200, body
-        assert body["cached_tokens"] == 112 and body["tiers"] == {"shm": 80, "disk": 32}
+        assert body["cached_tokens"] == 112 and body["tiers"] == {"shm": 80, "disk": 32, "remote": 0}
         assert [c["tier"] for c in body["chunks"]] == ["shm", "shm", "disk", "shm"]
     # another namespace, or another prefix, shares nothing
     st, body = http(served.url, "POST", "/lookup", {"tokens": TOKENS, "namespace": namespace_to_dict(OTHER)})
@@ -117,12 +117,12 @@ def test_clear_one_namespace_then_everything(served):
         k = units(ns)[0].keys[0]
         served.role.maintainer.spill(k, ns.root_key())
     st, body = http(served.url, "POST", "/clear", {"namespace": NS.root_key().hex()})
-    assert st == 200 and body["removed"] == {"shm": 4, "disk": 1}
+    assert st == 200 and body["removed"] == {"shm": 4, "disk": 1, "remote": 0}
     assert not any(served.store.contains([u.keys[0] for u in units(NS)]))
     assert all(served.store.contains([u.keys[0] for u in units(OTHER)]))
     assert disk.contains([units(OTHER)[0].keys[0]]) == [True]
     st, body = http(served.url, "POST", "/clear", {})
-    assert st == 200 and body["removed"] == {"shm": 4, "disk": 1}
+    assert st == 200 and body["removed"] == {"shm": 4, "disk": 1, "remote": 0}
     assert served.store.stats()["entries"] == 0 and os.listdir(disk.dir) == []
 
 
@@ -155,10 +155,10 @@ def test_move_to_disk_and_back(served):
     put_units(served.store, us)
     ns = NS.root_key().hex()
     st, body = http(served.url, "POST", "/move", {"tokens": TOKENS, "namespace": ns, "to": "disk"})
-    assert st == 200 and body["moved_chunks"] == 4 and body["tiers"] == {"shm": 0, "disk": 112}
+    assert st == 200 and body["moved_chunks"] == 4 and body["tiers"] == {"shm": 0, "disk": 112, "remote": 0}
     assert not any(served.store.contains([u.keys[0] for u in us]))
     st, body = http(served.url, "POST", "/move", {"tokens": TOKENS, "namespace": ns, "to": "shm"})
-    assert st == 200 and body["moved_chunks"] == 4 and body["tiers"] == {"shm": 112, "disk": 0}
+    assert st == 200 and body["moved_chunks"] == 4 and body["tiers"] == {"shm": 112, "disk": 0, "remote": 0}
     for u in us:
         assert served.store.get(u.keys[0]) == payload_for(u.keys[0], NBYTES)
 
@@ -243,7 +243,7 @@ def test_move_and_flush_need_a_disk_tier(cache_name, tmp_path):
         st, reply = http(d.url, "POST", "/move", {"tokens": TOKENS, "namespace": "00" * 16, "to": "disk"})
         assert st == 409
         st, reply = http(d.url, "POST", "/lookup", {"tokens": TOKENS, "namespace": "00" * 16})
-        assert st == 200 and reply["tiers"] == {"shm": 0, "disk": 0}
+        assert st == 200 and reply["tiers"] == {"shm": 0, "disk": 0, "remote": 0}
     finally:
         d.request_stop()
         t.join(timeout=30)

@@ -36,7 +36,7 @@ def test_controller_beside_vllm(cache_name, start_engine, reference, daemon, tmp
 
     # push b's chunks out to disk: the engine then hits them from disk
     st, body = http(d.url, "POST", "/move", {"tokens": b, "namespace": ns["root"], "to": "disk"})
-    assert st == 200 and body["tiers"] == {"shm": 0, "disk": 640}, body
+    assert st == 200 and body["tiers"] == {"shm": 0, "disk": 640, "remote": 0}, body
     with Store.attach(cache_name) as s:
         hits_before = s.stats()["disk_hits"]
         r = e.generate([b])

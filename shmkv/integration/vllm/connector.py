@@ -43,6 +43,7 @@ from shmkv.integration.vllm.planner import LoadItem, Planner, RequestPlan, Store
 from shmkv.keys import Namespace
 from shmkv.maintainer import promote
 from shmkv.namespaces import register
+from shmkv.remote.tier import open_remote
 from shmkv.store import open_store
 
 if TYPE_CHECKING:
@@ -154,6 +155,11 @@ class ShmKVConnector(KVConnectorBase_V1):
             self._planners[salt] = p
         return p
 
+    def _dtype_bytes(self) -> int:
+        """Element size of the byte-plane shuffle of stored chunks."""
+        return self.cfg.disk_shuffle_bytes or torch.empty(
+            (), dtype=self._vllm_config.model_config.dtype).element_size()
+
     @staticmethod
     def _get_tp_rank() -> int:
         try:
@@ -180,20 +186,22 @@ class ShmKVConnector(KVConnectorBase_V1):
         if self.cfg.disk_dir:
             from shmkv.disk.tier import DiskTier
 
-            dtype_bytes = torch.empty((), dtype=self._vllm_config.model_config.dtype).element_size()
             self.disk = DiskTier(os.path.join(self.cfg.disk_dir, self.cfg.cache_name),
                                  capacity_bytes=self.cfg.disk_capacity, level=self.cfg.disk_level,
-                                 element_size=self.cfg.disk_shuffle_bytes or dtype_bytes,
+                                 element_size=self._dtype_bytes(),
                                  counter=self.store.bump)
             # NOTE: promotion reads and decompresses off the scheduler's thread
             self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
             log.info("shmkv: disk tier at %s (cap %.1f GiB, zstd level %d)", self.disk.dir,
                      self.cfg.disk_capacity / 2**30, self.cfg.disk_level)
+        self.remote = open_remote(self.cfg, store=self.store, disk=self.disk, element_size=self._dtype_bytes())
+        if self.remote is not None and self._promoter is None:
+            self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
         self._role = None
         if self.cfg.maintainer:
             from shmkv.maintainer import MaintainerRole
 
-            self._role = MaintainerRole(self.cfg, self.store, self.disk)
+            self._role = MaintainerRole(self.cfg, self.store, self.disk, remote=self.remote)
             self._role.start()
         if self.cfg.load_failure_policy == "recompute" and ktc.kv_load_failure_policy != "recompute":
             # A chunk evicted between lookup and load must mean "recompute it",
@@ -215,16 +223,19 @@ class ShmKVConnector(KVConnectorBase_V1):
                 return 0, False
             first = request.request_id not in self._asked
             self._asked.add(request.request_id)
-            hit, units, on_disk = planner.lookup(self.store, tokens, plan.units, count=first,
-                                                 disk=self._disk_for(request.request_id))
-            if on_disk:
-                # Promote from disk in the background; vLLM asks again next step.
-                keys = [k for u in on_disk for k in u.keys]
-                assert self._promoter is not None and self.disk is not None
+            disk, remote = self._lower_tiers(request.request_id)
+            hit, units, lower = planner.lookup(self.store, tokens, plan.units, count=first, disk=disk,
+                                               remote=remote)
+            if lower:
+                # Promote from disk / remote in the background; vLLM asks again next step.
+                keys = [k for u in lower for k in u.keys]
+                roots = [r for _ in lower for r in planner.roots]
+                assert self._promoter is not None
                 self._promotions[request.request_id] = self._promoter.submit(
-                    promote, self.store, self.disk, keys)
-                log.info("shmkv: request %s: %d tokens found on disk, promoting", request.request_id,
-                         sum(u.tokens for u in on_disk))
+                    promote, self.store, disk, keys, remote=remote, namespaces=roots,
+                    deadline_s=max(2.0, 4 * self.cfg.remote_timeout) if remote is not None else None)
+                log.info("shmkv: request %s: %d tokens found on disk or remote, promoting", request.request_id,
+                         sum(u.tokens for u in lower))
                 return None, False
             extra = max(0, hit - num_computed_tokens)
             extra -= extra % self.block_size  # whole blocks past vLLM's own (aligned) hit
@@ -247,12 +258,13 @@ class ShmKVConnector(KVConnectorBase_V1):
                 plan.hit_tokens, plan.hit_units = 0, []
             return 0, False
 
-    def _disk_for(self, req_id: str) -> Any:
-        """The disk tier for this lookup, or None while/after a promotion for
-        the request (its outcome is final: what did not promote is a miss)."""
+    def _lower_tiers(self, req_id: str) -> tuple[Any, Any]:
+        """(disk, remote) tiers for this lookup, or (None, None) after a
+        promotion for the request (its outcome is final: what did not promote
+        is a miss); raises _AskAgain while one runs."""
         fut = self._promotions.get(req_id)
         if fut is None:
-            return None if req_id in self._promoted else self.disk
+            return (None, None) if req_id in self._promoted else (self.disk, self.remote)
         if not fut.done():
             raise _AskAgain()
         self._promotions.pop(req_id)
@@ -261,7 +273,7 @@ class ShmKVConnector(KVConnectorBase_V1):
         except Exception:
             log.exception("shmkv: promotion for request %s failed; it runs with what is in memory", req_id)
         self._promoted.add(req_id)
-        return None
+        return None, None
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
@@ -353,7 +365,12 @@ class ShmKVConnector(KVConnectorBase_V1):
         else:
             kind = {4: "hnd", 5: "kv_split", 3: "mla"}.get(first.dim(), "")
         layout = KVLayout.from_tensors(kv_caches, kind)
-        self._worker = KVWorker(self.store, layout, self._tp_rank, digest_file=self.cfg.debug_digest_file)
+        remote = None
+        if self.cfg.remote_write_through:
+            remote = open_remote(self.cfg, store=self.store, disk=None,
+                                 element_size=self.cfg.disk_shuffle_bytes or first.element_size())
+        self._worker = KVWorker(self.store, layout, self._tp_rank, digest_file=self.cfg.debug_digest_file,
+                                remote=remote)
         log.info("shmkv: registered %d KV layers (%s layout, %s, %.1f KiB per token)", len(kv_caches), kind,
                  str(first.dtype).replace("torch.", ""), layout.bytes_per_token() / 1024)
 
@@ -422,4 +439,7 @@ class ShmKVConnector(KVConnectorBase_V1):
             self._role.stop()
         if getattr(self, "_promoter", None) is not None:
             self._promoter.shutdown(wait=True)
+        if getattr(self, "remote", None) is not None:
+            self.remote.flush(timeout_s=10)
+            self.remote.close()
 

@@ -125,11 +125,12 @@ class Planner:
 
     # ------------------------------------------------------------ lookup --
     def lookup(self, store, tokens: Sequence[int] | np.ndarray, units: list[Unit], count: bool = True,
-               disk=None, cap: bool = True) -> tuple[int, list[Unit], list[Unit]]:
+               disk=None, cap: bool = True, remote=None) -> tuple[int, list[Unit], list[Unit]]:
         """(tokens every rank has cached, the units that hold them, those of
-        them only on disk). The prefix continues into the disk tier where the
-        shared tier's ends; with `cap` the count leaves at least one token to
-        compute (vLLM's rule)."""
+        them not in the shared tier). The prefix continues into the disk tier
+        where the shared tier's ends, then into the remote tier (one round
+        trip); with `cap` the count leaves at least one token to compute
+        (vLLM's rule)."""
         full = [u for u in units if u.tokens == self.chunk_size]
         ranks = range(len(self.roots))
         n = len(full)
@@ -137,13 +138,21 @@ class Planner:
             if n == 0:
                 break
             n = min(n, store.lookup_prefix([u.keys[r] for u in full[:n]], count_lookup=count and r == 0))
-        found, on_disk = full[:n], []
+        found, lower = full[:n], []
         if disk is not None:
             for u in full[n:]:
                 if not all(disk.contains([u.keys[r] for r in ranks])):
                     break
                 found.append(u)
-                on_disk.append(u)
+                lower.append(u)
+        if remote is not None and len(found) < len(full):
+            rest = full[len(found):]
+            flags = self._in_remote(remote, rest)
+            for u, ok in zip(rest, flags):
+                if not ok:
+                    break
+                found.append(u)
+                lower.append(u)
         if self.store_tail and self.chunk_size > self.block_size:
             prev = found[-1].keys if found else self.roots
             cands = self.piece_candidates(tokens, len(found) * self.chunk_size, prev)
@@ -152,15 +161,23 @@ class Planner:
                 piece = next((c for i, c in enumerate(cands) if all(f[i] for f in flags)), None)
                 if piece is None and disk is not None:
                     piece = next((c for c in cands if all(disk.contains([c.keys[r] for r in ranks]))), None)
-                    if piece is not None:
-                        on_disk.append(piece)
+                if piece is None and remote is not None:
+                    piece = next((c for c, ok in zip(cands, self._in_remote(remote, cands)) if ok), None)
                 if piece is not None:
                     found.append(piece)
+                    if not all(f[cands.index(piece)] for f in flags):
+                        lower.append(piece)
         hit = found[-1].end if found else 0
         if cap:
             hit = min(hit, self.max_loadable(len(tokens)))
         keep = [u for u in found if u.start < hit]
-        return hit, keep, [u for u in on_disk if u.start < hit]
+        return hit, keep, [u for u in lower if u.start < hit]
+
+    def _in_remote(self, remote, units: list[Unit]) -> list[bool]:
+        """Whether every rank's chunk of each unit is in the remote tier (one call)."""
+        nr = len(self.roots)
+        flags = remote.contains([k for u in units for k in u.keys], [root for _ in units for root in self.roots])
+        return [all(flags[i * nr:(i + 1) * nr]) for i in range(len(units))]
 
     # ---------------------------------------------------------- loading --
     def load_items(self, plan: RequestPlan) -> list[LoadItem]:

@@ -50,6 +50,7 @@ class _PendingStore:
     req_id: str
     reservation: Reservation
     event: Any
+    namespace: bytes | None = None
 
 
 @dataclass
@@ -65,8 +66,9 @@ class RequestTally:
 class KVWorker:
     """Loads and stores units for one worker (one TP rank)."""
 
-    def __init__(self, store: Store, layout: KVLayout, tp_rank: int, *, digest_file: str = ""):
+    def __init__(self, store: Store, layout: KVLayout, tp_rank: int, *, digest_file: str = "", remote=None):
         self.cache = store
+        self.remote = remote  # write-through: committed chunks are queued for the remote tier
         self.layout = layout
         self.rank = tp_rank
         self.counters: Counter[str] = Counter()
@@ -207,7 +209,7 @@ class KVWorker:
                     self.counters[f"store_{r.name.lower()}"] += 1
                     continue
                 if self.on_gpu:
-                    self._store_async(it, r)
+                    self._store_async(it, r, ns)
                 else:
                     self._gather_into(it, r)
                     if self.digest_file:
@@ -216,6 +218,7 @@ class KVWorker:
                         tally.not_stored += 1
                         self.counters["store_stale"] += 1
                         continue
+                    self._committed(key, ns)
                 tally.stored_units += 1
                 tally.stored_tokens += it.payload_blocks * bs
                 self.counters["stored_units"] += 1
@@ -233,7 +236,11 @@ class KVWorker:
             r.abort()
             raise
 
-    def _store_async(self, it: StoreItem, r: Reservation) -> None:
+    def _committed(self, key: bytes, ns: bytes | None) -> None:
+        if self.remote is not None and ns is not None:
+            self.remote.enqueue(key, ns)
+
+    def _store_async(self, it: StoreItem, r: Reservation, ns: bytes | None) -> None:
         import torch
 
         # NOTE: the side stream must see the KV the forward pass just wrote.
@@ -247,7 +254,7 @@ class KVWorker:
                 raise
             ev = torch.cuda.Event()
             ev.record(self._side_stream)
-        self._pending.append(_PendingStore(it.req_id, r, ev))
+        self._pending.append(_PendingStore(it.req_id, r, ev, ns))
 
     def poll(self) -> None:
         """Commit GPU stores whose copies have completed."""
@@ -256,6 +263,8 @@ class KVWorker:
             if p.event.query():
                 if p.reservation.commit() is not PutResult.OK:
                     self.counters["store_stale"] += 1
+                else:
+                    self._committed(p.reservation.key, p.namespace)
             else:
                 still.append(p)
         self._pending = still
@@ -270,6 +279,9 @@ class KVWorker:
         for p in self._pending:
             p.event.synchronize()
         self.poll()
+        if self.remote is not None:
+            self.remote.flush(timeout_s=10)
+            self.remote.close()
 
     # ------------------------------------------------------------ debug --
     def _digest(self, what: str, key: bytes, block_ids: tuple[int, ...], first: int, total: int) -> None:

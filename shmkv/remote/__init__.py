@@ -1,0 +1,1 @@
+"""Remote tier (Redis/Valkey) shared by several hosts."""

@@ -1,0 +1,321 @@
+"""The remote tier: chunks shared across hosts through Redis or Valkey.
+
+    shmkv:v1:c:<namespace root hex>:<chunk key hex>   a chunk, in the disk tier's
+                                                      checked, compressed format
+    shmkv:v1:m:lru / :sizes / :bytes                  byte-budget bookkeeping
+                                                      (only with a budget)
+
+Writes are asynchronous: `enqueue(key, ns)` is O(1) on the caller's thread; a
+writer thread later takes the chunk's encoded bytes from the disk tier's file
+(already compressed) or, failing that, encodes it from a lease on the shared
+tier, and SETs it (with the TTL, and the budget applied atomically by a Lua
+script that drops the least recently written chunks). A chunk gone from both
+by then is dropped with a counter; so is one that finds the queue full.
+
+Reads (`contains`, `read_with_namespace`) check the header, key, namespace
+and payload checksum exactly like the disk tier: garbage is a miss, a counter
+and an UNLINK.
+
+Faults never reach the caller: every call is bounded by `timeout_s` (connect
+and each socket read; redis-py's own retries are off), an error is a miss and
+a counter, and the tier then stays "down" (calls return a miss at once) for a
+backoff that doubles from 0.25 s to 30 s and resets on the first success.
+
+Trust: anyone who can write to the Redis can plant chunks (the checksum is
+not a MAC): give shmkv a private instance or ACL user, and rediss:// across
+hosts. Needs a single Redis/Valkey (the budget script touches several keys).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from shmkv.disk import format as fmt
+
+log = logging.getLogger("shmkv.remote")
+
+PREFIX = b"shmkv:v1:"
+_LRU, _SIZES, _BYTES = PREFIX + b"m:lru", PREFIX + b"m:sizes", PREFIX + b"m:bytes"
+MAX_BACKOFF_S = 30.0
+
+# KEYS: chunk, lru, sizes, bytes. ARGV: value, ttl seconds (0: none), budget, now.
+_PUT_WITH_BUDGET = """
+local old = tonumber(redis.call('HGET', KEYS[3], KEYS[1])) or 0
+if ARGV[2] ~= '0' then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+else
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+local size = string.len(ARGV[1])
+redis.call('HSET', KEYS[3], KEYS[1], size)
+redis.call('ZADD', KEYS[2], ARGV[4], KEYS[1])
+local total = redis.call('INCRBY', KEYS[4], size - old)
+local dropped = 0
+while total > tonumber(ARGV[3]) do
+  local victim = redis.call('ZPOPMIN', KEYS[2])
+  if #victim == 0 then break end
+  local vsize = tonumber(redis.call('HGET', KEYS[3], victim[1])) or 0
+  redis.call('HDEL', KEYS[3], victim[1])
+  redis.call('UNLINK', victim[1])
+  total = redis.call('DECRBY', KEYS[4], vsize)
+  dropped = dropped + 1
+end
+return dropped
+"""
+
+
+def chunk_key(key: bytes, namespace: bytes) -> bytes:
+    return PREFIX + b"c:" + namespace.hex().encode() + b":" + key.hex().encode()
+
+
+class RemoteTier:
+    def __init__(self, url: str, *, timeout_s: float = 0.5, ttl_s: int = 0, capacity_bytes: int = 0,
+                 counter: Callable[[str, int], None] | None = None, store=None, disk=None,
+                 element_size: int = 2, level: int = 1, max_queue: int = 1024) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
+        self.capacity = capacity_bytes
+        self.store = store
+        self.disk = disk
+        self.element_size = element_size
+        self.level = level
+        self._count = counter or (lambda name, n: None)
+        self.display_url = _redact(url)
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._put_script = self._client.register_script(_PUT_WITH_BUDGET)
+        self._state = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = 0.0
+        self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._max_queue = max_queue
+        self._cv = threading.Condition()
+        self._busy = 0  # items taken by the writer, not yet finished
+        self._stopping = False
+        self._writer: threading.Thread | None = None
+
+    # ------------------------------------------------------- fault handling --
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _call(self, what: str, fn: Callable[[], object]) -> tuple[bool, object]:
+        """(ok, result) of one bounded call; a failure marks the tier down."""
+        if not self.available:
+            return False, None
+        try:
+            result = fn()
+        except (redis.RedisError, OSError) as e:
+            with self._state:
+                self._backoff = min(MAX_BACKOFF_S, max(0.25, self._backoff * 2))
+                self._down_until = time.monotonic() + self._backoff
+                backoff = self._backoff
+            self._count("remote_errors", 1)
+            log.warning("shmkv: remote tier %s: %s failed (%s: %s); treated as a miss, next try in %.2f s",
+                        self.display_url, what, type(e).__name__, e, backoff)
+            return False, None
+        if self._backoff:
+            with self._state:
+                if self._backoff:
+                    log.info("shmkv: remote tier %s reachable again", self.display_url)
+                self._backoff = 0.0
+        return True, result
+
+    # ---------------------------------------------------------------- reads --
+    def contains(self, keys: Sequence[bytes], namespaces: Sequence[bytes]) -> list[bool]:
+        """For each (key, namespace), whether the remote holds it (one round trip)."""
+        if not keys:
+            return []
+
+        def run():  # noqa: ANN202
+            pipe = self._client.pipeline(transaction=False)
+            for k, ns in zip(keys, namespaces):
+                pipe.exists(chunk_key(k, ns))
+            return pipe.execute()
+
+        ok, res = self._call("lookup", run)
+        flags = [bool(x) for x in res] if ok else [False] * len(keys)
+        misses = len(flags) - sum(flags)
+        if misses:
+            self._count("remote_misses", misses)
+        return flags
+
+    def read_with_namespace(self, key: bytes, namespace: bytes) -> tuple[bytes, bytes] | None:
+        """(raw payload, namespace) of a checked chunk, or None (missing, damaged, down)."""
+        rkey = chunk_key(key, namespace)
+        ok, data = self._call("get", lambda: self._client.get(rkey))
+        if not ok or data is None:
+            self._count("remote_misses", 1)
+            return None
+        self._count("remote_get_bytes", len(data))
+        try:
+            raw, ns = fmt.decode(data, key)
+            if ns != namespace:
+                raise fmt.DamagedChunk("value names another namespace")
+        except fmt.DamagedChunk as e:
+            log.warning("shmkv: remote chunk %s rejected (%s): removed", rkey.decode(), e.reason)
+            self._count("remote_damaged", 1)
+            self._call("unlink", lambda: self._client.unlink(rkey))
+            return None
+        if self.capacity:
+            self._call("touch", lambda: self._client.zadd(_LRU, {rkey: time.time()}, xx=True))
+        return raw, ns
+
+    # --------------------------------------------------------------- writes --
+    def enqueue(self, key: bytes, namespace: bytes) -> bool:
+        """Queue one chunk for an asynchronous write; False (counted) if the queue is full."""
+        with self._cv:
+            if len(self._queue) >= self._max_queue:
+                self._count("remote_dropped", 1)
+                return False
+            self._queue.append((key, namespace))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="shmkv-remote-writer", daemon=True)
+                self._writer.start()
+            self._cv.notify()
+        return True
+
+    def put_encoded(self, key: bytes, namespace: bytes, data: bytes) -> bool:
+        """Write one encoded chunk now (the writer thread's step; also for benchmarks)."""
+        rkey = chunk_key(key, namespace)
+        if self.capacity:
+            ok, _ = self._call("put", lambda: self._put_script(
+                keys=[rkey, _LRU, _SIZES, _BYTES], args=[data, self.ttl_s, self.capacity, time.time()]))
+        elif self.ttl_s:
+            ok, _ = self._call("put", lambda: self._client.set(rkey, data, ex=self.ttl_s))
+        else:
+            ok, _ = self._call("put", lambda: self._client.set(rkey, data))
+        if ok:
+            self._count("remote_puts", 1)
+            self._count("remote_put_bytes", len(data))
+        else:
+            self._count("remote_put_errors", 1)
+        return ok
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every queued write is done (or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def clear(self, namespace: bytes | None = None) -> int:
+        """Remove every shmkv chunk (or one namespace's) from the remote; how many."""
+        pattern = PREFIX + b"c:" + (namespace.hex().encode() if namespace else b"*") + b":*"
+
+        def run() -> int:
+            n = 0
+            batch: list[bytes] = []
+            for k in self._client.scan_iter(match=pattern, count=1000):
+                batch.append(k)
+                if len(batch) == 1000:
+                    n += self._drop(batch)
+                    batch = []
+            return n + (self._drop(batch) if batch else 0)
+
+        ok, n = self._call("clear", run)
+        return int(n) if ok else 0
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout=self.timeout_s * 4 + 1)
+        self._client.close()
+
+    # ------------------------------------------------------------ internals --
+    def _drop(self, rkeys: list[bytes]) -> int:
+        sizes = self._client.hmget(_SIZES, rkeys)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.unlink(*rkeys)
+        pipe.zrem(_LRU, *rkeys)
+        pipe.hdel(_SIZES, *rkeys)
+        freed = sum(int(s) for s in sizes if s is not None)
+        if freed:
+            pipe.decrby(_BYTES, freed)
+        return int(pipe.execute()[0])
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    self._cv.notify_all()
+                    return
+                key, ns = self._queue.popleft()
+                self._busy += 1
+            try:
+                data = self._encoded(key, ns)
+                if data is None:
+                    self._count("remote_dropped", 1)
+                else:
+                    self.put_encoded(key, ns, data)
+            except Exception:
+                log.exception("shmkv: remote write of %s failed", key.hex())
+                self._count("remote_put_errors", 1)
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
+
+    def _encoded(self, key: bytes, ns: bytes) -> bytes | None:
+        """The chunk's encoded bytes: its disk file if it is one, else encoded
+        from the shared tier; None if neither holds it any more."""
+        if self.disk is not None:
+            try:
+                with open(self.disk.path(key), "rb") as f:
+                    data = f.read()
+                fmt.read_header(data[:fmt.HEADER_BYTES])  # a sound file; decode() checks the rest on read
+                return data
+            except (OSError, fmt.DamagedChunk):
+                pass
+        if self.store is None:
+            return None
+        leases = self.store.acquire_prefix([key], count_lookup=False)
+        if not leases:
+            return None
+        lease = leases[0]
+        try:
+            data = fmt.encode(key, ns, lease.view(), element_size=self.element_size, level=self.level)
+        finally:
+            valid = lease.release()
+        return data if valid else None
+
+
+def open_remote(cfg, *, store=None, disk=None, element_size: int = 2) -> RemoteTier | None:
+    """The remote tier a ShmkvConfig asks for, or None (no remote_url)."""
+    if not cfg.remote_url:
+        return None
+    tier = RemoteTier(cfg.remote_url, timeout_s=cfg.remote_timeout, ttl_s=cfg.remote_ttl,
+                      capacity_bytes=cfg.remote_capacity, counter=store.bump if store is not None else None,
+                      store=store, disk=disk, element_size=element_size, level=cfg.disk_level)
+    log.info("shmkv: remote tier %s (timeout %.2f s, ttl %s, budget %s, write-through %s)", _redact(cfg.remote_url),
+             cfg.remote_timeout, f"{cfg.remote_ttl} s" if cfg.remote_ttl else "none",
+             f"{cfg.remote_capacity / 2**30:.1f} GiB" if cfg.remote_capacity else "none",
+             "on" if cfg.remote_write_through else "off")
+    return tier
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at:
+        return url
+    user = creds.split(":", 1)[0]
+    return f"{scheme}{sep}{user}:***@{host}"
