@@ -400,6 +400,29 @@ PYBIND11_MODULE(_C, m) {
                                     py::bytes(reinterpret_cast<const char*>(&c.ns), 16)));
         return out;
       }, py::arg("max_n"))
+      .def("list_entries", [](PyTable& t) {
+        std::vector<EntryInfo> v;
+        {
+          py::gil_scoped_release nogil;
+          v = t.t->list_entries();
+        }
+        static const char* kStates[] = {"free", "writing", "ready", "doomed"};
+        py::list out;
+        for (auto& e : v) {
+          py::dict d;
+          d["key"] = py::bytes(reinterpret_cast<const char*>(&e.key), 16);
+          d["namespace"] = py::bytes(reinterpret_cast<const char*>(&e.ns), 16);
+          d["size"] = e.size;
+          d["alloc_size"] = e.alloc_size;
+          d["state"] = e.state < 4 ? kStates[e.state] : "unknown";
+          d["pins"] = e.pin_count;
+          d["leases"] = e.refcount;
+          d["flags"] = e.flags;
+          d["owner_pid"] = e.owner_pid;
+          out.append(d);
+        }
+        return out;
+      })
       .def("set_flags", [](PyTable& t, py::bytes k, uint32_t flags) {
         Key key = key_from(k);
         py::gil_scoped_release nogil;

@@ -803,6 +803,20 @@ std::vector<ColdEntry> ChunkTable::coldest(size_t max_n) {
   return out;
 }
 
+std::vector<EntryInfo> ChunkTable::list_entries() {
+  TableLock lock(*this);
+  std::vector<EntryInfo> out;
+  const Entry* ent = entries();
+  for (uint32_t e = 0; e < h()->geo.max_entries; ++e) {
+    const Entry& en = ent[e];
+    uint32_t st = en.state.load(std::memory_order_relaxed);
+    if (st == kEntryFree) continue;
+    out.push_back(EntryInfo{en.key, en.ns, en.size, en.alloc_size, st, en.pin_count, en.refcount, en.flags,
+                            en.owner_pid});
+  }
+  return out;
+}
+
 Status ChunkTable::set_flags(const Key& key, uint32_t flags) {
   TableLock lock(*this);
   uint32_t e = do_find_ready_locked(key);

@@ -54,6 +54,19 @@ struct ColdEntry {
   uint32_t flags;
 };
 
+// One record as list_entries() reports it (audits, tests, the soak benchmark).
+struct EntryInfo {
+  Key key;
+  Key ns;
+  uint64_t size;
+  uint64_t alloc_size;
+  uint32_t state;
+  uint32_t pin_count;
+  uint32_t refcount;
+  uint32_t flags;
+  int32_t owner_pid;
+};
+
 struct ReclaimResult {
   uint64_t leases = 0;
   uint64_t writes = 0;
@@ -92,6 +105,8 @@ class ChunkTable {
   // -- tiers (the maintainer)
   // Up to max_n evictable entries, coldest first (the next eviction victims).
   std::vector<ColdEntry> coldest(size_t max_n);
+  // Every non-free record, in record order.
+  std::vector<EntryInfo> list_entries();
   Status set_flags(const Key& key, uint32_t flags);  // OR into a READY entry
   // Evict `key` if it is READY, unleased, unpinned and spilled (kBusy if not).
   Status evict_spilled(const Key& key);

@@ -419,6 +419,11 @@ class Store:
         """Rebuild every derived structure from the authoritative records."""
         self.table.rebuild()
 
+    def entries(self) -> list[dict[str, Any]]:
+        """Every record in use: key, namespace, size, alloc_size, state
+        ("writing", "ready", or "doomed": erased while leased), pins, leases, flags, owner_pid (one lock)."""
+        return list(self.table.list_entries())
+
     def check_consistency(self) -> list[str]:
         """Problems found by a full consistency check (empty when sound)."""
         return list(self.table.check_consistency())

@@ -13,6 +13,7 @@ BENCHES = {
     "ttft": "shmkv.bench.ttft_bench",
     "disk": "shmkv.bench.disk_bench",
     "remote": "shmkv.bench.remote_bench",
+    "soak": "shmkv.bench.soak_bench",
 }
 
 
