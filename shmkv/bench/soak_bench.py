@@ -198,8 +198,8 @@ def run(argv: list[str]) -> dict:
         result = {"seconds": a.seconds, "workers": a.workers, "ops": tally["ops"], "kills": kills,
                   "corrupt_reads": tally["corrupt_reads"], **audit(store)}
         result["ok"] = (result["corrupt_reads"] == 0 and result["corrupt_entries"] == 0
-                        and result["leaked_leases"] == 0 and result["leaked_writes"] == 0 and result["consistency_ok"] and result["bytes_ok"]
-                        and kills > 0 and result["ops"] > 0)
+                        and result["leaked_leases"] == 0 and result["leaked_writes"] == 0
+                        and result["consistency_ok"] and result["bytes_ok"] and kills > 0 and result["ops"] > 0)
         return result
     finally:
         for w in workers:
