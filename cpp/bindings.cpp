@@ -266,7 +266,14 @@ py::tuple open_table(const std::string& name, int mode, uint64_t capacity, uint6
   {
     py::gil_scoped_release nogil;
     s = Segment::open(name, static_cast<OpenMode>(mode), cfg, populate, &seg, &err);
-    if (s == Status::kOk) table = std::make_shared<ChunkTable>(seg);
+    if (s == Status::kOk) {
+      try {
+        table = std::make_shared<ChunkTable>(seg);
+      } catch (const SegmentBroken& e) {
+        s = Status::kCorrupt;
+        err = "segment '" + name + "': " + e.what();
+      }
+    }
   }
   if (s != Status::kOk) return py::make_tuple(int(s), err, py::none(), 0);
   flush_events(*table);
@@ -285,6 +292,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = SHMKV_VERSION;
 #endif
   m.attr("FORMAT_VERSION") = kFormatVersion;
+  py::register_exception<SegmentBroken>(m, "SegmentBrokenError", PyExc_RuntimeError);
   m.attr("FLAG_SPILLED") = kFlagSpilled;
 
   py::dict codes;

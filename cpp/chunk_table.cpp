@@ -153,9 +153,9 @@ class TableLock {
       pthread_mutex_consistent(m);
     } else if (rc != 0) {
       // ENOTRECOVERABLE cannot happen with this code (we always mark the mutex
-      // consistent); anything else is a broken segment.
-      std::fprintf(stderr, "shmkv: pthread_mutex_lock failed: %s\n", std::strerror(rc));
-      std::abort();
+      // consistent); anything else means the mutex bytes were overwritten.
+      throw SegmentBroken(std::string("the segment's table lock is unusable (pthread_mutex_lock: ") +
+                          std::strerror(rc) + "): the segment was overwritten; unlink it and start again");
     }
     t.do_register_self_locked();
   }
@@ -902,8 +902,8 @@ void ChunkTable::do_rebuild_locked(const char* why) {
         ls[l].next_free = kNone;
         continue;
       }
-      ls[l].state.store(kLeaseFree, std::memory_order_release);
     }
+    ls[l].state.store(kLeaseFree, std::memory_order_release);  // also a state word that is neither
     ls[l].next_free = hd->free_lease_head;
     hd->free_lease_head = l;
   }

@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,13 @@ struct LeaseHandle {
   uint32_t entry = kNone;
   uint64_t offset = 0;
   uint64_t size = 0;
+};
+
+// The table mutex is unusable (its bytes are not a mutex any more): the
+// segment is broken. Thrown by every table operation; the bindings turn it
+// into a Python error, never an abort.
+struct SegmentBroken : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 struct ColdEntry {

@@ -392,6 +392,11 @@ struct SegmentOpener {
           err = saved;
           if (v == Status::kOk) {
             outcome = OpenOutcome::kAdoptedStale;
+            // Nobody is attached (we hold the alive byte alone, under the init
+            // lock), so nobody can hold the table mutex: a fresh one replaces
+            // whatever its bytes say (a dead holder, or garbage that would
+            // make pthread_mutex_lock fail or wait forever).
+            init_mutex(&reinterpret_cast<Header*>(base)->lock);
           } else if (mode == OpenMode::kOpenOrCreate) {
             s = initialise_fresh(want);
             outcome = OpenOutcome::kReinitialisedStale;
