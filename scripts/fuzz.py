@@ -61,7 +61,7 @@ def main() -> None:
         name = f"shmkv-fuzz-{uuid.uuid4().hex[:8]}"
         store = Store.create(name, 8 << 20, populate=False)
         Store.unlink(name)  # the mapping stays ours; nothing is left behind
-        for i in range(8):
+        for _ in range(8):
             store.put(os.urandom(16), b"x" * 1000)
         _controller = Controller(load_config({"cache_name": name, "chunk_size": 32}), store, None)
     atheris.Setup(sys.argv, {"disk_format": disk_format, "controller": controller}[target])
