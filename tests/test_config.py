@@ -53,3 +53,17 @@ def test_unknown_keys_are_errors(tmp_path):
         load_config({"config_file": str(f)}, env={})
     with pytest.raises(ConfigError, match="cannot read"):
         load_config({"config_file": str(tmp_path / "missing.yaml")}, env={})
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:7470", "[::]:7470", "192.0.2.1:7470", "10.1.2.3:80", "7470",
+                                    "unix:relative.sock", "127.0.0.1:70000", "localhost:"])
+def test_controller_listens_on_loopback_or_a_unix_socket_only(listen):
+    """Loopback is reachable by every local user: on a shared host the unix
+    socket (0600) is the private choice (README)."""
+    with pytest.raises(ConfigError, match="listen="):
+        load_config({"listen": listen})
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:7470", "localhost:0", "[::1]:7470", "unix:/run/shmkv.sock"])
+def test_accepted_controller_addresses(listen):
+    assert load_config({"listen": listen}).listen == listen
