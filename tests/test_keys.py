@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import xxhash
 from conftest import REPO
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shmkv.errors import ConfigError
 from shmkv.keys import Namespace, chain_key, chunk_keys, piece_key
@@ -106,3 +108,20 @@ def test_keys_identical_across_interpreters_and_hash_seeds():
     assert len(outs) == 1
     here = ",".join(k.hex() for _, _, k in chunk_keys(NS.with_salt("s"), TOKENS))
     assert outs == {here}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=40) | st.none(), st.text(max_size=40) | st.none(),
+       st.binary(min_size=1024, max_size=2048), st.binary(min_size=1024, max_size=2048))
+def test_no_choice_of_tokens_or_salt_reaches_another_namespace(salt_a, salt_b, toks_a, toks_b):
+    """The salt is inside the canonical JSON hashed into the root, so any two
+    different salts (quotes, braces, unicode included) give different roots,
+    and token ids only ever enter after the root."""
+    toks_a = np.frombuffer(toks_a[:len(toks_a) // 4 * 4], "<u4")
+    toks_b = np.frombuffer(toks_b[:len(toks_b) // 4 * 4], "<u4")
+    a, b = NS.with_salt(salt_a), NS.with_salt(salt_b)
+    assert json.loads(a.encode())["cache_salt"] == salt_a, "the encoding round-trips: it is injective"
+    if salt_a != salt_b:
+        assert a.encode() != b.encode() and a.root_key() != b.root_key()
+        ka, kb = chunk_keys(a, toks_a), chunk_keys(b, toks_b)
+        assert not {k for _, _, k in ka} & {k for _, _, k in kb}
