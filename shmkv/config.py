@@ -62,14 +62,19 @@ def _parse_int(key: str, value: Any, lo: int, hi: int) -> int:
     return n
 
 
-def _parse_fraction(key: str, value: Any) -> float:
+def _parse_float(key: str, value: Any, ok: Any, expected: str) -> float:
+    """float(value) if ok(it), else ConfigError saying what was `expected`."""
     try:
-        x = float(value)
+        x = float(value) if not isinstance(value, bool) else None
     except (TypeError, ValueError):
-        x = -1.0
-    if not 0.0 <= x < 1.0:
-        raise ConfigError(f"{key}={value!r}: expected a fraction in [0, 1)")
+        x = None
+    if x is None or not ok(x):
+        raise ConfigError(f"{key}={value!r}: expected {expected}")
     return x
+
+
+def _parse_fraction(key: str, value: Any) -> float:
+    return _parse_float(key, value, lambda x: 0.0 <= x < 1.0, "a fraction in [0, 1)")
 
 
 def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -155,13 +160,7 @@ def _parse_remote_url(key: str, value: Any) -> str:
 
 
 def _parse_seconds(key: str, value: Any) -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        x = -1.0
-    if not 0.001 <= x <= 600:
-        raise ConfigError(f"{key}={value!r}: expected seconds in [0.001, 600]")
-    return x
+    return _parse_float(key, value, lambda x: 0.001 <= x <= 600, "seconds in [0.001, 600]")
 
 
 def parse_listen(value: str) -> tuple[str, str, int]:

@@ -65,7 +65,7 @@ _REMOTE_METRICS = [
     ("remote_dropped", "Remote writes dropped (queue full, chunk gone)", "counter"),
     ("remote_hits", "Chunks promoted from the remote tier", "counter"),
     ("remote_get_bytes", "Encoded bytes read from the remote tier", "counter"),
-    ("remote_misses", "Remote lookups of chunks it did not have (or could not answer)", "counter"),
+    ("remote_misses", "Remote lookups that did not find every chunk asked for (or got no answer)", "counter"),
     ("remote_errors", "Remote calls that failed or timed out", "counter"),
     ("remote_damaged", "Remote values rejected by the chunk checks", "counter"),
 ]

@@ -171,58 +171,15 @@ def http(url: str, method: str, path: str, body=None, *, raw: bytes | None = Non
 
 
 # ---------------------------------------------------------------- redis ---
-class RedisServer:
-    """A throwaway redis-server (or valkey-server) on a loopback port."""
-
-    def __init__(self, workdir: str) -> None:
-        import shutil
-        import socket
-
-        self.binary = shutil.which("redis-server") or shutil.which("valkey-server")
-        if self.binary is None:
-            pytest.fail("redis-server is not installed: run scripts/setup.sh (it installs Debian's redis-server)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.workdir = workdir
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        import time
-
-        import redis
-
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
-        deadline = time.monotonic() + 30
-        while True:  # wait until it answers (a condition, not a fixed sleep)
-            try:
-                client.ping()
-                break
-            except redis.RedisError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise AssertionError("redis-server did not start") from None
-                time.sleep(0.05)
-        client.close()
-
-    def client(self):
-        import redis
-
-        return redis.Redis(port=self.port, socket_timeout=5)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
-
 @pytest.fixture
-def redis_server(tmp_path) -> Iterator[RedisServer]:
-    server = RedisServer(str(tmp_path))
+def redis_server(tmp_path) -> Iterator:
+    """A private redis-server on a loopback port (shmkv.remote.server.PrivateRedis)."""
+    from shmkv.remote.server import PrivateRedis
+
+    try:
+        server = PrivateRedis(str(tmp_path))
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
     yield server
     server.kill()
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
 
@@ -27,39 +25,11 @@ import xxhash
 from shmkv import Store
 from shmkv.disk import format as fmt
 from shmkv.maintainer import promote
+from shmkv.remote.server import PrivateRedis
 from shmkv.remote.tier import RemoteTier, chunk_key
 
 MiB = 1 << 20
 NS = b"bench-namespace!"
-
-
-class _PrivateRedis:
-    def __init__(self, workdir: str) -> None:
-        binary = shutil.which("redis-server") or shutil.which("valkey-server")
-        if binary is None:
-            raise SystemExit("redis-server not found (scripts/setup.sh installs it), or pass --url")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", workdir],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.RedisError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit("the private redis-server did not start") from None
-                time.sleep(0.05)
-        client.close()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 def run(argv: list[str]) -> dict:
@@ -72,7 +42,10 @@ def run(argv: list[str]) -> dict:
     a = ap.parse_args(argv)
 
     workdir = tempfile.mkdtemp(prefix="shmkv-bench-remote-")
-    server = None if a.url else _PrivateRedis(workdir)
+    try:
+        server = None if a.url else PrivateRedis(workdir)
+    except FileNotFoundError as e:
+        raise SystemExit(f"{e}; or pass --url") from e
     url = a.url or server.url  # type: ignore[union-attr]
     size = int(a.chunk_mib * MiB) // 2 * 2
     g = torch.Generator().manual_seed(0)

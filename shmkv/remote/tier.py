@@ -144,9 +144,8 @@ class RemoteTier:
 
         ok, res = self._call("lookup", run)
         flags = [bool(x) for x in res] if ok else [False] * len(keys)
-        misses = len(flags) - sum(flags)
-        if misses:
-            self._count("remote_misses", misses)
+        if not all(flags):
+            self._count("remote_misses", 1)  # one per lookup that did not find all it asked for
         return flags
 
     def read_with_namespace(self, key: bytes, namespace: bytes) -> tuple[bytes, bytes] | None:
