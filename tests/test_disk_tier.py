@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
 
 import pytest
 
@@ -81,11 +82,20 @@ def test_write_errors_are_counted_not_raised(tmp_path, counts, monkeypatch):
     assert os.listdir(t.dir) == [], "no temporary file is left behind"
 
 
+def _exited_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
 def test_rebuild_removes_temp_files_and_reads_no_bodies(tmp_path, counts, monkeypatch):
     t = make(tmp_path, counts)
     for i in range(5):
         t.write(key(i), NS, os.urandom(2000))
-    open(os.path.join(t.dir, f".{key(9).hex()}.12345.tmp"), "wb").write(b"half")
+    dead = _exited_pid()
+    open(os.path.join(t.dir, f".{key(9).hex()}.{dead}.77.tmp"), "wb").write(b"half, of a killed writer")
+    live = os.path.join(t.dir, f".{key(8).hex()}.{os.getppid()}.77.tmp")
+    open(live, "wb").write(b"half, of a writer that still runs")
     open(os.path.join(t.dir, "README"), "w").write("not ours")
 
     def no_decode(*a, **k):
@@ -95,7 +105,8 @@ def test_rebuild_removes_temp_files_and_reads_no_bodies(tmp_path, counts, monkey
     t2 = make(tmp_path, counts)
     files, size = t2.rebuild_index()
     assert files == 5 and size == sum(os.path.getsize(t2.path(key(i))) for i in range(5))
-    assert not any(n.endswith(".tmp") for n in os.listdir(t2.dir))
+    assert [n for n in os.listdir(t2.dir) if n.endswith(".tmp")] == [os.path.basename(live)], \
+        "a dead writer's temporary file goes; a live writer's stays"
     assert os.path.exists(os.path.join(t2.dir, "README")), "foreign files are left alone"
 
 

@@ -7,7 +7,8 @@ Any process may look chunks up (a stat per key: no shared index to keep
 consistent) and read them. Only the maintainer writes and removes files, so
 only it keeps an index: an LRU of file sizes under the directory's byte cap,
 rebuilt at start from a directory scan (stat only, no decompression), which
-also removes the temporary files a killed writer left.
+also removes the temporary files a killed writer left (never those of a
+writer that still runs: a maintainer handing its role over may be mid-write).
 
 Nothing here raises into the caller for a damaged file, a full disk or an I/O
 error: a bad file is a miss, a counter and an unlink; a failed write is a
@@ -177,7 +178,8 @@ class DiskTier:
             for d in it:
                 name = d.name
                 if name.endswith(".tmp"):
-                    self._unlink_quiet(d.path)
+                    if not _writer_alive(name):
+                        self._unlink_quiet(d.path)  # left by a writer that was killed
                     continue
                 if not name.endswith(SUFFIX) or len(name) != 32 + len(SUFFIX):
                     continue
@@ -255,6 +257,25 @@ class DiskTier:
         if d is None:
             d = self._cctx.d = zstandard.ZstdDecompressor()
         return d
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process named in `.<key>.<pid>.<thread>.tmp` still runs
+    (then the file is a write in progress, not debris)."""
+    parts = tmp_name.split(".")
+    try:
+        pid = int(parts[2])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _make_private_dir(path: str) -> None:
