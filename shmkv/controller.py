@@ -10,6 +10,7 @@
     POST /unpin        {"tokens", "namespace"}
     POST /move         {"tokens", "namespace", "to": "shm" | "disk"}
     POST /flush        {} -> returns once every chunk of the shared tier is on disk (fsync'd)
+                       and, with a remote tier, written there (or failed, counted)
 
 A namespace N is either the 32-hex root key of a registered namespace
 (`/namespaces`), or an object of Namespace fields (shmkv.keys.Namespace, with
@@ -210,8 +211,14 @@ class Controller:
         with self._mutate:
             spilled = self.maintainer.spill_all()
             synced = self.disk.sync()
-        log.info("shmkv: controller flush: %d chunks spilled, %d files synced", spilled, synced)
-        return {"spilled_chunks": spilled, "synced_files": synced}
+            # spilled chunks are queued for the remote tier too: wait for its writer
+            remote = self.remote.flush(timeout_s=60) if self.remote is not None else None
+        log.info("shmkv: controller flush: %d chunks spilled, %d files synced%s", spilled, synced,
+                 "" if remote is None else f", remote writes {'done' if remote else 'still pending after 60 s'}")
+        out: dict[str, Any] = {"spilled_chunks": spilled, "synced_files": synced}
+        if remote is not None:
+            out["remote_flushed"] = remote
+        return out
 
     # ---------------------------------------------------------- internals --
     def _controller_counters(self) -> dict[str, Any]:

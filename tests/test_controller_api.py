@@ -31,10 +31,10 @@ def units(ns=NS, tokens=TOKENS):
     return Planner([ns], BLOCK).units(tokens)
 
 
-def start_daemon(cache_name, tmp_path, listen="127.0.0.1:0", disk=True):
+def start_daemon(cache_name, tmp_path, listen="127.0.0.1:0", disk=True, remote=""):
     cfg = load_config({"cache_name": cache_name, "capacity": "8MiB", "chunk_size": CHUNK, "listen": listen,
                        "disk_dir": str(tmp_path / "disk") if disk else "", "populate": False,
-                       "spill_ahead": 0.0, "low_watermark": 0.0})
+                       "spill_ahead": 0.0, "low_watermark": 0.0, "remote_url": remote})
     d = Daemon(cfg)
     assert d.lock.try_acquire()
     d.start()
@@ -174,6 +174,35 @@ def test_flush_puts_every_chunk_on_disk(served):
         assert disk.read(u.keys[0]) == payload_for(u.keys[0], NBYTES)
     st, body = http(served.url, "POST", "/flush")
     assert st == 200 and body["spilled_chunks"] == 0, "already on disk"
+
+
+def test_flush_waits_for_the_remote_tier(cache_name, tmp_path, redis_server):
+    from shmkv.remote.tier import chunk_key
+
+    d, t = start_daemon(cache_name, tmp_path, remote=redis_server.url)
+    register(cache_name, NS)
+    try:
+        us = units()
+        put_units(d.store, us)
+        st, body = http(d.url, "POST", "/flush", {})
+        assert st == 200 and body == {"spilled_chunks": 4, "synced_files": 4, "remote_flushed": True}
+        client = redis_server.client()
+        assert all(client.exists(chunk_key(u.keys[0], NS.root_key())) for u in us)
+        st, body = http(d.url, "GET", "/health")
+        assert body["remote_tier"] == redis_server.url
+        # the remote is a tier of lookups and clears too
+        d.store.clear()
+        d.role.disk.clear()
+        st, body = http(d.url, "POST", "/lookup", {"tokens": TOKENS, "namespace": NS.root_key().hex()})
+        assert body["tiers"] == {"shm": 0, "disk": 0, "remote": 112}, body
+        st, body = http(d.url, "POST", "/move", {"tokens": TOKENS, "namespace": NS.root_key().hex(), "to": "shm"})
+        assert body["tiers"] == {"shm": 112, "disk": 0, "remote": 0} and body["moved_chunks"] == 4, body
+        st, body = http(d.url, "POST", "/clear", {"namespace": NS.root_key().hex()})
+        assert body["removed"] == {"shm": 4, "disk": 0, "remote": 4}, body
+    finally:
+        d.request_stop()
+        t.join(timeout=30)
+        d.close()
 
 
 BAD = [
