@@ -56,21 +56,17 @@ class _Handler(BaseHTTPRequestHandler):
     controller: Controller  # set on the subclass made by _serve
 
     def _serve(self) -> None:
-        length = self.headers.get("Content-Length")
-        if length is None and self.command == "POST":
-            body = b""
-        else:
-            try:
-                n = int(length or 0)
-            except ValueError:
-                n = -1
-            if n < 0 or n > MAX_BODY_BYTES:
-                status = 413 if n > MAX_BODY_BYTES else 400
-                self.controller.count(status)
-                self._reply(status, "application/json",
-                            b'{"error": "Content-Length malformed or over the limit"}\n', close=True)
-                return
-            body = self.rfile.read(n)
+        try:
+            n = int(self.headers.get("Content-Length", "0"))  # no header: no body
+        except ValueError:
+            n = -1
+        if n < 0 or n > MAX_BODY_BYTES:
+            status = 413 if n > MAX_BODY_BYTES else 400
+            self.controller.count(status)
+            self._reply(status, "application/json",
+                        b'{"error": "Content-Length malformed or over the limit"}\n', close=True)
+            return
+        body = self.rfile.read(n)
         status, ctype, out = self.controller.handle(self.command, self.path, body)
         self._reply(status, ctype, out)
 

@@ -190,12 +190,11 @@ class ShmKVConnector(KVConnectorBase_V1):
                                  capacity_bytes=self.cfg.disk_capacity, level=self.cfg.disk_level,
                                  element_size=self._dtype_bytes(),
                                  counter=self.store.bump)
-            # NOTE: promotion reads and decompresses off the scheduler's thread
-            self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
             log.info("shmkv: disk tier at %s (cap %.1f GiB, zstd level %d)", self.disk.dir,
                      self.cfg.disk_capacity / 2**30, self.cfg.disk_level)
         self.remote = open_remote(self.cfg, store=self.store, disk=self.disk, element_size=self._dtype_bytes())
-        if self.remote is not None and self._promoter is None:
+        if self.disk is not None or self.remote is not None:
+            # NOTE: promotion reads and decompresses off the scheduler's thread
             self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
         self._role = None
         if self.cfg.maintainer:

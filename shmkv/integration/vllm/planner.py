@@ -159,13 +159,15 @@ class Planner:
             if cands:
                 flags = [store.contains([c.keys[r] for c in cands]) for r in ranks]
                 piece = next((c for i, c in enumerate(cands) if all(f[i] for f in flags)), None)
-                if piece is None and disk is not None:
-                    piece = next((c for c in cands if all(disk.contains([c.keys[r] for r in ranks]))), None)
-                if piece is None and remote is not None:
-                    piece = next((c for c, ok in zip(cands, self._in_remote(remote, cands)) if ok), None)
                 if piece is not None:
                     found.append(piece)
-                    if not all(f[cands.index(piece)] for f in flags):
+                else:  # the longest piece a lower tier holds, promoted like its chunks
+                    if disk is not None:
+                        piece = next((c for c in cands if all(disk.contains([c.keys[r] for r in ranks]))), None)
+                    if piece is None and remote is not None:
+                        piece = next((c for c, ok in zip(cands, self._in_remote(remote, cands)) if ok), None)
+                    if piece is not None:
+                        found.append(piece)
                         lower.append(piece)
         hit = found[-1].end if found else 0
         if cap:
