@@ -250,7 +250,9 @@ struct PyTable {
 
 py::tuple open_table(const std::string& name, int mode, uint64_t capacity, uint64_t max_payload,
                      uint64_t alignment, uint32_t max_entries, uint32_t max_leases,
-                     uint32_t max_procs, bool populate) {
+                     uint32_t max_procs, bool populate, double lock_timeout_s) {
+  if (!(lock_timeout_s > 0 && lock_timeout_s <= 3600))
+    throw py::value_error("lock_timeout must be in (0, 3600] seconds");
   SegmentConfig cfg;
   cfg.capacity_bytes = capacity;
   cfg.max_payload_bytes = max_payload;
@@ -268,10 +270,13 @@ py::tuple open_table(const std::string& name, int mode, uint64_t capacity, uint6
     s = Segment::open(name, static_cast<OpenMode>(mode), cfg, populate, &seg, &err);
     if (s == Status::kOk) {
       try {
-        table = std::make_shared<ChunkTable>(seg);
+        table = std::make_shared<ChunkTable>(seg, uint64_t(lock_timeout_s * 1e9));
       } catch (const SegmentBroken& e) {
         s = Status::kCorrupt;
         err = "segment '" + name + "': " + e.what();
+      } catch (const LockTimeout& e) {
+        s = Status::kTimedOut;
+        err = e.what();
       }
     }
   }
@@ -292,17 +297,21 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = SHMKV_VERSION;
 #endif
   m.attr("FORMAT_VERSION") = kFormatVersion;
-  py::register_exception<SegmentBroken>(m, "SegmentBrokenError", PyExc_RuntimeError);
+  // The core's exceptions are the Python hierarchy's (shmkv/errors.py).
+  py::module_ errors = py::module_::import("shmkv.errors");
+  py::register_exception<SegmentBroken>(m, "SegmentBrokenError", errors.attr("SegmentCorruptError"));
+  py::register_exception<LockTimeout>(m, "LockTimeoutError", errors.attr("LockTimeoutError"));
   m.attr("FLAG_SPILLED") = kFlagSpilled;
 
   py::dict codes;
-  for (int i : {0, 1, 2, 3, 4, 5, 16, 17, 18, 19, 20, 21, 22, 23, 24})
+  for (int i : {0, 1, 2, 3, 4, 5, 6, 16, 17, 18, 19, 20, 21, 22, 23, 24})
     codes[py::int_(i)] = status_name(static_cast<Status>(i));
   m.attr("STATUS_NAMES") = codes;
 
   m.def("open_table", &open_table, py::arg("name"), py::arg("mode"), py::arg("capacity_bytes"),
         py::arg("max_payload_bytes"), py::arg("alignment"), py::arg("max_entries"),
         py::arg("max_leases"), py::arg("max_procs"), py::arg("populate"),
+        py::arg("lock_timeout_s") = double(ChunkTable::kDefaultLockTimeoutNs) / 1e9,
         "Open a segment; returns (status, message, Table | None, outcome).");
   m.def("unlink", [](const std::string& name) -> py::tuple {
     std::string err;
@@ -440,9 +449,35 @@ PYBIND11_MODULE(_C, m) {
       .def("bump", [](PyTable& t, const std::string& name, uint64_t n) {
         if (!t.t->bump(name, n)) throw py::value_error("no tier counter named '" + name + "'");
       }, py::arg("counter"), py::arg("n") = 1)
-      .def("detach", [](PyTable& t) { t.t->detach_process(); })
-      .def("check_consistency", [](PyTable& t) { return t.t->check_consistency(); })
+      .def("detach", [](PyTable& t) {
+        py::gil_scoped_release nogil;
+        t.t->detach_process();
+      })
+      .def("check_consistency", [](PyTable& t) {
+        std::vector<std::string> bad;
+        {
+          py::gil_scoped_release nogil;
+          bad = t.t->check_consistency();
+        }
+        flush_events(*t.t);
+        return bad;
+      })
       .def("stats", [](PyTable& t) { return t.t->stats(); })
+      .def("lock_holder", [](PyTable& t) {
+        LockHolder who = t.t->lock_holder();
+        return py::make_tuple(who.pid, double(who.held_ns) / 1e9);
+      }, "(pid, seconds) of the process holding the table lock now; pid 0: nobody")
+      .def("file_bytes", [](PyTable& t) { return t.t->file_bytes(); })
+      .def("restore_size", [](PyTable& t) -> py::tuple {
+        std::string err;
+        Status s;
+        {
+          py::gil_scoped_release nogil;
+          s = t.t->restore_size(&err);
+        }
+        flush_events(*t.t);
+        return py::make_tuple(int(s), err);
+      }, "Grow a truncated segment file back and reset the table; (status, message).")
       .def_property_readonly("name", [](const PyTable& t) { return t.t->segment()->name(); })
       .def_property_readonly("arena_address", [](const PyTable& t) {
         return reinterpret_cast<uintptr_t>(t.t->segment()->arena());

@@ -115,6 +115,10 @@ constexpr NamedCounter kCounters[] = {
     {"segment_resets", &Counters::segment_resets, false},
     {"index_rehashes", &Counters::index_rehashes, false},
     {"procs_table_full", &Counters::procs_table_full, false},
+    {"lock_timeouts", &Counters::lock_timeouts, false},
+    {"deferred_ops", &Counters::deferred_ops, false},
+    {"metadata_repairs", &Counters::metadata_repairs, false},
+    {"segment_truncated", &Counters::segment_truncated, false},
     {"bytes_used", &Counters::bytes_used, false},
     {"entries", &Counters::entries, false},
     {"ready_entries", &Counters::ready_entries, false},
@@ -140,40 +144,193 @@ constexpr NamedCounter kCounters[] = {
 
 }  // namespace
 
-// Takes the table mutex; on EOWNERDEAD rebuilds the table before the caller
-// proceeds. NOTE: this is the only place the mutex is acquired.
+static uint64_t now_mono_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+// Whether a thread id (the owner a glibc robust mutex records in its first
+// word) names a live thread on this host.
+static bool tid_alive(int32_t tid) {
+  if (tid <= 0) return false;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d", int(tid));
+  return access(path, F_OK) == 0;
+}
+
+// Takes the table mutex, waiting at most the table's bound; on EOWNERDEAD
+// rebuilds the table before the caller proceeds. ok() is false when the wait
+// timed out (counted; the caller answers its ordinary fallback). A mutex whose
+// bytes are not a mutex any more throws SegmentBroken.
+// NOTE: this is the only place the mutex is acquired.
 class TableLock {
  public:
   explicit TableLock(ChunkTable& t) : t_(t) {
-    pthread_mutex_t* m = &t.h()->lock;
-    int rc = pthread_mutex_lock(m);
+    Header* hd = t.h();
+    pthread_mutex_t* m = &hd->lock;
+    int rc = pthread_mutex_trylock(m);
+    if (rc == EBUSY) {
+      int32_t pid = hd->lock_holder_pid.load(std::memory_order_acquire);
+      uint64_t since = hd->lock_since_ns.load(std::memory_order_relaxed);
+      if (pid != 0 && pid == t.stuck_pid_.load(std::memory_order_relaxed) &&
+          since == t.stuck_since_.load(std::memory_order_relaxed)) {
+        timed_out();  // the holder we already waited for has not let go
+        return;
+      }
+      timespec deadline;
+      clock_gettime(CLOCK_MONOTONIC, &deadline);
+      uint64_t ns = uint64_t(deadline.tv_nsec) + t.lock_timeout_ns_;
+      deadline.tv_sec += time_t(ns / 1000000000ull);
+      deadline.tv_nsec = long(ns % 1000000000ull);
+      rc = pthread_mutex_clocklock(m, CLOCK_MONOTONIC, &deadline);
+    }
+    if (rc == ETIMEDOUT) {
+      int32_t pid = hd->lock_holder_pid.load(std::memory_order_acquire);
+      // A robust mutex's first word is its owner's thread id (plus flag bits).
+      int32_t owner_tid = int32_t(*reinterpret_cast<volatile uint32_t*>(m) & 0x3fffffffu);
+      if (!tid_alive(owner_tid) && (pid == 0 || kill(pid, 0) != 0)) {
+        // Nobody alive owns it, and a dead owner would have made it EOWNERDEAD:
+        // its bytes were overwritten.
+        throw SegmentBroken("the segment's table lock is unusable (held by thread " +
+                            std::to_string(owner_tid) + ", which does not exist): the segment was "
+                            "overwritten; unlink it and start again");
+      }
+      t.stuck_pid_.store(pid, std::memory_order_relaxed);
+      t.stuck_since_.store(hd->lock_since_ns.load(std::memory_order_relaxed), std::memory_order_relaxed);
+      timed_out();
+      return;
+    }
     if (rc == EOWNERDEAD) {
+      held_ = true;
+      mark_held();
       t.c().lock_recoveries.fetch_add(1, std::memory_order_relaxed);
-      t.do_rebuild_locked("a process died holding the table lock");
+      try {
+        t.do_rebuild_locked("a process died holding the table lock");
+      } catch (const DerivedCorrupt& e) {
+        t.do_reset_locked(std::string("rebuild after a dead lock holder failed: ") + e.what());
+      }
       pthread_mutex_consistent(m);
     } else if (rc != 0) {
       // ENOTRECOVERABLE cannot happen with this code (we always mark the mutex
       // consistent); anything else means the mutex bytes were overwritten.
       throw SegmentBroken(std::string("the segment's table lock is unusable (pthread_mutex_lock: ") +
                           std::strerror(rc) + "): the segment was overwritten; unlink it and start again");
+    } else {
+      held_ = true;
+      mark_held();
     }
-    t.do_register_self_locked();
+    t.stuck_pid_.store(0, std::memory_order_relaxed);
+    t.guarded([&] {
+      t.do_register_self_locked();
+      if (t.has_deferred_.load(std::memory_order_relaxed)) t.do_run_deferred_locked();
+      return 0;
+    });
   }
-  ~TableLock() { pthread_mutex_unlock(&t_.h()->lock); }
+  ~TableLock() {
+    if (!held_) return;
+    t_.h()->lock_holder_pid.store(0, std::memory_order_release);
+    pthread_mutex_unlock(&t_.h()->lock);
+  }
+  bool ok() const { return held_; }
+  // For whole-table operations: no fallback answer, so a timeout is an error.
+  void require(const char* what) const {
+    if (held_) return;
+    LockHolder who = t_.lock_holder();
+    throw LockTimeout(std::string(what) + ": the table lock of segment '" + t_.segment()->name() +
+                      "' is held by pid " + std::to_string(who.pid) + " for " +
+                      std::to_string(who.held_ns / 1000000) + " ms (over the " +
+                      std::to_string(t_.lock_timeout_ns_ / 1000000) +
+                      " ms bound); is that process stopped?");
+  }
 
  private:
+  void mark_held() {
+    Header* hd = t_.h();
+    hd->lock_since_ns.store(now_mono_ns(), std::memory_order_relaxed);
+    hd->lock_holder_pid.store(t_.self_pid(), std::memory_order_release);
+  }
+  void timed_out() { t_.c().lock_timeouts.fetch_add(1, std::memory_order_relaxed); }
+
   ChunkTable& t_;
+  bool held_ = false;
 };
 
-ChunkTable::ChunkTable(std::shared_ptr<Segment> seg) : seg_(std::move(seg)) {
+template <class F>
+auto ChunkTable::guarded(F&& f) -> decltype(f()) {
+  for (int attempt = 0;; ++attempt) {
+    try {
+      return f();
+    } catch (const DerivedCorrupt& e) {
+      c().metadata_repairs.fetch_add(1, std::memory_order_relaxed);
+      std::string why = std::string("derived metadata out of range (") + e.what() + ")";
+      if (attempt >= 2) throw SegmentBroken("segment '" + seg_->name() + "': " + why + " even after a reset");
+      try {
+        if (attempt == 0) do_rebuild_locked(why.c_str());
+        else do_reset_locked(why);
+      } catch (const DerivedCorrupt& e2) {
+        do_reset_locked(why + "; rebuild failed: " + e2.what());
+      }
+    }
+  }
+}
+
+ChunkTable::ChunkTable(std::shared_ptr<Segment> seg, uint64_t lock_timeout_ns)
+    : seg_(std::move(seg)), lock_timeout_ns_(lock_timeout_ns) {
   (void)g_atfork_registered;
   self_pid();
   if (seg_->needs_rebuild()) {
     TableLock lock(*this);
-    do_rebuild_locked("adopting a segment whose processes had all exited");
-    do_reclaim_locked(true);
+    lock.require("adopting a stale segment");
+    guarded([&] {
+      do_rebuild_locked("adopting a segment whose processes had all exited");
+      do_reclaim_locked(true);
+      return 0;
+    });
   } else {
-    TableLock lock(*this);
+    TableLock lock(*this);  // registers this process (later, if the lock is busy now)
+  }
+}
+
+ChunkTable::~ChunkTable() {
+  // Deferred commits/releases left: one more bounded try. Whatever is still
+  // queued after it is reclaimed when this process exits (dead owner).
+  if (has_deferred_.load(std::memory_order_relaxed)) {
+    try {
+      TableLock lock(*this);
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+LockHolder ChunkTable::lock_holder() const {
+  LockHolder out;
+  out.pid = h()->lock_holder_pid.load(std::memory_order_acquire);
+  if (out.pid != 0) {
+    uint64_t since = h()->lock_since_ns.load(std::memory_order_relaxed);
+    uint64_t now = now_mono_ns();
+    out.held_ns = now > since ? now - since : 0;
+  }
+  return out;
+}
+
+void ChunkTable::defer(const Deferred& d) {
+  std::lock_guard<std::mutex> g(deferred_mu_);
+  deferred_.push_back(d);
+  has_deferred_.store(true, std::memory_order_relaxed);
+  c().deferred_ops.fetch_add(1, std::memory_order_relaxed);
+}
+
+void ChunkTable::do_run_deferred_locked() {
+  std::vector<Deferred> todo;
+  {
+    std::lock_guard<std::mutex> g(deferred_mu_);
+    todo.swap(deferred_);
+    has_deferred_.store(false, std::memory_order_relaxed);
+  }
+  for (const Deferred& d : todo) {
+    if (d.kind == Deferred::kRelease) do_release_locked(d.l, d.cold);
+    else do_finish_locked(d.r, d.kind == Deferred::kCommit);
   }
 }
 
@@ -190,7 +347,7 @@ void ChunkTable::do_register_self_locked() {
   pid_t me = self_pid();
   if (registered_pid_ == me) return;
   ProcSlot* p = procs();
-  uint32_t n = h()->geo.max_procs;
+  uint32_t n = seg_->geo().max_procs;
   uint32_t free_slot = kNone;
   for (uint32_t i = 0; i < n; ++i) {
     int32_t pid = p[i].pid.load(std::memory_order_relaxed);
@@ -226,9 +383,10 @@ void ChunkTable::do_register_self_locked() {
 
 void ChunkTable::detach_process() {
   TableLock lock(*this);
+  if (!lock.ok()) return;  // the slot is freed when this process is found dead
   pid_t me = self_pid();
   ProcSlot* p = procs();
-  for (uint32_t i = 0; i < h()->geo.max_procs; ++i)
+  for (uint32_t i = 0; i < seg_->geo().max_procs; ++i)
     if (p[i].pid.load(std::memory_order_relaxed) == me) p[i].pid.store(0, std::memory_order_release);
   registered_pid_ = 0;
 }
@@ -254,18 +412,19 @@ std::vector<std::string> ChunkTable::drain_events() {
 uint64_t ChunkTable::slot_of(const Key& k) const {
   uint64_t x = k.lo ^ (k.hi * 0x9e3779b97f4a7c15ull);
   x ^= x >> 29;
-  return x & (uint64_t(h()->geo.index_slots) - 1);
+  return x & (uint64_t(seg_->geo().index_slots) - 1);
 }
 
 uint32_t ChunkTable::do_find_locked(const Key& k, uint64_t* slot_out) const {
   const uint32_t* idx = index();
   const Entry* ent = entries();
-  uint64_t mask = uint64_t(h()->geo.index_slots) - 1;
+  uint64_t mask = uint64_t(seg_->geo().index_slots) - 1;
   uint64_t s = slot_of(k);
   for (uint64_t probes = 0; probes <= mask; ++probes, s = (s + 1) & mask) {
     uint32_t v = idx[s];
     if (v == kIndexEmpty) return kNone;
     if (v == kIndexTomb) continue;
+    check(v < seg_->geo().max_entries, "index slot points past the entry table");
     if (ent[v].key == k) {
       if (slot_out) *slot_out = s;
       return v;
@@ -276,13 +435,17 @@ uint32_t ChunkTable::do_find_locked(const Key& k, uint64_t* slot_out) const {
 
 void ChunkTable::do_index_insert_locked(uint32_t e) {
   uint32_t* idx = index();
-  uint64_t mask = uint64_t(h()->geo.index_slots) - 1;
+  uint64_t mask = uint64_t(seg_->geo().index_slots) - 1;
   uint64_t s = slot_of(entries()[e].key);
-  while (idx[s] != kIndexEmpty && idx[s] != kIndexTomb) s = (s + 1) & mask;
+  uint64_t probes = 0;
+  while (idx[s] != kIndexEmpty && idx[s] != kIndexTomb) {
+    check(++probes <= mask, "the index has no free slot");
+    s = (s + 1) & mask;
+  }
   if (idx[s] == kIndexEmpty) h()->index_used += 1;
   idx[s] = e;
   // Tombstones lengthen probes; clean up when live + tombstones pass 3/4.
-  if (h()->index_used * 4 > uint64_t(h()->geo.index_slots) * 3) do_rehash_locked();
+  if (h()->index_used * 4 > uint64_t(seg_->geo().index_slots) * 3) do_rehash_locked();
 }
 
 void ChunkTable::do_index_remove_locked(uint32_t e) {
@@ -292,12 +455,12 @@ void ChunkTable::do_index_remove_locked(uint32_t e) {
 
 void ChunkTable::do_rehash_locked() {
   Header* hd = h();
-  std::memset(index(), 0xff, uint64_t(hd->geo.index_slots) * sizeof(uint32_t));
+  std::memset(index(), 0xff, uint64_t(seg_->geo().index_slots) * sizeof(uint32_t));
   hd->index_used = 0;
   uint32_t* idx = index();
-  uint64_t mask = uint64_t(hd->geo.index_slots) - 1;
+  uint64_t mask = uint64_t(seg_->geo().index_slots) - 1;
   Entry* ent = entries();
-  for (uint32_t i = 0; i < hd->geo.max_entries; ++i) {
+  for (uint32_t i = 0; i < seg_->geo().max_entries; ++i) {
     uint32_t st = ent[i].state.load(std::memory_order_relaxed);
     if (st != kEntryWriting && st != kEntryReady) continue;
     uint64_t s = slot_of(ent[i].key);
@@ -313,10 +476,15 @@ void ChunkTable::do_rehash_locked() {
 // are at most (live allocations + 1) of them, so the array never overflows.
 
 bool ChunkTable::do_alloc_locked(uint64_t need, uint64_t* offset) {
+  const Geometry& g = seg_->geo();
   Extent* ex = extents();
   uint64_t n = h()->num_extents;
+  check(n <= uint64_t(g.max_entries) + 1, "more free extents than the extent table holds");
   for (uint64_t i = 0; i < n; ++i) {
     if (ex[i].length < need) continue;
+    check(ex[i].offset <= g.arena_bytes && ex[i].length <= g.arena_bytes - ex[i].offset &&
+              ex[i].offset % g.alignment == 0,
+          "a free extent lies outside the arena");
     *offset = ex[i].offset;
     ex[i].offset += need;
     ex[i].length -= need;
@@ -330,8 +498,11 @@ bool ChunkTable::do_alloc_locked(uint64_t need, uint64_t* offset) {
 }
 
 void ChunkTable::do_free_extent_locked(uint64_t off, uint64_t len) {
+  const Geometry& g = seg_->geo();
   Extent* ex = extents();
   uint64_t n = h()->num_extents;
+  check(n <= g.max_entries, "more free extents than live allocations allow");
+  check(off <= g.arena_bytes && len <= g.arena_bytes - off, "a freed extent lies outside the arena");
   // first extent starting after `off`
   uint64_t lo = 0, hi = n;
   while (lo < hi) {
@@ -340,6 +511,8 @@ void ChunkTable::do_free_extent_locked(uint64_t off, uint64_t len) {
     else hi = mid;
   }
   uint64_t i = lo;
+  check(i == 0 || ex[i - 1].offset + ex[i - 1].length <= off, "a freed extent overlaps a free one");
+  check(i == n || off + len <= ex[i].offset, "a freed extent overlaps a free one");
   bool merge_prev = i > 0 && ex[i - 1].offset + ex[i - 1].length == off;
   bool merge_next = i < n && off + len == ex[i].offset;
   if (merge_prev && merge_next) {
@@ -363,6 +536,8 @@ void ChunkTable::do_free_extent_locked(uint64_t off, uint64_t len) {
 void ChunkTable::do_lru_link_head_locked(uint32_t e) {
   Entry* ent = entries();
   Header* hd = h();
+  checked_link(hd->lru_head, "LRU head");
+  checked_link(hd->lru_tail, "LRU tail");
   ent[e].lru_prev = kNone;
   ent[e].lru_next = hd->lru_head;
   if (hd->lru_head != kNone) ent[hd->lru_head].lru_prev = e;
@@ -374,7 +549,10 @@ void ChunkTable::do_lru_link_head_locked(uint32_t e) {
 void ChunkTable::do_lru_unlink_locked(uint32_t e) {
   Entry* ent = entries();
   Header* hd = h();
-  uint32_t p = ent[e].lru_prev, n = ent[e].lru_next;
+  uint32_t p = checked_link(ent[e].lru_prev, "LRU link"), n = checked_link(ent[e].lru_next, "LRU link");
+  check(p != kNone ? ent[p].lru_next == e : hd->lru_head == e, "LRU list links disagree");
+  check(n != kNone ? ent[n].lru_prev == e : hd->lru_tail == e, "LRU list links disagree");
+  check(hd->evictable_bytes >= ent[e].alloc_size, "evictable_bytes below an evictable entry");
   if (p != kNone) ent[p].lru_next = n;
   else hd->lru_head = n;
   if (n != kNone) ent[n].lru_prev = p;
@@ -384,8 +562,11 @@ void ChunkTable::do_lru_unlink_locked(uint32_t e) {
 }
 
 bool ChunkTable::do_evict_one_locked() {
-  uint32_t e = h()->lru_tail;
+  uint32_t e = checked_link(h()->lru_tail, "LRU tail");
   if (e == kNone) return false;
+  const Entry& en = entries()[e];
+  check(en.state.load(std::memory_order_relaxed) == kEntryReady && en.refcount == 0 && en.pin_count == 0,
+        "the LRU list holds an entry that is not evictable");
   do_evict_locked(e);
   return true;
 }
@@ -438,7 +619,7 @@ void ChunkTable::do_free_entry_locked(uint32_t e) {
   do_free_extent_locked(en.offset, en.alloc_size);
   en.refcount = 0;
   en.lru_prev = kNone;
-  en.lru_next = hd->free_entry_head;
+  en.lru_next = checked_link(hd->free_entry_head, "free entry list head");
   hd->free_entry_head = e;
 }
 
@@ -452,9 +633,17 @@ Status ChunkTable::do_grant_lease_locked(uint32_t e, LeaseHandle* out) {
     }
   }
   uint32_t l = hd->free_lease_head;
+  check(l < seg_->geo().max_leases, "free lease list head");
   Lease& ls = leases()[l];
-  hd->free_lease_head = ls.next_free;
+  check(ls.state.load(std::memory_order_relaxed) == kLeaseFree, "free lease list holds a held lease");
+  uint32_t next = ls.next_free;
+  check(next == kNone || next < seg_->geo().max_leases, "free lease list link");
   Entry& en = entries()[e];
+  // the payload handed out must lie inside the arena (a wild offset is a wild pointer)
+  check(en.offset <= seg_->geo().arena_bytes && en.size <= en.alloc_size &&
+            en.alloc_size <= seg_->geo().arena_bytes - en.offset,
+        "an entry's payload lies outside the arena");
+  hd->free_lease_head = next;
   ls.generation += 1;
   ls.entry = e;
   ls.entry_generation = en.generation;
@@ -471,7 +660,9 @@ Status ChunkTable::do_grant_lease_locked(uint32_t e, LeaseHandle* out) {
 void ChunkTable::do_drop_lease_locked(uint32_t l, bool cold) {
   Header* hd = h();
   Lease& ls = leases()[l];
-  uint32_t e = ls.entry;
+  uint32_t e = checked_entry(ls.entry, "a lease points past the entry table");
+  check(entries()[e].refcount > 0, "an entry's refcount is below its leases");
+  check(hd->free_lease_head == kNone || hd->free_lease_head < seg_->geo().max_leases, "free lease list head");
   ls.state.store(kLeaseFree, std::memory_order_release);  // commit point
   ls.next_free = hd->free_lease_head;
   hd->free_lease_head = l;
@@ -502,9 +693,13 @@ void ChunkTable::do_after_refcount_drop_locked(uint32_t e, bool cold) {
 void ChunkTable::do_lru_link_tail_locked(uint32_t e) {
   Entry* ent = entries();
   Header* hd = h();
-  uint32_t newer = hd->lru_tail;  // first entry, from the tail, not older than e
-  while (newer != kNone && ent[newer].last_use < ent[e].last_use) newer = ent[newer].lru_prev;
-  uint32_t older = newer == kNone ? hd->lru_head : ent[newer].lru_next;
+  uint32_t newer = checked_link(hd->lru_tail, "LRU tail");  // first entry, from the tail, not older than e
+  uint64_t steps = 0;
+  while (newer != kNone && ent[newer].last_use < ent[e].last_use) {
+    check(++steps <= seg_->geo().max_entries, "LRU list has a cycle");
+    newer = checked_link(ent[newer].lru_prev, "LRU link");
+  }
+  uint32_t older = checked_link(newer == kNone ? hd->lru_head : ent[newer].lru_next, "LRU link");
   ent[e].lru_prev = newer;
   ent[e].lru_next = older;
   if (newer != kNone) ent[newer].lru_next = e;
@@ -517,7 +712,7 @@ void ChunkTable::do_lru_link_tail_locked(uint32_t e) {
 // --------------------------------------------------------------- stores ----
 
 Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns) {
-  const Geometry& g = h()->geo;
+  const Geometry& g = seg_->geo();
   if (size == 0) return Status::kInvalidArgument;
   if (size > g.max_payload_bytes) {
     c().put_too_large.fetch_add(1, std::memory_order_relaxed);
@@ -525,6 +720,16 @@ Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, cons
   }
   uint64_t need = align_up(size, g.alignment);
   TableLock lock(*this);
+  if (!lock.ok()) {
+    c().put_busy.fetch_add(1, std::memory_order_relaxed);
+    return Status::kBusy;
+  }
+  return guarded([&] { return do_reserve_locked(key, size, need, out, ns); });
+}
+
+Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t need, Reservation* out,
+                                     const Key& ns) {
+  const Geometry& g = seg_->geo();
   Header* hd = h();
   Entry* ent = entries();
   uint32_t existing = do_find_locked(key);
@@ -547,6 +752,8 @@ Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, cons
   // Room check before evicting anything: if all free plus all evictable bytes
   // cannot hold it, answer FULL without destroying the cache. Dead processes'
   // leases and half-writes are reclaimed first (cheap unless someone died).
+  check(c().bytes_used.load(std::memory_order_relaxed) <= g.arena_bytes && hd->evictable_bytes <= g.arena_bytes,
+        "bytes_used or evictable_bytes exceed the arena");
   auto room = [&] {
     return g.arena_bytes - c().bytes_used.load(std::memory_order_relaxed) + hd->evictable_bytes;
   };
@@ -570,9 +777,10 @@ Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, cons
       return Status::kFull;
     }
   }
-  uint32_t e = hd->free_entry_head;
+  uint32_t e = checked_entry(hd->free_entry_head, "free entry list head");
   Entry& en = ent[e];
-  hd->free_entry_head = en.lru_next;
+  check(en.state.load(std::memory_order_relaxed) == kEntryFree, "free entry list holds a live entry");
+  hd->free_entry_head = checked_link(en.lru_next, "free entry list link");
   en.key = key;
   en.offset = offset;
   en.size = size;
@@ -594,32 +802,42 @@ Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, cons
 }
 
 Status ChunkTable::commit(const Reservation& r) {
-  if (r.entry >= h()->geo.max_entries) return Status::kInvalidArgument;
+  if (r.entry >= g().max_entries) return Status::kInvalidArgument;
   TableLock lock(*this);
+  if (!lock.ok()) {
+    defer(Deferred{Deferred::kCommit, r, LeaseHandle{}, false});
+    return Status::kOk;  // visible once this process next gets the lock
+  }
+  return guarded([&] { return do_finish_locked(r, true); });
+}
+
+Status ChunkTable::abort(const Reservation& r) {
+  if (r.entry >= g().max_entries) return Status::kInvalidArgument;
+  TableLock lock(*this);
+  if (!lock.ok()) {
+    defer(Deferred{Deferred::kAbort, r, LeaseHandle{}, false});
+    return Status::kOk;
+  }
+  return guarded([&] { return do_finish_locked(r, false); });
+}
+
+Status ChunkTable::do_finish_locked(const Reservation& r, bool commit) {
   Entry& en = entries()[r.entry];
   if (en.state.load(std::memory_order_relaxed) != kEntryWriting || en.generation != r.generation) {
     c().stale_handles.fetch_add(1, std::memory_order_relaxed);
     return Status::kStale;  // reclaimed (we were presumed dead) or reset
+  }
+  if (!commit) {
+    do_index_remove_locked(r.entry);
+    do_free_entry_locked(r.entry);
+    c().writes_aborted.fetch_add(1, std::memory_order_relaxed);
+    return Status::kOk;
   }
   en.last_use = ++h()->use_clock;
   en.state.store(kEntryReady, std::memory_order_release);  // commit point
   c().ready_entries.fetch_add(1, std::memory_order_relaxed);
   c().puts.fetch_add(1, std::memory_order_relaxed);
   do_lru_link_head_locked(r.entry);
-  return Status::kOk;
-}
-
-Status ChunkTable::abort(const Reservation& r) {
-  if (r.entry >= h()->geo.max_entries) return Status::kInvalidArgument;
-  TableLock lock(*this);
-  Entry& en = entries()[r.entry];
-  if (en.state.load(std::memory_order_relaxed) != kEntryWriting || en.generation != r.generation) {
-    c().stale_handles.fetch_add(1, std::memory_order_relaxed);
-    return Status::kStale;
-  }
-  do_index_remove_locked(r.entry);
-  do_free_entry_locked(r.entry);
-  c().writes_aborted.fetch_add(1, std::memory_order_relaxed);
   return Status::kOk;
 }
 
@@ -635,14 +853,21 @@ Status ChunkTable::acquire(const Key& key, LeaseHandle* out, bool count_lookup) 
 Status ChunkTable::acquire_prefix(const Key* keys, size_t n, LeaseHandle* out, size_t* n_out,
                                   bool count_lookup) {
   TableLock lock(*this);
+  *n_out = 0;
+  if (!lock.ok()) return Status::kOk;  // a miss
   Entry* ent = entries();
   size_t got = 0;
   Status s = Status::kOk;
-  for (; got < n; ++got) {
-    uint32_t e = do_find_locked(keys[got]);
-    if (e == kNone || ent[e].state.load(std::memory_order_relaxed) != kEntryReady) break;
-    if (do_grant_lease_locked(e, &out[got]) != Status::kOk) break;  // lease table full
-  }
+  guarded([&] {
+    for (size_t i = 0; i < got; ++i) do_release_locked(out[i], true);  // a retry starts over
+    got = 0;
+    for (; got < n; ++got) {
+      uint32_t e = do_find_locked(keys[got]);
+      if (e == kNone || ent[e].state.load(std::memory_order_relaxed) != kEntryReady) break;
+      if (do_grant_lease_locked(e, &out[got]) != Status::kOk) break;  // lease table full
+    }
+    return 0;
+  });
   if (count_lookup) {
     c().lookups.fetch_add(got + (got < n ? 1 : 0), std::memory_order_relaxed);
     c().hits.fetch_add(got, std::memory_order_relaxed);
@@ -653,8 +878,17 @@ Status ChunkTable::acquire_prefix(const Key* keys, size_t n, LeaseHandle* out, s
 }
 
 Status ChunkTable::release(const LeaseHandle& hnd, bool cold) {
-  if (hnd.lease >= h()->geo.max_leases) return Status::kInvalidArgument;
+  if (hnd.lease >= g().max_leases) return Status::kInvalidArgument;
   TableLock lock(*this);
+  if (!lock.ok()) {
+    // The bytes were read under a lease that is still held: they are valid.
+    defer(Deferred{Deferred::kRelease, Reservation{}, hnd, cold});
+    return Status::kOk;
+  }
+  return guarded([&] { return do_release_locked(hnd, cold); });
+}
+
+Status ChunkTable::do_release_locked(const LeaseHandle& hnd, bool cold) {
   Lease& ls = leases()[hnd.lease];
   if (ls.state.load(std::memory_order_relaxed) != kLeaseHeld || ls.generation != hnd.generation) {
     c().stale_handles.fetch_add(1, std::memory_order_relaxed);
@@ -666,12 +900,16 @@ Status ChunkTable::release(const LeaseHandle& hnd, bool cold) {
 
 size_t ChunkTable::lookup_prefix(const Key* keys, size_t n, bool count_lookup) {
   TableLock lock(*this);
+  if (!lock.ok()) return 0;  // a miss
   Entry* ent = entries();
-  size_t got = 0;
-  for (; got < n; ++got) {
-    uint32_t e = do_find_locked(keys[got]);
-    if (e == kNone || ent[e].state.load(std::memory_order_relaxed) != kEntryReady) break;
-  }
+  size_t got = guarded([&] {
+    size_t k = 0;
+    for (; k < n; ++k) {
+      uint32_t e = do_find_locked(keys[k]);
+      if (e == kNone || ent[e].state.load(std::memory_order_relaxed) != kEntryReady) break;
+    }
+    return k;
+  });
   if (count_lookup) {
     c().lookups.fetch_add(got + (got < n ? 1 : 0), std::memory_order_relaxed);
     c().hits.fetch_add(got, std::memory_order_relaxed);
@@ -681,73 +919,93 @@ size_t ChunkTable::lookup_prefix(const Key* keys, size_t n, bool count_lookup) {
 }
 
 void ChunkTable::contains(const Key* keys, size_t n, uint8_t* out) {
+  std::memset(out, 0, n);
   TableLock lock(*this);
+  if (!lock.ok()) return;  // all misses
   Entry* ent = entries();
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t e = do_find_locked(keys[i]);
-    out[i] = e != kNone && ent[e].state.load(std::memory_order_relaxed) == kEntryReady;
-  }
+  guarded([&] {
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t e = do_find_locked(keys[i]);
+      out[i] = e != kNone && ent[e].state.load(std::memory_order_relaxed) == kEntryReady;
+    }
+    return 0;
+  });
 }
 
 // ----------------------------------------------------------- management ----
 
 Status ChunkTable::pin(const Key& key) {
   TableLock lock(*this);
-  uint32_t e = do_find_ready_locked(key);
-  if (e == kNone) return Status::kMiss;
-  Entry& en = entries()[e];
-  if (en.pin_count == 0) {
-    if (en.refcount == 0) do_lru_unlink_locked(e);
-    c().pinned_entries.fetch_add(1, std::memory_order_relaxed);
-  }
-  en.pin_count += 1;
-  c().pins.fetch_add(1, std::memory_order_relaxed);
-  return Status::kOk;
+  if (!lock.ok()) return Status::kTimedOut;
+  return guarded([&] {
+    uint32_t e = do_find_ready_locked(key);
+    if (e == kNone) return Status::kMiss;
+    Entry& en = entries()[e];
+    if (en.pin_count == 0) {
+      if (en.refcount == 0) do_lru_unlink_locked(e);
+      c().pinned_entries.fetch_add(1, std::memory_order_relaxed);
+    }
+    en.pin_count += 1;
+    c().pins.fetch_add(1, std::memory_order_relaxed);
+    return Status::kOk;
+  });
 }
 
 Status ChunkTable::unpin(const Key& key) {
   TableLock lock(*this);
-  uint32_t e = do_find_ready_locked(key);
-  if (e == kNone || entries()[e].pin_count == 0) return Status::kMiss;
-  Entry& en = entries()[e];
-  en.pin_count -= 1;
-  if (en.pin_count == 0) {
-    c().pinned_entries.fetch_sub(1, std::memory_order_relaxed);
-    if (en.refcount == 0) {
-      en.last_use = ++h()->use_clock;
-      do_lru_link_head_locked(e);
+  if (!lock.ok()) return Status::kTimedOut;
+  return guarded([&] {
+    uint32_t e = do_find_ready_locked(key);
+    if (e == kNone || entries()[e].pin_count == 0) return Status::kMiss;
+    Entry& en = entries()[e];
+    en.pin_count -= 1;
+    if (en.pin_count == 0) {
+      c().pinned_entries.fetch_sub(1, std::memory_order_relaxed);
+      if (en.refcount == 0) {
+        en.last_use = ++h()->use_clock;
+        do_lru_link_head_locked(e);
+      }
     }
-  }
-  return Status::kOk;
+    return Status::kOk;
+  });
 }
 
 Status ChunkTable::erase(const Key& key) {
   TableLock lock(*this);
-  uint32_t e = do_find_ready_locked(key);
-  if (e == kNone) return Status::kMiss;
-  c().deletes.fetch_add(1, std::memory_order_relaxed);
-  return do_remove_ready_locked(e) ? Status::kOk : Status::kBusy;
+  if (!lock.ok()) return Status::kTimedOut;
+  return guarded([&] {
+    uint32_t e = do_find_ready_locked(key);
+    if (e == kNone) return Status::kMiss;
+    c().deletes.fetch_add(1, std::memory_order_relaxed);
+    return do_remove_ready_locked(e) ? Status::kOk : Status::kBusy;
+  });
 }
 
 uint64_t ChunkTable::clear(const Key* ns) {
   TableLock lock(*this);
-  Entry* ent = entries();
-  uint64_t removed = 0;
-  for (uint32_t e = 0; e < h()->geo.max_entries; ++e) {
-    if (ent[e].state.load(std::memory_order_relaxed) != kEntryReady) continue;
-    if (ns && !(ent[e].ns == *ns)) continue;
-    do_remove_ready_locked(e);
-    ++removed;
-  }
-  c().deletes.fetch_add(removed, std::memory_order_relaxed);
-  return removed;
+  lock.require("clear");
+  return guarded([&] {
+    Entry* ent = entries();
+    uint64_t removed = 0;
+    for (uint32_t e = 0; e < seg_->geo().max_entries; ++e) {
+      if (ent[e].state.load(std::memory_order_relaxed) != kEntryReady) continue;
+      if (ns && !(ent[e].ns == *ns)) continue;
+      do_remove_ready_locked(e);
+      ++removed;
+    }
+    c().deletes.fetch_add(removed, std::memory_order_relaxed);
+    return removed;
+  });
 }
 
 // -------------------------------------------------------------- reclaim ----
 
 ReclaimResult ChunkTable::reclaim() {
   TableLock lock(*this);
-  return do_reclaim_locked(true);
+  lock.require("reclaim");
+  return guarded([&] {
+    return do_reclaim_locked(true);
+  });
 }
 
 // Releases leases and frees WRITING entries whose owner has exited.
@@ -756,7 +1014,7 @@ ReclaimResult ChunkTable::reclaim() {
 ReclaimResult ChunkTable::do_reclaim_locked(bool full_scan) {
   ReclaimResult r;
   Header* hd = h();
-  const Geometry& g = hd->geo;
+  const Geometry& g = seg_->geo();
   LivenessCache lc{{}, procs(), g.max_procs};
   ProcSlot* p = procs();
   for (uint32_t i = 0; i < g.max_procs; ++i) {
@@ -796,43 +1054,60 @@ ReclaimResult ChunkTable::do_reclaim_locked(bool full_scan) {
 
 std::vector<ColdEntry> ChunkTable::coldest(size_t max_n) {
   TableLock lock(*this);
-  std::vector<ColdEntry> out;
-  Entry* ent = entries();
-  for (uint32_t e = h()->lru_tail; e != kNone && out.size() < max_n; e = ent[e].lru_prev)
-    out.push_back(ColdEntry{ent[e].key, ent[e].ns, ent[e].size, ent[e].flags});
-  return out;
+  lock.require("coldest");
+  return guarded([&] {
+    std::vector<ColdEntry> out;
+    Entry* ent = entries();
+    out.clear();  // a retry starts over
+    uint64_t steps = 0;
+    for (uint32_t e = checked_link(h()->lru_tail, "LRU tail"); e != kNone && out.size() < max_n;
+         e = checked_link(ent[e].lru_prev, "LRU link")) {
+      check(++steps <= seg_->geo().max_entries, "LRU list has a cycle");
+      out.push_back(ColdEntry{ent[e].key, ent[e].ns, ent[e].size, ent[e].flags});
+    }
+    return out;
+  });
 }
 
 std::vector<EntryInfo> ChunkTable::list_entries() {
   TableLock lock(*this);
-  std::vector<EntryInfo> out;
-  const Entry* ent = entries();
-  for (uint32_t e = 0; e < h()->geo.max_entries; ++e) {
-    const Entry& en = ent[e];
-    uint32_t st = en.state.load(std::memory_order_relaxed);
-    if (st == kEntryFree) continue;
-    out.push_back(EntryInfo{en.key, en.ns, en.size, en.alloc_size, st, en.pin_count, en.refcount, en.flags,
-                            en.owner_pid});
-  }
-  return out;
+  lock.require("list_entries");
+  return guarded([&] {
+    std::vector<EntryInfo> out;
+    const Entry* ent = entries();
+    for (uint32_t e = 0; e < seg_->geo().max_entries; ++e) {
+      const Entry& en = ent[e];
+      uint32_t st = en.state.load(std::memory_order_relaxed);
+      if (st == kEntryFree) continue;
+      out.push_back(EntryInfo{en.key, en.ns, en.size, en.alloc_size, st, en.pin_count, en.refcount, en.flags,
+                              en.owner_pid});
+    }
+    return out;
+  });
 }
 
 Status ChunkTable::set_flags(const Key& key, uint32_t flags) {
   TableLock lock(*this);
-  uint32_t e = do_find_ready_locked(key);
-  if (e == kNone) return Status::kMiss;
-  entries()[e].flags |= flags;
-  return Status::kOk;
+  if (!lock.ok()) return Status::kTimedOut;
+  return guarded([&] {
+    uint32_t e = do_find_ready_locked(key);
+    if (e == kNone) return Status::kMiss;
+    entries()[e].flags |= flags;
+    return Status::kOk;
+  });
 }
 
 Status ChunkTable::evict_spilled(const Key& key) {
   TableLock lock(*this);
-  uint32_t e = do_find_ready_locked(key);
-  if (e == kNone) return Status::kMiss;
-  const Entry& en = entries()[e];
-  if (en.refcount || en.pin_count || !(en.flags & kFlagSpilled)) return Status::kBusy;
-  do_evict_locked(e);
-  return Status::kOk;
+  if (!lock.ok()) return Status::kTimedOut;
+  return guarded([&] {
+    uint32_t e = do_find_ready_locked(key);
+    if (e == kNone) return Status::kMiss;
+    const Entry& en = entries()[e];
+    if (en.refcount || en.pin_count || !(en.flags & kFlagSpilled)) return Status::kBusy;
+    do_evict_locked(e);
+    return Status::kOk;
+  });
 }
 
 bool ChunkTable::bump(const std::string& name, uint64_t n) {
@@ -849,7 +1124,10 @@ bool ChunkTable::bump(const std::string& name, uint64_t n) {
 
 void ChunkTable::rebuild() {
   TableLock lock(*this);
-  do_rebuild_locked("requested");
+  lock.require("rebuild");
+  return guarded([&] {
+    do_rebuild_locked("requested");
+  });
 }
 
 // Rebuild every derived structure from the Entry and Lease records. If the
@@ -857,7 +1135,7 @@ void ChunkTable::rebuild() {
 // segment instead: the cache is disposable, a wrong byte is not.
 void ChunkTable::do_rebuild_locked(const char* why) {
   Header* hd = h();
-  const Geometry& g = hd->geo;
+  const Geometry& g = seg_->geo();
   Entry* ent = entries();
   Lease* ls = leases();
   uint64_t max_alloc = align_up(g.max_payload_bytes, g.alignment);
@@ -997,7 +1275,7 @@ void ChunkTable::do_rebuild_locked(const char* why) {
 
 void ChunkTable::do_reset_locked(const std::string& why) {
   Header* hd = h();
-  const Geometry& g = hd->geo;
+  const Geometry& g = seg_->geo();
   Entry* ent = entries();
   for (uint32_t e = 0; e < g.max_entries; ++e) {
     if (ent[e].state.load(std::memory_order_relaxed) != kEntryFree) ent[e].generation += 1;
@@ -1019,126 +1297,151 @@ void ChunkTable::do_reset_locked(const std::string& why) {
 
 std::vector<std::string> ChunkTable::check_consistency() {
   TableLock lock(*this);
-  std::vector<std::string> bad;
-  auto fail = [&](const std::string& s) {
-    if (bad.size() < 50) bad.push_back(s);
-  };
-  Header* hd = h();
-  const Geometry& g = hd->geo;
-  Entry* ent = entries();
-  Lease* ls = leases();
-  // refcounts vs leases
-  std::vector<uint32_t> refs(g.max_entries, 0);
-  uint64_t held = 0;
-  for (uint32_t l = 0; l < g.max_leases; ++l) {
-    if (ls[l].state.load() != kLeaseHeld) continue;
-    held += 1;
-    uint32_t e = ls[l].entry;
-    if (e >= g.max_entries) {
-      fail("lease " + std::to_string(l) + " points past the entry table");
-      continue;
+  lock.require("check_consistency");
+  return guarded([&] {
+    std::vector<std::string> bad;
+    auto fail = [&](const std::string& s) {
+      if (bad.size() < 50) bad.push_back(s);
+    };
+    Header* hd = h();
+    const Geometry& g = seg_->geo();
+    Entry* ent = entries();
+    Lease* ls = leases();
+    // refcounts vs leases
+    std::vector<uint32_t> refs(g.max_entries, 0);
+    uint64_t held = 0;
+    for (uint32_t l = 0; l < g.max_leases; ++l) {
+      if (ls[l].state.load() != kLeaseHeld) continue;
+      held += 1;
+      uint32_t e = ls[l].entry;
+      if (e >= g.max_entries) {
+        fail("lease " + std::to_string(l) + " points past the entry table");
+        continue;
+      }
+      uint32_t st = ent[e].state.load();
+      if (st != kEntryReady && st != kEntryDoomed)
+        fail("lease " + std::to_string(l) + " holds entry " + std::to_string(e) + " in state " +
+             std::to_string(st));
+      if (ent[e].generation != ls[l].entry_generation)
+        fail("lease " + std::to_string(l) + " has a stale entry generation");
+      refs[e] += 1;
     }
-    uint32_t st = ent[e].state.load();
-    if (st != kEntryReady && st != kEntryDoomed)
-      fail("lease " + std::to_string(l) + " holds entry " + std::to_string(e) + " in state " +
-           std::to_string(st));
-    if (ent[e].generation != ls[l].entry_generation)
-      fail("lease " + std::to_string(l) + " has a stale entry generation");
-    refs[e] += 1;
-  }
-  if (held != hd->leases_held) fail("leases_held " + std::to_string(hd->leases_held) +
-                                    " != held leases " + std::to_string(held));
-  uint64_t bytes = 0, n = 0, ready = 0, pinned = 0, evictable_n = 0, evictable_b = 0;
-  std::vector<std::pair<uint64_t, uint64_t>> allocs;
-  for (uint32_t e = 0; e < g.max_entries; ++e) {
-    uint32_t st = ent[e].state.load();
-    if (st == kEntryFree) continue;
-    const Entry& en = ent[e];
-    if (en.refcount != refs[e])
-      fail("entry " + std::to_string(e) + " refcount " + std::to_string(en.refcount) +
-           " but " + std::to_string(refs[e]) + " leases");
-    bytes += en.alloc_size;
-    n += 1;
-    if (st == kEntryReady) ready += 1;
-    if (st == kEntryReady && en.pin_count) pinned += 1;
-    if (st == kEntryReady && en.refcount == 0 && en.pin_count == 0) {
-      evictable_n += 1;
-      evictable_b += en.alloc_size;
+    if (held != hd->leases_held) fail("leases_held " + std::to_string(hd->leases_held) +
+                                      " != held leases " + std::to_string(held));
+    uint64_t bytes = 0, n = 0, ready = 0, pinned = 0, evictable_n = 0, evictable_b = 0;
+    std::vector<std::pair<uint64_t, uint64_t>> allocs;
+    for (uint32_t e = 0; e < g.max_entries; ++e) {
+      uint32_t st = ent[e].state.load();
+      if (st == kEntryFree) continue;
+      const Entry& en = ent[e];
+      if (en.refcount != refs[e])
+        fail("entry " + std::to_string(e) + " refcount " + std::to_string(en.refcount) +
+             " but " + std::to_string(refs[e]) + " leases");
+      bytes += en.alloc_size;
+      n += 1;
+      if (st == kEntryReady) ready += 1;
+      if (st == kEntryReady && en.pin_count) pinned += 1;
+      if (st == kEntryReady && en.refcount == 0 && en.pin_count == 0) {
+        evictable_n += 1;
+        evictable_b += en.alloc_size;
+      }
+      if (st == kEntryDoomed && en.refcount == 0) fail("doomed entry " + std::to_string(e) + " has no lease");
+      allocs.emplace_back(en.offset, en.alloc_size);
+      bool indexed = false;
+      try {
+        indexed = do_find_locked(en.key) == e;
+      } catch (const DerivedCorrupt& dc) {
+        fail(std::string("index: ") + dc.what());
+      }
+      if ((st == kEntryReady || st == kEntryWriting) != indexed)
+        fail("entry " + std::to_string(e) + " state " + std::to_string(st) +
+             (indexed ? " is" : " is not") + " reachable through the index");
     }
-    if (st == kEntryDoomed && en.refcount == 0) fail("doomed entry " + std::to_string(e) + " has no lease");
-    allocs.emplace_back(en.offset, en.alloc_size);
-    bool indexed = do_find_locked(en.key) == e;
-    if ((st == kEntryReady || st == kEntryWriting) != indexed)
-      fail("entry " + std::to_string(e) + " state " + std::to_string(st) +
-           (indexed ? " is" : " is not") + " reachable through the index");
-  }
-  if (bytes != c().bytes_used.load()) fail("bytes_used " + std::to_string(c().bytes_used.load()) +
-                                           " != sum of live entries " + std::to_string(bytes));
-  if (n != c().entries.load()) fail("entries gauge " + std::to_string(c().entries.load()) + " != " + std::to_string(n));
-  if (ready != c().ready_entries.load()) fail("ready_entries gauge wrong");
-  if (pinned != c().pinned_entries.load()) fail("pinned_entries gauge wrong");
-  if (bytes > g.arena_bytes) fail("bytes used exceed the arena");
-  // extents + allocations tile the arena exactly
-  Extent* ex = extents();
-  for (uint64_t i = 0; i < hd->num_extents; ++i) {
-    allocs.emplace_back(ex[i].offset, ex[i].length);
-    if (ex[i].length == 0) fail("empty free extent");
-    if (i && ex[i - 1].offset + ex[i - 1].length >= ex[i].offset)
-      fail("free extents " + std::to_string(i - 1) + "," + std::to_string(i) + " unsorted or unmerged");
-  }
-  std::sort(allocs.begin(), allocs.end());
-  uint64_t cursor = 0;
-  for (auto& a : allocs) {
-    if (a.first != cursor) {
-      fail("arena not tiled at offset " + std::to_string(cursor) + " (next piece at " +
-           std::to_string(a.first) + ")");
-      break;
+    if (bytes != c().bytes_used.load()) fail("bytes_used " + std::to_string(c().bytes_used.load()) +
+                                             " != sum of live entries " + std::to_string(bytes));
+    if (n != c().entries.load()) fail("entries gauge " + std::to_string(c().entries.load()) + " != " + std::to_string(n));
+    if (ready != c().ready_entries.load()) fail("ready_entries gauge wrong");
+    if (pinned != c().pinned_entries.load()) fail("pinned_entries gauge wrong");
+    if (bytes > g.arena_bytes) fail("bytes used exceed the arena");
+    // extents + allocations tile the arena exactly
+    Extent* ex = extents();
+    uint64_t nex = hd->num_extents;
+    if (nex > uint64_t(g.max_entries) + 1) {
+      fail("num_extents " + std::to_string(nex) + " exceeds the extent table");
+      nex = 0;
     }
-    cursor = a.first + a.second;
-  }
-  if (cursor != g.arena_bytes && bad.empty()) fail("arena tiling ends at " + std::to_string(cursor));
-  // LRU list: exactly the evictable entries, properly linked
-  uint64_t walked = 0, walked_b = 0;
-  uint32_t prev = kNone;
-  for (uint32_t e = hd->lru_head; e != kNone && walked <= g.max_entries; e = ent[e].lru_next) {
-    if (ent[e].lru_prev != prev) fail("LRU back link broken at entry " + std::to_string(e));
-    uint32_t st = ent[e].state.load();
-    if (st != kEntryReady || ent[e].refcount || ent[e].pin_count)
-      fail("LRU holds non-evictable entry " + std::to_string(e));
-    walked += 1;
-    walked_b += ent[e].alloc_size;
-    prev = e;
-  }
-  if (prev != hd->lru_tail) fail("LRU tail does not match the list");
-  if (walked != evictable_n) fail("LRU has " + std::to_string(walked) + " entries, " +
-                                  std::to_string(evictable_n) + " are evictable");
-  if (walked_b != hd->evictable_bytes || evictable_b != hd->evictable_bytes)
-    fail("evictable_bytes gauge wrong");
-  // free lists
-  uint64_t free_entries = 0;
-  for (uint32_t e = hd->free_entry_head; e != kNone && free_entries <= g.max_entries; e = ent[e].lru_next) {
-    if (ent[e].state.load() != kEntryFree) fail("free list holds live entry " + std::to_string(e));
-    free_entries += 1;
-  }
-  if (free_entries + n != g.max_entries) fail("free entry list has " + std::to_string(free_entries) +
-                                              " records, expected " + std::to_string(g.max_entries - n));
-  uint64_t free_leases = 0;
-  for (uint32_t l = hd->free_lease_head; l != kNone && free_leases <= g.max_leases; l = ls[l].next_free) {
-    if (ls[l].state.load() != kLeaseFree) fail("free lease list holds a held lease");
-    free_leases += 1;
-  }
-  if (free_leases + held != g.max_leases) fail("free lease list length wrong");
-  // index bookkeeping
-  uint64_t used = 0;
-  for (uint32_t s = 0; s < g.index_slots; ++s) used += index()[s] != kIndexEmpty;
-  if (used != hd->index_used) fail("index_used wrong");
-  return bad;
+    for (uint64_t i = 0; i < nex; ++i) {
+      allocs.emplace_back(ex[i].offset, ex[i].length);
+      if (ex[i].length == 0) fail("empty free extent");
+      if (i && ex[i - 1].offset + ex[i - 1].length >= ex[i].offset)
+        fail("free extents " + std::to_string(i - 1) + "," + std::to_string(i) + " unsorted or unmerged");
+    }
+    std::sort(allocs.begin(), allocs.end());
+    uint64_t cursor = 0;
+    for (auto& a : allocs) {
+      if (a.first != cursor) {
+        fail("arena not tiled at offset " + std::to_string(cursor) + " (next piece at " +
+             std::to_string(a.first) + ")");
+        break;
+      }
+      cursor = a.first + a.second;
+    }
+    if (cursor != g.arena_bytes && bad.empty()) fail("arena tiling ends at " + std::to_string(cursor));
+    // LRU list: exactly the evictable entries, properly linked
+    uint64_t walked = 0, walked_b = 0;
+    uint32_t prev = kNone;
+    for (uint32_t e = hd->lru_head; e != kNone && walked <= g.max_entries; e = ent[e].lru_next) {
+      if (e >= g.max_entries) {
+        fail("LRU link " + std::to_string(e) + " points past the entry table");
+        break;
+      }
+      if (ent[e].lru_prev != prev) fail("LRU back link broken at entry " + std::to_string(e));
+      uint32_t st = ent[e].state.load();
+      if (st != kEntryReady || ent[e].refcount || ent[e].pin_count)
+        fail("LRU holds non-evictable entry " + std::to_string(e));
+      walked += 1;
+      walked_b += ent[e].alloc_size;
+      prev = e;
+    }
+    if (prev != hd->lru_tail) fail("LRU tail does not match the list");
+    if (walked != evictable_n) fail("LRU has " + std::to_string(walked) + " entries, " +
+                                    std::to_string(evictable_n) + " are evictable");
+    if (walked_b != hd->evictable_bytes || evictable_b != hd->evictable_bytes)
+      fail("evictable_bytes gauge wrong");
+    // free lists
+    uint64_t free_entries = 0;
+    for (uint32_t e = hd->free_entry_head; e != kNone && free_entries <= g.max_entries; e = ent[e].lru_next) {
+      if (e >= g.max_entries) {
+        fail("free entry link points past the entry table");
+        break;
+      }
+      if (ent[e].state.load() != kEntryFree) fail("free list holds live entry " + std::to_string(e));
+      free_entries += 1;
+    }
+    if (free_entries + n != g.max_entries) fail("free entry list has " + std::to_string(free_entries) +
+                                                " records, expected " + std::to_string(g.max_entries - n));
+    uint64_t free_leases = 0;
+    for (uint32_t l = hd->free_lease_head; l != kNone && free_leases <= g.max_leases; l = ls[l].next_free) {
+      if (l >= g.max_leases) {
+        fail("free lease link points past the lease table");
+        break;
+      }
+      if (ls[l].state.load() != kLeaseFree) fail("free lease list holds a held lease");
+      free_leases += 1;
+    }
+    if (free_leases + held != g.max_leases) fail("free lease list length wrong");
+    // index bookkeeping
+    uint64_t used = 0;
+    for (uint32_t s = 0; s < g.index_slots; ++s) used += index()[s] != kIndexEmpty;
+    if (used != hd->index_used) fail("index_used wrong");
+    return bad;
+  });
 }
 
 std::map<std::string, uint64_t> ChunkTable::stats() {
   std::map<std::string, uint64_t> m;
   Header* hd = h();
-  const Geometry& g = hd->geo;
+  const Geometry& g = seg_->geo();
   Counters& k = c();
   for (const NamedCounter& nc : kCounters) m[nc.name] = (k.*nc.member).load(std::memory_order_relaxed);
   m["capacity_bytes"] = g.capacity_bytes;
@@ -1160,11 +1463,39 @@ std::map<std::string, uint64_t> ChunkTable::stats() {
   // derived roots are read without the lock: a snapshot, possibly torn
   m["leases_held"] = hd->leases_held;
   m["evictable_bytes"] = hd->evictable_bytes;
+  LockHolder who = lock_holder();
+  m["lock_holder_pid"] = uint64_t(uint32_t(who.pid));
+  m["lock_held_ms"] = who.held_ns / 1000000;
+  m["lock_timeout_ms"] = lock_timeout_ns_ / 1000000;
+  int64_t fb = file_bytes();
+  m["file_bytes"] = fb < 0 ? 0 : uint64_t(fb);
   return m;
+}
+
+Status ChunkTable::restore_size(std::string* err) {
+  int64_t now = file_bytes();
+  if (now < 0 || uint64_t(now) >= g().capacity_bytes) return Status::kOk;
+  bool header_cut = uint64_t(now) < sizeof(Header);
+  Status s = seg_->restore_size(err);  // first: touching a page past the end is SIGBUS
+  if (s != Status::kOk) return s;
+  if (header_cut) {
+    *err = "segment '" + seg_->name() + "' was truncated to " + std::to_string(now) +
+           " bytes, inside its header (the table lock is gone): unlink it and start again";
+    return Status::kCorrupt;
+  }
+  c().segment_truncated.fetch_add(1, std::memory_order_relaxed);
+  // Everything past the cut now reads as zero: records included. Start over.
+  TableLock lock(*this);
+  lock.require("restoring a truncated segment");
+  do_reset_locked("the segment file had been truncated to " + std::to_string(now) + " of " +
+                  std::to_string(g().capacity_bytes) + " bytes");
+  return Status::kOk;
 }
 
 void ChunkTable::debug_die_holding_lock(int notify_fd, bool scramble) {
   pthread_mutex_lock(&h()->lock);
+  h()->lock_since_ns.store(now_mono_ns(), std::memory_order_relaxed);
+  h()->lock_holder_pid.store(self_pid(), std::memory_order_release);
   if (scramble) {
     // What a process killed half-way through an operation could leave: broken
     // LRU links, a lost free extent, wrong gauges, a garbage index slot.

@@ -14,6 +14,21 @@
 // public methods take it (TableLock), and a TableLock that inherits the lock
 // from a dead owner (EOWNERDEAD) rebuilds every derived structure from the
 // authoritative Entry/Lease records before going on (layout.h, "Crash model").
+//
+// Bounded waits: a TableLock waits at most lock_timeout for the mutex (a
+// holder may be stopped by SIGSTOP, a debugger or a frozen container). Then
+// lookups answer "miss", reserve answers BUSY, commit/abort/release are queued
+// and done by the next operation of this process that gets the lock (they
+// return at once: nothing is lost, the chunk becomes visible a little later),
+// single-key management answers kTimedOut, and whole-table operations throw
+// LockTimeout. Once a wait for one holder has timed out, later calls fail at
+// once while that same holder keeps the lock, so a frozen holder costs one
+// bound, not one per call.
+//
+// Damage: every derived value read from the segment is range-checked
+// (DerivedCorrupt); a failed check rebuilds the derived structures from the
+// records (or resets the segment if the records are impossible) and retries
+// the operation once (layout.h, "Damage model").
 #pragma once
 
 #include <sys/types.h>
@@ -55,6 +70,23 @@ struct SegmentBroken : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A whole-table operation could not get the table lock within the bound.
+struct LockTimeout : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A derived value in the segment is out of range (internal: caught by the
+// operation, which repairs the table and retries).
+struct DerivedCorrupt : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Who holds the table lock right now, as the holder recorded it.
+struct LockHolder {
+  int32_t pid = 0;        // 0: nobody
+  uint64_t held_ns = 0;   // for how long
+};
+
 struct ColdEntry {
   Key key;
   Key ns;
@@ -83,7 +115,10 @@ struct ReclaimResult {
 
 class ChunkTable {
  public:
-  explicit ChunkTable(std::shared_ptr<Segment> seg);
+  static constexpr uint64_t kDefaultLockTimeoutNs = 300'000'000;  // 0.3 s
+
+  explicit ChunkTable(std::shared_ptr<Segment> seg, uint64_t lock_timeout_ns = kDefaultLockTimeoutNs);
+  ~ChunkTable();
 
   const std::shared_ptr<Segment>& segment() const { return seg_; }
   uint8_t* payload(uint64_t offset) const { return seg_->arena() + offset; }
@@ -125,6 +160,12 @@ class ChunkTable {
   std::vector<std::string> check_consistency();
   std::map<std::string, uint64_t> stats();
   std::vector<std::string> drain_events();
+  LockHolder lock_holder() const;
+  uint64_t lock_timeout_ns() const { return lock_timeout_ns_; }
+  // Segment file size against its capacity; restore_size() grows a truncated
+  // file back and resets the table (what was past the cut is gone).
+  int64_t file_bytes() const { return seg_->file_bytes(); }
+  Status restore_size(std::string* err);
   bool has_events() const { return has_events_.load(std::memory_order_relaxed); }
 
   // -- test hooks: take the lock (optionally scramble the derived structures as
@@ -135,12 +176,39 @@ class ChunkTable {
  private:
   friend class TableLock;
   Header* h() const { return seg_->header(); }
-  Entry* entries() const { return reinterpret_cast<Entry*>(seg_->base() + h()->geo.entries_offset); }
-  Lease* leases() const { return reinterpret_cast<Lease*>(seg_->base() + h()->geo.leases_offset); }
-  uint32_t* index() const { return reinterpret_cast<uint32_t*>(seg_->base() + h()->geo.index_offset); }
-  Extent* extents() const { return reinterpret_cast<Extent*>(seg_->base() + h()->geo.extents_offset); }
-  ProcSlot* procs() const { return reinterpret_cast<ProcSlot*>(seg_->base() + h()->geo.procs_offset); }
+  const Geometry& g() const { return seg_->geo(); }  // this process's validated copy
+  Entry* entries() const { return reinterpret_cast<Entry*>(seg_->base() + g().entries_offset); }
+  Lease* leases() const { return reinterpret_cast<Lease*>(seg_->base() + g().leases_offset); }
+  uint32_t* index() const { return reinterpret_cast<uint32_t*>(seg_->base() + g().index_offset); }
+  Extent* extents() const { return reinterpret_cast<Extent*>(seg_->base() + g().extents_offset); }
+  ProcSlot* procs() const { return reinterpret_cast<ProcSlot*>(seg_->base() + g().procs_offset); }
   Counters& c() const { return h()->counters; }
+
+  // Run f (which expects the lock held); on DerivedCorrupt repair the table
+  // and run it once more.
+  template <class F>
+  auto guarded(F&& f) -> decltype(f());
+  void check(bool ok, const char* what) const {
+    if (!ok) throw DerivedCorrupt(what);
+  }
+  uint32_t checked_entry(uint32_t e, const char* what) const {
+    check(e < g().max_entries, what);
+    return e;
+  }
+  uint32_t checked_link(uint32_t e, const char* what) const {  // an entry index or kNone
+    check(e == kNone || e < g().max_entries, what);
+    return e;
+  }
+
+  // Deferred commit / abort / release (the lock was not free in time).
+  struct Deferred {
+    enum Kind { kCommit, kAbort, kRelease } kind;
+    Reservation r;
+    LeaseHandle l;
+    bool cold;
+  };
+  void defer(const Deferred& d);
+  void do_run_deferred_locked();
 
   pid_t self_pid();
   void do_register_self_locked();
@@ -167,6 +235,9 @@ class ChunkTable {
   void do_drop_lease_locked(uint32_t l, bool cold = false);
   void do_after_refcount_drop_locked(uint32_t e, bool cold = false);
   void do_lru_link_tail_locked(uint32_t e);
+  Status do_finish_locked(const Reservation& r, bool commit);
+  Status do_reserve_locked(const Key& key, uint64_t size, uint64_t need, Reservation* out, const Key& ns);
+  Status do_release_locked(const LeaseHandle& h, bool cold);
   // recovery
   ReclaimResult do_reclaim_locked(bool full_scan);
   void do_rebuild_locked(const char* why);
@@ -180,6 +251,14 @@ class ChunkTable {
   std::mutex events_mu_;
   std::vector<std::string> events_;
   std::atomic<bool> has_events_{false};
+  uint64_t lock_timeout_ns_;
+  // The holder (pid, since) a wait last timed out on: while it still holds the
+  // lock, later waits fail at once.
+  std::atomic<int32_t> stuck_pid_{0};
+  std::atomic<uint64_t> stuck_since_{0};
+  std::mutex deferred_mu_;
+  std::vector<Deferred> deferred_;
+  std::atomic<bool> has_deferred_{false};
 };
 
 }  // namespace shmkv

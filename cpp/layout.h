@@ -10,6 +10,12 @@
 //   geo.arena_offset    payload bytes ........  arena_bytes, the byte cap
 //   = geo.capacity_bytes (the file is exactly this long)
 //
+// Damage model. A process keeps its own copy of the Geometry, validated when it
+// attached, and never reads the header's again; every derived value it reads
+// (heads, links, index slots, extents, gauges) is bounds-checked before use,
+// and an impossible one triggers a rebuild from the authoritative records
+// (ChunkTable::DerivedCorrupt), never a wild pointer.
+//
 // Crash model. Every structure is changed only under Header::lock (a
 // process-shared robust mutex), but a process can die anywhere, also while it
 // holds the lock. So the segment keeps two kinds of state:
@@ -36,7 +42,7 @@
 namespace shmkv {
 
 constexpr uint64_t kMagic = 0x31564b4d48535f5fULL;  // "__SHMKV1" little-endian
-constexpr uint32_t kFormatVersion = 2;
+constexpr uint32_t kFormatVersion = 3;
 constexpr uint32_t kNone = 0xffffffffu;       // null record index
 constexpr uint32_t kIndexEmpty = 0xffffffffu;  // index slot never used
 constexpr uint32_t kIndexTomb = 0xfffffffeu;   // index slot whose entry left
@@ -161,6 +167,10 @@ struct Counters {
   std::atomic<uint64_t> remote_misses;      // remote lookups that ended a prefix
   std::atomic<uint64_t> remote_errors;      // calls that failed or timed out (a miss)
   std::atomic<uint64_t> remote_damaged;     // values that failed the chunk checks
+  std::atomic<uint64_t> lock_timeouts;      // the table lock was not free within the bound
+  std::atomic<uint64_t> deferred_ops;       // commit/abort/release queued behind a held lock
+  std::atomic<uint64_t> metadata_repairs;   // derived metadata out of range: rebuilt
+  std::atomic<uint64_t> segment_truncated;  // the segment file was found shorter than its capacity
   std::atomic<uint64_t> reserved_counters[1];
   // gauges (maintained under the lock, rebuilt on recovery)
   std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries
@@ -181,6 +191,12 @@ struct alignas(64) Header {
   uint64_t created_unix_ns;
   std::atomic<uint64_t> epoch;   // bumped by every segment reset
   alignas(64) pthread_mutex_t lock;
+  // Who holds `lock` now (0: nobody), and since when: written by the holder
+  // right after taking it and cleared before giving it back, so a process
+  // that times out waiting can name the holder (stats, logs, the daemon).
+  std::atomic<int32_t> lock_holder_pid;
+  uint32_t reserved1;
+  std::atomic<uint64_t> lock_since_ns;   // CLOCK_MONOTONIC (the same clock for every process)
   // --- derived roots (under lock) ---
   alignas(64) uint32_t lru_head;  // most recently used evictable entry
   uint32_t lru_tail;              // next victim

@@ -315,9 +315,20 @@ struct SegmentOpener {
       return Status::kMismatch;
     }
     const Geometry& g = h->geo;
-    if (g.capacity_bytes != uint64_t(st.st_size) || h->layout_fingerprint != layout_fingerprint(g)) {
-      *err = "segment '" + name + "' header is inconsistent (file size " +
-             std::to_string(st.st_size) + ", header says " + std::to_string(g.capacity_bytes) + ")";
+    if (h->layout_fingerprint != layout_fingerprint(g)) {
+      *err = "segment '" + name + "' header is damaged: its geometry does not match its layout "
+             "fingerprint (capacity " + std::to_string(g.capacity_bytes) + " bytes, " +
+             std::to_string(g.max_entries) + " entries); unlink it (python -m shmkv.stats shows "
+             "who is attached) and start again";
+      return Status::kCorrupt;
+    }
+    if (g.capacity_bytes != uint64_t(st.st_size)) {
+      *err = "segment '" + name + "' file is " + std::to_string(st.st_size) +
+             " bytes but its header says " + std::to_string(g.capacity_bytes) +
+             (uint64_t(st.st_size) < g.capacity_bytes
+                  ? ": it was truncated (by a process of this user); the maintainer restores the "
+                    "size, or unlink it and start again"
+                  : ": it was extended by something other than shmkv");
       return Status::kCorrupt;
     }
     if (want && std::memcmp(&g, want, sizeof(Geometry)) != 0) {
@@ -397,6 +408,7 @@ struct SegmentOpener {
             // whatever its bytes say (a dead holder, or garbage that would
             // make pthread_mutex_lock fail or wait forever).
             init_mutex(&reinterpret_cast<Header*>(base)->lock);
+            reinterpret_cast<Header*>(base)->lock_holder_pid.store(0);
           } else if (mode == OpenMode::kOpenOrCreate) {
             s = initialise_fresh(want);
             outcome = OpenOutcome::kReinitialisedStale;
@@ -432,6 +444,7 @@ struct SegmentOpener {
       seg->fd_ = fd;
       seg->base_ = base;
       seg->mapped_bytes_ = mapped;
+      seg->geo_ = reinterpret_cast<Header*>(base)->geo;  // validated or just written
       seg->outcome_ = outcome;
       fd = -1;
       base = nullptr;
@@ -465,6 +478,26 @@ Status Segment::unlink(const std::string& name, std::string* err) {
     }
     *err = errno_text(("shm_unlink(/" + name + ")").c_str(), e);
     return e == EACCES ? Status::kPermission : Status::kSystem;
+  }
+  return Status::kOk;
+}
+
+int64_t Segment::file_bytes() const {
+  struct stat st;
+  if (fstat(fd_, &st) != 0) return -1;
+  return int64_t(st.st_size);
+}
+
+Status Segment::restore_size(std::string* err) {
+  if (ftruncate(fd_, off_t(geo_.capacity_bytes)) != 0) {
+    *err = errno_text(("ftruncate of segment '" + name_ + "'").c_str(), errno);
+    return Status::kSystem;
+  }
+  int rc = posix_fallocate(fd_, 0, off_t(geo_.capacity_bytes));
+  if (rc != 0) {
+    *err = "cannot reserve the pages of segment '" + name_ + "' again (posix_fallocate: " +
+           std::strerror(rc) + ")";
+    return rc == ENOSPC ? Status::kNoSpace : Status::kSystem;
   }
   return Status::kOk;
 }

@@ -63,8 +63,18 @@ class Segment {
 
   Header* header() const { return reinterpret_cast<Header*>(base_); }
   uint8_t* base() const { return base_; }
-  uint8_t* arena() const { return base_ + header()->geo.arena_offset; }
-  const Geometry& geo() const { return header()->geo; }
+  uint8_t* arena() const { return base_ + geo_.arena_offset; }
+  // This process's copy of the geometry, validated at open: the header's own
+  // copy may be overwritten later by a buggy or hostile writer and is never
+  // trusted again.
+  const Geometry& geo() const { return geo_; }
+  // The segment file's size now (fstat): smaller than capacity_bytes means
+  // somebody truncated it and touching the pages past the end raises SIGBUS.
+  // -1 if fstat fails.
+  int64_t file_bytes() const;
+  // Grow a truncated file back to capacity_bytes and reserve its pages again
+  // (the bytes past the old end read as zero). kNoSpace if /dev/shm is full.
+  Status restore_size(std::string* err);
   const std::string& name() const { return name_; }
   OpenOutcome outcome() const { return outcome_; }
   // True when the header was adopted from a stale segment: the table must be
@@ -77,6 +87,7 @@ class Segment {
   int fd_ = -1;
   uint8_t* base_ = nullptr;
   uint64_t mapped_bytes_ = 0;
+  Geometry geo_{};
   OpenOutcome outcome_ = OpenOutcome::kAttached;
 
   friend struct SegmentOpener;

@@ -20,6 +20,7 @@ enum class Status : int32_t {
   kBusy = 4,         // reserve: another live process is writing the key;
                      // erase: entry is leased (it is hidden, freed on release)
   kStale = 5,        // handle refers to an entry/lease that was reclaimed or reset
+  kTimedOut = 6,     // the table lock stayed held by another process past the bound
   // --- errors ------------------------------------------------------------------
   kInvalidArgument = 16,  // bad size, bad name, bad handle shape, ...
   kTooLarge = 17,         // payload larger than the configured maximum
@@ -40,6 +41,7 @@ inline const char* status_name(Status s) {
     case Status::kExists: return "EXISTS";
     case Status::kBusy: return "BUSY";
     case Status::kStale: return "STALE";
+    case Status::kTimedOut: return "TIMED_OUT";
     case Status::kInvalidArgument: return "INVALID_ARGUMENT";
     case Status::kTooLarge: return "TOO_LARGE";
     case Status::kNoSpace: return "NO_SPACE";

@@ -25,6 +25,9 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 <
                "tib": 1 << 40}
 
 
+MAX_SIZE = 1 << 62
+
+
 def parse_size(key: str, value: Any) -> int:
     """Bytes from an int or a string like '8GiB', '512 MiB', '2g'."""
     if isinstance(value, bool):
@@ -38,6 +41,8 @@ def parse_size(key: str, value: Any) -> int:
         n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
     if n <= 0:
         raise ConfigError(f"{key}={value!r}: must be positive")
+    if n > MAX_SIZE:
+        raise ConfigError(f"{key}={value!r}: more than {MAX_SIZE >> 40} TiB is not a size shmkv can use")
     return n
 
 
@@ -84,14 +89,17 @@ def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     return s
 
 
-def _default_capacity() -> int:
-    """A quarter of what /dev/shm has free, between 256 MiB and 16 GiB."""
+def default_capacity() -> int:
+    """The capacity of a segment created with no explicit `capacity`: a
+    quarter of /dev/shm's size (not of what is free in it, which the segment
+    itself changes), between 256 MiB and 16 GiB, in whole MiB. Used only when
+    no segment of the name exists: then the existing one's size wins."""
     try:
         st = os.statvfs("/dev/shm")
-        free = st.f_bavail * st.f_frsize
+        total = st.f_blocks * st.f_frsize
     except OSError:
-        free = 4 << 30
-    return max(256 << 20, min(16 << 30, free // 4 // (1 << 20) * (1 << 20)))
+        total = 4 << 30
+    return max(256 << 20, min(16 << 30, total // 4 // (1 << 20) * (1 << 20)))
 
 
 @dataclass(frozen=True)
@@ -99,11 +107,12 @@ class ShmkvConfig:
     """Every setting, with its default. See README "Configuration"."""
 
     cache_name: str = field(default_factory=lambda: f"shmkv-{os.getuid()}")
-    capacity: int = field(default_factory=_default_capacity)  # bytes of the shared segment
+    capacity: int = 0  # bytes of the shared segment; 0: the existing segment's, else default_capacity()
     chunk_size: int = 256  # tokens per chunk
     store_tail: bool = True  # cache the block-aligned tail of each prompt as a piece
     max_payload: int = 0  # bytes; 0 = a quarter of the segment's arena
     populate: bool = True  # pre-fault the mapping at attach
+    lock_timeout: float = 0.3  # seconds any wait for the segment's table lock may take
     load_failure_policy: str = "recompute"  # what vLLM does if a planned load misses
     disk_dir: str = ""  # empty: no disk tier
     disk_capacity: int = 64 << 30  # byte cap of the disk tier
@@ -132,6 +141,7 @@ class ShmkvConfig:
             "store_tail": _parse_bool,
             "max_payload": lambda k, v: 0 if str(v) == "0" else parse_size(k, v),
             "populate": _parse_bool,
+            "lock_timeout": lambda k, v: _parse_float(k, v, lambda x: 0.001 <= x <= 60, "seconds in [0.001, 60]"),
             "load_failure_policy": lambda k, v: _parse_choice(k, v, ("recompute", "fail")),
             "log_level": lambda k, v: _parse_choice(k, v, ("debug", "info", "warning", "error")),
             "disk_dir": lambda k, v: os.path.expanduser(str(v)),

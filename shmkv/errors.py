@@ -16,6 +16,7 @@ plus configuration errors found in Python.
     ├── PayloadTooLargeError   (also a ValueError)
     ├── InvalidArgumentError   (also a ValueError)
     ├── RequestError           a controller request refused (carries its HTTP status)
+    ├── LockTimeoutError       a whole-table operation could not get the table lock in time
     └── StaleHandleError       a lease/reservation was reclaimed: its bytes are void
 """
 
@@ -84,9 +85,16 @@ class SystemCallError(ShmkvError, OSError):
     pass
 
 
+class LockTimeoutError(ShmkvError, TimeoutError):
+    """The segment's table lock stayed held by another process past the bound
+    (`lock_timeout`); the message names the holder. Lookups and puts never
+    raise this: they answer "miss" and "busy"."""
+
+
 # status code (cpp/status.h) -> exception class, for error codes only
 _BY_CODE: dict[int, type[ShmkvError]] = {
     5: StaleHandleError,
+    6: LockTimeoutError,
     16: InvalidArgumentError,
     17: PayloadTooLargeError,
     18: NoSpaceError,

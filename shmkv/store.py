@@ -32,7 +32,10 @@ from shmkv import _C
 from shmkv.errors import (
     InvalidArgumentError,
     PayloadTooLargeError,
+    SegmentCorruptError,
+    SegmentExistsError,
     SegmentMismatchError,
+    SegmentNotFoundError,
     StaleHandleError,
     error_for,
 )
@@ -47,6 +50,8 @@ Key = bytes
 Keys = Sequence[bytes] | bytes | bytearray | memoryview
 
 _MODE_CREATE, _MODE_ATTACH, _MODE_OPEN_OR_CREATE = 0, 1, 2
+DEFAULT_LOCK_TIMEOUT_S = 0.3
+_STATUS_NOT_FOUND, _STATUS_TIMED_OUT = 19, 6
 
 
 class PutResult(enum.Enum):
@@ -55,8 +60,9 @@ class PutResult(enum.Enum):
     OK = 0
     FULL = 2  # no room even after evicting everything evictable
     EXISTS = 3  # the key is already cached
-    BUSY = 4  # another live process is writing the key right now
+    BUSY = 4  # another live process is writing the key right now (or holds the table lock too long)
     STALE = 5  # the reservation was reclaimed before commit; nothing stored
+    TIMED_OUT = 6  # the table lock stayed held past the bound; nothing changed
 
 
 class OpenOutcome(enum.Enum):
@@ -81,6 +87,7 @@ class SegmentGeometry:
 
     def resolved(self) -> dict[str, int]:
         """The geometry the C++ core would build, or raise InvalidArgumentError."""
+        self.check()
         code, msg, geo = _C.geometry(
             self.capacity_bytes, self.max_payload_bytes, self.alignment,
             self.max_entries, self.max_leases, self.max_procs,
@@ -88,6 +95,16 @@ class SegmentGeometry:
         if code:
             raise error_for(code, msg)
         return dict(geo)
+
+    def check(self) -> None:
+        """InvalidArgumentError naming the first field that is not a usable integer."""
+        limits = {"capacity_bytes": (1, 1 << 62), "max_payload_bytes": (0, 1 << 62), "alignment": (1, 1 << 30),
+                  "max_entries": (0, (1 << 32) - 1), "max_leases": (0, (1 << 32) - 1),
+                  "max_procs": (1, (1 << 32) - 1)}
+        for name, (lo, hi) in limits.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise InvalidArgumentError(f"{name}={v!r}: expected an integer in [{lo}, {hi}]")
 
 
 def default_cache_name() -> str:
@@ -248,11 +265,16 @@ class Store:
 
     # ------------------------------------------------------------ opening --
     @classmethod
-    def _open(cls, name: str, mode: int, geometry: SegmentGeometry, populate: bool) -> Store:
+    def _open(cls, name: str, mode: int, geometry: SegmentGeometry, populate: bool,
+              lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Store:
         g = geometry
+        g.check()
+        if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, (int, float)) \
+                or not 0 < lock_timeout_s <= 3600:
+            raise InvalidArgumentError(f"lock_timeout_s={lock_timeout_s!r}: expected seconds in (0, 3600]")
         code, msg, table, outcome = _C.open_table(
             name, mode, g.capacity_bytes, g.max_payload_bytes, g.alignment,
-            g.max_entries, g.max_leases, g.max_procs, populate,
+            g.max_entries, g.max_leases, g.max_procs, populate, float(lock_timeout_s),
         )
         if code:
             raise error_for(code, msg)
@@ -268,32 +290,36 @@ class Store:
         return store
 
     @classmethod
-    def create(cls, name: str, capacity_bytes: int, *, populate: bool = True, **geometry: int) -> Store:
+    def create(cls, name: str, capacity_bytes: int, *, populate: bool = True,
+               lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, **geometry: int) -> Store:
         """Create a fresh, empty segment. A stale one (no live process
-        attached) is re-initialised; a live one raises SegmentExistsError."""
-        return cls._open(name, _MODE_CREATE, SegmentGeometry(capacity_bytes, **geometry), populate)
+        attached) is re-initialised; a live one raises SegmentExistsError.
+        `lock_timeout_s` bounds every wait for the table lock (module doc)."""
+        return cls._open(name, _MODE_CREATE, SegmentGeometry(capacity_bytes, **geometry), populate,
+                         lock_timeout_s)
 
     @classmethod
-    def attach(cls, name: str, *, populate: bool = True) -> Store:
-        """Attach to an existing segment, whatever its geometry (read from it).
-        Raises SegmentNotFoundError or SegmentMismatchError (nothing written)."""
-        return cls._open(name, _MODE_ATTACH, SegmentGeometry(1 << 20), populate)
+    def attach(cls, name: str, *, populate: bool = True, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Store:
+        """Attach to an existing segment, live or stale, whatever its geometry
+        (read from it; a stale one is adopted with its chunks). Raises
+        SegmentNotFoundError or SegmentMismatchError (nothing written)."""
+        return cls._open(name, _MODE_ATTACH, SegmentGeometry(1 << 20), populate, lock_timeout_s)
 
     @classmethod
     def open_or_create(cls, name: str, capacity_bytes: int, *, populate: bool = True,
-                       **geometry: int) -> Store:
+                       lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, **geometry: int) -> Store:
         """Attach if a segment with this geometry exists, else create it. A
         live segment with another geometry raises SegmentMismatchError naming
         the differences; a stale one is adopted if it matches (its chunks
         survive), else re-initialised."""
         return cls._open(name, _MODE_OPEN_OR_CREATE, SegmentGeometry(capacity_bytes, **geometry),
-                         populate)
+                         populate, lock_timeout_s)
 
     @staticmethod
     def unlink(name: str, *, missing_ok: bool = True) -> bool:
         """Remove the segment's name. Attached processes keep their mapping."""
         code, msg = _C.unlink(name)
-        if code == 19 and missing_ok:
+        if code == _STATUS_NOT_FOUND and missing_ok:
             return False
         if code:
             raise error_for(code, msg)
@@ -389,7 +415,7 @@ class Store:
     def delete(self, key: Key) -> bool:
         """Remove `key`; True if it was cached. A leased chunk disappears now
         and its bytes are freed at the last release."""
-        return self.table.erase(key) in (0, 4)
+        return self.table.erase(key) in (PutResult.OK.value, PutResult.BUSY.value)
 
     def clear(self, *, namespace: bytes | None = None) -> int:
         """Remove every cached chunk (or those of one namespace); returns how many."""
@@ -429,8 +455,31 @@ class Store:
         return list(self.table.check_consistency())
 
     def stats(self) -> dict[str, int]:
-        """Counters and gauges of the segment (shared by all processes)."""
+        """Counters and gauges of the segment (shared by all processes). Never
+        waits for the table lock; `lock_holder_pid` / `lock_held_ms` name who
+        holds it now."""
         return dict(self.table.stats())
+
+    def lock_holder(self) -> tuple[int, float]:
+        """(pid, seconds held) of the process holding the table lock; pid 0: nobody."""
+        pid, held = self.table.lock_holder()
+        return int(pid), float(held)
+
+    def check_size(self) -> bool:
+        """Whether the segment file still has its full size. If somebody
+        truncated it, grow it back, reset the table (what was past the cut is
+        lost; counted as segment_truncated) and return False. Touching pages
+        past the end of a truncated file raises SIGBUS, so the maintainer calls
+        this before each pass."""
+        have = self.table.file_bytes()
+        cap = self.stats()["capacity_bytes"] if have >= 4096 else None
+        if cap is not None and have >= cap:
+            return True
+        log.error("shmkv: segment '%s' file was truncated to %d bytes (a process of this user did it); "
+                  "restoring its size and resetting the cache", self.name, have)
+        code, msg = self.table.restore_size()
+        _raise_if_error(code, msg)
+        return False
 
     @property
     def arena_address(self) -> int:
@@ -444,22 +493,76 @@ class Store:
         return f"Store(name={self.name!r}, outcome={self.outcome.name})"
 
 
+_GEOMETRY_FIELDS = ("capacity_bytes", "arena_bytes", "max_payload_bytes", "max_entries")
+
+
 def open_store(cfg: Any) -> Store:
-    """The configured segment (a ShmkvConfig): attached, or created if nobody
-    has (the embedded default). A live segment made with another geometry
-    (another instance's or the daemon's settings) is attached as it is."""
-    try:
-        store = Store.open_or_create(cfg.cache_name, cfg.capacity, populate=cfg.populate,
-                                     max_payload_bytes=cfg.max_payload)
-    except SegmentMismatchError as e:
-        log.warning("shmkv: segment %s exists with other settings; attaching it as it is (%s)",
-                    cfg.cache_name, str(e).replace("\n", ";"))
-        store = Store.attach(cfg.cache_name, populate=cfg.populate)
+    """The configured segment (a ShmkvConfig), attached or created.
+
+    With no explicit `capacity` (cfg.capacity == 0), a segment of that name
+    that exists, live or stale, is used as it is, whatever its size: chunks
+    survive restarts and every process agrees. Only when there is none (or it
+    is unusable and nobody is attached) one is created with
+    shmkv.config.default_capacity(), which depends on /dev/shm's size, never
+    on what is free in it.
+
+    With an explicit capacity: a live segment of another geometry (another
+    instance's or the daemon's settings) is attached as it is, with a warning;
+    a stale one is re-created with the explicit settings, and the log says how
+    many chunks that dropped."""
+    from shmkv.config import default_capacity
+
+    name, kw = cfg.cache_name, {"populate": cfg.populate, "lock_timeout_s": cfg.lock_timeout}
+    if not cfg.capacity:
+        try:
+            store = Store.attach(name, **kw)
+        except (SegmentNotFoundError, SegmentMismatchError, SegmentCorruptError) as e:
+            capacity = default_capacity()
+            if not isinstance(e, SegmentNotFoundError):
+                log.warning("shmkv: segment '%s' is not usable (%s); re-creating it unless a process uses it",
+                            name, str(e).replace("\n", ";"))
+            log.info("shmkv: creating segment '%s' with the default capacity %s (a quarter of /dev/shm's size, "
+                     "within 256 MiB..16 GiB; set `capacity` to choose)", name, _fmt_bytes(capacity))
+            store = Store.open_or_create(name, capacity, max_payload_bytes=cfg.max_payload, **kw)
+    else:
+        store = _open_explicit(cfg, kw)
     st = store.stats()
     log.info("shmkv: %s segment '%s' (capacity %.1f GiB, max chunk %.1f MiB, %d processes attached)",
              store.outcome.name.lower().replace("_", " "), cfg.cache_name, st["capacity_bytes"] / 2**30,
              st["max_payload_bytes"] / 2**20, st["processes_attached"])
     return store
+
+
+def _open_explicit(cfg: Any, kw: dict[str, Any]) -> Store:
+    name = cfg.cache_name
+    want = SegmentGeometry(cfg.capacity, cfg.max_payload).resolved()
+    try:
+        probe: Store | None = Store.attach(name, populate=False, lock_timeout_s=kw["lock_timeout_s"])
+    except (SegmentNotFoundError, SegmentMismatchError, SegmentCorruptError):
+        probe = None  # none, or one open_or_create re-creates (stale) or refuses (live)
+    if probe is not None:
+        st, outcome = probe.stats(), probe.outcome
+        probe.close()
+        del probe
+        diff = [f"{k} {st[k]} (asked {want[k]})" for k in _GEOMETRY_FIELDS if st[k] != want[k]]
+        if diff and outcome is OpenOutcome.ATTACHED:
+            log.warning("shmkv: segment '%s' is in use with other settings (%s); attaching it as it is",
+                        name, ", ".join(diff))
+            return Store.attach(name, **kw)
+        if diff:
+            try:
+                store = Store.create(name, cfg.capacity, max_payload_bytes=cfg.max_payload, **kw)
+            except SegmentExistsError:  # a process attached it meanwhile: use it as it is
+                return Store.attach(name, **kw)
+            log.warning("shmkv: re-created stale segment '%s' with the configured settings: %d chunks dropped "
+                        "(it had %s)", name, st["ready_entries"], ", ".join(diff))
+            return store
+    try:
+        return Store.open_or_create(name, cfg.capacity, max_payload_bytes=cfg.max_payload, **kw)
+    except SegmentMismatchError as e:  # created by someone else in between
+        log.warning("shmkv: segment '%s' exists with other settings; attaching it as it is (%s)",
+                    name, str(e).replace("\n", ";"))
+        return Store.attach(name, **kw)
 
 
 def _fmt_bytes(n: int) -> str:

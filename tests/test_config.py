@@ -11,7 +11,8 @@ from shmkv.errors import ConfigError
 def test_defaults(tmp_path):
     cfg = load_config({}, env={})
     assert cfg.chunk_size == 256 and cfg.store_tail and cfg.load_failure_policy == "recompute"
-    assert cfg.capacity >= 256 << 20
+    assert cfg.capacity == 0, "no explicit capacity: the existing segment's size, else default_capacity()"
+    assert cfg.lock_timeout == 0.3
     assert cfg.cache_name.startswith("shmkv-")
 
 
