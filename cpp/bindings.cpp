@@ -298,9 +298,16 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.attr("FORMAT_VERSION") = kFormatVersion;
   // The core's exceptions are the Python hierarchy's (shmkv/errors.py).
-  py::module_ errors = py::module_::import("shmkv.errors");
-  py::register_exception<SegmentBroken>(m, "SegmentBrokenError", errors.attr("SegmentCorruptError"));
-  py::register_exception<LockTimeout>(m, "LockTimeoutError", errors.attr("LockTimeoutError"));
+  // (RuntimeError where the module is loaded on its own, without the package.)
+  py::object broken_base = py::reinterpret_borrow<py::object>(PyExc_RuntimeError), timeout_base = broken_base;
+  try {
+    py::module_ errors = py::module_::import("shmkv.errors");
+    broken_base = errors.attr("SegmentCorruptError");
+    timeout_base = errors.attr("LockTimeoutError");
+  } catch (py::error_already_set&) {
+  }
+  py::register_exception<SegmentBroken>(m, "SegmentBrokenError", broken_base);
+  py::register_exception<LockTimeout>(m, "LockTimeoutError", timeout_base);
   m.attr("FLAG_SPILLED") = kFlagSpilled;
 
   py::dict codes;

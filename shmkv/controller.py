@@ -24,6 +24,7 @@ is a RequestError (4xx) naming the field. Pins nest: every pin needs an unpin.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -119,9 +120,12 @@ class Controller:
             raise RequestError(f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}", 413)
         args = _parse_body(body) if want == "POST" else {}
         result = fn(args)
+        status = 200
+        if isinstance(result, tuple):  # (status, body): an answer that is not a success
+            status, result = result
         if isinstance(result, str):
-            return 200, PROMETHEUS, result.encode()
-        return 200, JSON, _json(result)
+            return status, PROMETHEUS, result.encode()
+        return status, JSON, _json(result)
 
     # ---------------------------------------------------------- endpoints --
     def health(self, _args: dict[str, Any]) -> dict[str, Any]:
@@ -209,15 +213,21 @@ class Controller:
         self._need_disk("flush")
         assert self.disk is not None
         with self._mutate:
-            spilled = self.maintainer.spill_all()
+            spilled, left = self.maintainer.spill_all()
             synced = self.disk.sync()
             # spilled chunks are queued for the remote tier too: wait for its writer
             remote = self.remote.flush(timeout_s=60) if self.remote is not None else None
-        log.info("shmkv: controller flush: %d chunks spilled, %d files synced%s", spilled, synced,
-                 "" if remote is None else f", remote writes {'done' if remote else 'still pending after 60 s'}")
+        log.info("shmkv: controller flush: %d chunks spilled, %d not on disk, %d files synced%s", spilled, left,
+                 synced, "" if remote is None else f", remote writes {'done' if remote else 'still pending after 60 s'}")
         out: dict[str, Any] = {"spilled_chunks": spilled, "synced_files": synced}
         if remote is not None:
             out["remote_flushed"] = remote
+        if left:
+            err = self.disk.last_write_error
+            out["not_on_disk"] = left
+            out["error"] = (f"{left} chunks of the shared tier are not on disk"
+                            + (f" (last write error: {err})" if err else ""))
+            return 507 if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT) else 503, out
         return out
 
     # ---------------------------------------------------------- internals --

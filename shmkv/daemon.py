@@ -39,7 +39,8 @@ from shmkv.config import ShmkvConfig, load_config, parse_listen
 from shmkv.controller import MAX_BODY_BYTES, Controller
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import ShmkvError
-from shmkv.maintainer import DaemonLock, MaintainerRole
+from shmkv.maintainer import MaintainerRole
+from shmkv.paths import daemon_lock, runtime_dir
 from shmkv.remote.tier import open_remote
 from shmkv.store import open_store
 
@@ -132,7 +133,7 @@ def make_server(listen: str, controller: Controller) -> tuple[socketserver.BaseS
 class Daemon:
     def __init__(self, cfg: ShmkvConfig) -> None:
         self.cfg = cfg
-        self.lock = DaemonLock(cfg.cache_name)
+        self.lock = daemon_lock(cfg.cache_name)
         self.store = None
         self.role: MaintainerRole | None = None
         self.remote = None
@@ -210,11 +211,13 @@ def _config(args: argparse.Namespace) -> ShmkvConfig:
 
 def _background(argv: list[str], cfg: ShmkvConfig, log_file: str | None) -> int:
     """Start the daemon detached, wait until it serves (or fails), report."""
-    from shmkv.maintainer import runtime_dir
-
-    log_file = log_file or os.path.join(runtime_dir(), f"{cfg.cache_name}.daemon.log")
     args = [a for a in argv if a != "--background"]
-    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    if log_file:
+        fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    else:
+        rt = runtime_dir()
+        log_file = rt.join(f"{cfg.cache_name}.daemon.log")
+        fd = rt.open(f"{cfg.cache_name}.daemon.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     start = os.lseek(fd, 0, os.SEEK_END)
     proc = subprocess.Popen([sys.executable, "-m", "shmkv.daemon", *args], stdin=subprocess.DEVNULL,
                             stdout=fd, stderr=fd, start_new_session=True)

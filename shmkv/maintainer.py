@@ -8,9 +8,16 @@ healthy, off vLLM's hot path.
   * watermark: when free space drops below `low_watermark`, spilled chunks
     are evicted from the cold end until it is back above it, so puts rarely
     find the tier full and never wait for disk I/O;
-  * reclaim: leases and half-written chunks of dead processes are released.
+  * reclaim: leases and half-written chunks of dead processes are released;
+  * size: a segment file somebody truncated is grown back and reset before
+    any page past the cut is touched (that would be SIGBUS).
 
-The role is an exclusive flock on <runtime dir>/<cache>.maintainer.lock: the
+A spill that fails (full disk, I/O error) leaves the chunk in memory and
+starts a backoff (0.25 s doubling to 30 s) during which passes do not try
+again; one WARNING says when spilling starts failing and one INFO when it
+works again, with the number of failures in between.
+
+The role is an exclusive flock on <runtime dir>/<cache>.maintainer.lock (shmkv.paths): the
 daemon takes it when it runs (an embedded holder hands it over within a
 second); without a daemon, the first vLLM scheduler process to get it does
 the work in a background thread, and another takes over when it exits.
@@ -22,7 +29,6 @@ process.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
@@ -30,87 +36,43 @@ import time
 from collections.abc import Sequence
 
 from shmkv.disk.tier import DiskTier
-from shmkv.store import PutResult, Store
+from shmkv.paths import daemon_lock, maintainer_lock
+from shmkv.errors import LockTimeoutError
+from shmkv.store import FLAG_SPILLED, PutResult, Store
 
 log = logging.getLogger("shmkv.maintainer")
 
 
-def runtime_dir() -> str:
-    """A private (0700) directory for lock and pid files."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    path = os.path.join(base, f"shmkv-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    if os.stat(path).st_uid != os.geteuid():
-        raise PermissionError(f"{path} belongs to another user")
-    os.chmod(path, 0o700)
-    return path
+class SpillBackoff:
+    """Whether to try spilling now, after failures; logs state changes only."""
 
+    FIRST_S, MAX_S = 0.25, 30.0
 
-class PidLock:
-    """An exclusive, process-lifetime flock on a 0600 file in the runtime
-    directory that also records the holder's pid (released by the kernel
-    when the holder exits, however it exits)."""
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.failures = 0  # since spilling last worked
+        self.delay_s = 0.0
+        self.next_try = 0.0
+        self._lock = threading.Lock()
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
+    def ready(self) -> bool:
+        return time.monotonic() >= self.next_try
 
-    def try_acquire(self) -> bool:
-        if self._fd is not None:
-            return True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        return True
+    def failed(self, error: BaseException | None) -> None:
+        with self._lock:
+            self.failures += 1
+            self.delay_s = min(self.MAX_S, self.delay_s * 2 if self.delay_s else self.FIRST_S)
+            self.next_try = time.monotonic() + self.delay_s
+            first = self.failures == 1
+        if first:
+            log.warning("shmkv: spilling to %s fails (%s); chunks stay in memory only, retrying with a "
+                        "backoff up to %.0f s", self.where, error or "unknown error", self.MAX_S)
 
-    def holder_pid(self) -> int | None:
-        """The pid written by the holder (None if never held or unreadable)."""
-        try:
-            with open(self.path) as f:
-                return int(f.read().strip() or 0) or None
-        except (OSError, ValueError):
-            return None
-
-    def is_held_elsewhere(self) -> bool:
-        """Whether another process holds the lock now."""
-        if self._fd is not None:
-            return False
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)  # closing drops a shared lock we may have taken
-        return False
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-
-def MaintainerLock(cache_name: str) -> PidLock:  # noqa: N802 - a lock "class" per role
-    """The maintainer role of one cache."""
-    return PidLock(os.path.join(runtime_dir(), f"{cache_name}.maintainer.lock"))
-
-
-def DaemonLock(cache_name: str) -> PidLock:  # noqa: N802
-    """Held by the one daemon of a cache for its lifetime."""
-    return PidLock(os.path.join(runtime_dir(), f"{cache_name}.daemon.lock"))
+    def worked(self) -> None:
+        with self._lock:
+            failures, self.failures, self.delay_s, self.next_try = self.failures, 0, 0.0, 0.0
+        if failures:
+            log.info("shmkv: spilling to %s works again (after %d failed attempts)", self.where, failures)
 
 
 class Maintainer:
@@ -122,11 +84,14 @@ class Maintainer:
         arena = store.arena_bytes
         self.low_bytes = int(arena * low_watermark)
         self.spill_ahead_bytes = int(arena * spill_ahead)
+        self.backoff = SpillBackoff(disk.dir if disk is not None else "disk")
 
     # ------------------------------------------------------------- steps --
     def run_once(self) -> dict[str, int]:
         """One maintenance pass; returns what it did."""
         did = {"spilled": 0, "evicted": 0, "reclaimed": 0}
+        if not self.store.check_size():
+            did["restored"] = 1
         r = self.store.reclaim()
         did["reclaimed"] = r["leases"] + r["writes"]
         if self.disk is None:
@@ -136,10 +101,10 @@ class Maintainer:
         budget = self.spill_ahead_bytes + max(0, self.low_bytes - free)
         covered = 0
         for key, size, flags, ns in self.store.coldest(4096):
-            if covered >= budget:
+            if covered >= budget or not self.backoff.ready():
                 break
             covered += size
-            if not flags & 1:
+            if not flags & FLAG_SPILLED:
                 did["spilled"] += self.spill(key, ns)
         # evict spilled chunks from the cold end until above the low watermark
         while free < self.low_bytes:
@@ -147,7 +112,7 @@ class Maintainer:
             for key, size, flags, _ns in self.store.coldest(64):
                 if free >= self.low_bytes:
                     break
-                if flags & 1 and self.store.evict_spilled(key):
+                if flags & FLAG_SPILLED and self.store.evict_spilled(key):
                     free += size
                     did["evicted"] += 1
                     progressed = True
@@ -155,15 +120,17 @@ class Maintainer:
                 break
         return did
 
-    def spill_all(self) -> int:
-        """Spill every evictable chunk not on disk yet (flush / move-to-disk)."""
-        n = 0
+    def spill_all(self) -> tuple[int, int]:
+        """Spill every chunk of the shared tier not on disk yet (flush), now,
+        whatever the backoff. Returns (spilled now, still not on disk)."""
         if self.disk is None:
-            return 0
-        for key, _size, flags, ns in self.store.coldest(1 << 30):
-            if not flags & 1:
-                n += self.spill(key, ns)
-        return n
+            return 0, 0
+        def unspilled() -> list[dict]:  # pinned chunks stay in memory only, by design
+            return [e for e in self.store.entries()
+                    if e["state"] == "ready" and not e["pins"] and not e["flags"] & FLAG_SPILLED]
+
+        n = sum(self.spill(e["key"], e["namespace"]) for e in unspilled())
+        return n, len(unspilled())
 
     def spill(self, key: bytes, ns: bytes) -> int:
         """Write one shared-tier chunk to disk and mark it spilled; 1 if written."""
@@ -179,6 +146,10 @@ class Maintainer:
             ok = self.disk.write(key, ns, lease.view())
         finally:
             valid = lease.release(cold=True)
+        if ok:
+            self.backoff.worked()
+        else:
+            self.backoff.failed(getattr(self.disk, "last_write_error", None))
         if ok and valid:
             self.store.mark_spilled(key)
             if self.remote is not None:
@@ -232,8 +203,8 @@ class MaintainerRole:
 
     def __init__(self, cfg, store: Store, disk: DiskTier | None, *, interval_s: float = 0.05,
                  standby_s: float = 1.0, yield_to_daemon: bool = True, remote=None) -> None:
-        self.lock = MaintainerLock(cfg.cache_name)
-        self.daemon = DaemonLock(cfg.cache_name) if yield_to_daemon else None
+        self.lock = maintainer_lock(cfg.cache_name)
+        self.daemon = daemon_lock(cfg.cache_name) if yield_to_daemon else None
         self.maintainer = Maintainer(store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead,
                                      remote=remote)
         self.disk = disk
@@ -241,6 +212,7 @@ class MaintainerRole:
         self.standby_s = standby_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock_stuck = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="shmkv-maintainer", daemon=True)
@@ -275,6 +247,13 @@ class MaintainerRole:
                     continue
             try:
                 self.maintainer.run_once()
+                if self._lock_stuck:
+                    log.info("shmkv: the segment's table lock is free again; maintenance goes on")
+                    self._lock_stuck = False
+            except LockTimeoutError as e:
+                if not self._lock_stuck:
+                    log.warning("shmkv: maintenance paused: %s", e)
+                    self._lock_stuck = True
             except Exception:
                 log.exception("shmkv: maintenance pass failed; retrying")
             self._stop.wait(self.interval_s)

@@ -25,13 +25,17 @@ from typing import Any
 
 from shmkv.errors import ConfigError
 from shmkv.keys import Namespace
-from shmkv.maintainer import runtime_dir
+from shmkv.paths import runtime_dir
 
 log = logging.getLogger("shmkv.namespaces")
 
 
+def _registry_name(cache_name: str) -> str:
+    return f"{cache_name}.namespaces.jsonl"
+
+
 def registry_path(cache_name: str) -> str:
-    return os.path.join(runtime_dir(), f"{cache_name}.namespaces.jsonl")
+    return runtime_dir().join(_registry_name(cache_name))
 
 
 def register(cache_name: str, ns: Namespace) -> str:
@@ -43,7 +47,7 @@ def register(cache_name: str, ns: Namespace) -> str:
         if root in known(cache_name):
             return root
         line = json.dumps({"root": root, "namespace": namespace_to_dict(ns)}, sort_keys=True) + "\n"
-        fd = os.open(registry_path(cache_name), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = runtime_dir().open(_registry_name(cache_name), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             os.write(fd, line.encode())
         finally:
@@ -57,7 +61,8 @@ def known(cache_name: str) -> dict[str, dict[str, Any]]:
     """root hex -> namespace fields, for every namespace registered."""
     out: dict[str, dict[str, Any]] = {}
     try:
-        with open(registry_path(cache_name)) as f:
+        fd = runtime_dir().open(_registry_name(cache_name), os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd) as f:
             for line in f:
                 try:
                     rec = json.loads(line)

@@ -52,6 +52,7 @@ Keys = Sequence[bytes] | bytes | bytearray | memoryview
 _MODE_CREATE, _MODE_ATTACH, _MODE_OPEN_OR_CREATE = 0, 1, 2
 DEFAULT_LOCK_TIMEOUT_S = 0.3
 _STATUS_NOT_FOUND, _STATUS_TIMED_OUT = 19, 6
+FLAG_SPILLED = int(_C.FLAG_SPILLED)  # Entry flag: a copy is in the disk tier
 
 
 class PutResult(enum.Enum):
@@ -431,7 +432,7 @@ class Store:
         return self.table.coldest(max_n)
 
     def mark_spilled(self, key: Key) -> bool:
-        return self.table.set_flags(key, _C.FLAG_SPILLED) == 0
+        return self.table.set_flags(key, FLAG_SPILLED) == 0
 
     def evict_spilled(self, key: Key) -> bool:
         """Evict `key` if it is spilled and nobody leases or pins it."""

@@ -30,15 +30,15 @@ def payload_for(k: bytes, n: int) -> bytes:
 def fresh_cache_name() -> Iterator[str]:
     """A unique cache name; its segment and runtime files go afterwards."""
     from shmkv import Store
-    from shmkv.maintainer import runtime_dir
+    from shmkv.paths import runtime_dir
 
     name = f"shmkv-test-{uuid.uuid4().hex[:12]}"
     yield name
     Store.unlink(name)
     rt = runtime_dir()
-    for f in os.listdir(rt):  # lock, registry and log files of this cache
-        if f.startswith(name + "."):
-            os.unlink(os.path.join(rt, f))
+    for entry in rt.scandir():  # lock, registry and log files of this cache
+        if entry.name.startswith(name + "."):
+            rt.unlink(entry.name)
 
 
 cache_name = pytest.fixture(fresh_cache_name, name="cache_name")

@@ -11,7 +11,8 @@ from conftest import key, payload_for
 
 from shmkv import PutResult, Store
 from shmkv.disk.tier import DiskTier
-from shmkv.maintainer import Maintainer, MaintainerLock, promote
+from shmkv.maintainer import Maintainer, promote
+from shmkv.paths import maintainer_lock
 
 UNIT = 64 * 1024
 
@@ -97,19 +98,19 @@ def test_pinned_chunks_are_neither_spilled_nor_evicted(setup):
 
 
 def test_one_maintainer_per_cache(cache_name, child):
-    lock = MaintainerLock(cache_name)
+    lock = maintainer_lock(cache_name)
     assert lock.try_acquire()
     c = child(f"""
-        from shmkv.maintainer import MaintainerLock
-        print("got" if MaintainerLock({cache_name!r}).try_acquire() else "refused", flush=True)
+        from shmkv.paths import maintainer_lock
+        print("got" if maintainer_lock({cache_name!r}).try_acquire() else "refused", flush=True)
     """)
     assert c.expect("refused")
     c.finish()
     assert lock.holder_pid() == os.getpid()
     lock.release()
     c2 = child(f"""
-        from shmkv.maintainer import MaintainerLock
-        print("got" if MaintainerLock({cache_name!r}).try_acquire() else "refused", flush=True)
+        from shmkv.paths import maintainer_lock
+        print("got" if maintainer_lock({cache_name!r}).try_acquire() else "refused", flush=True)
     """)
     assert c2.expect("got")
     c2.finish()

@@ -24,7 +24,7 @@ from shmkv.config import load_config
 from shmkv.daemon import Daemon
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import PermissionDeniedError
-from shmkv.maintainer import runtime_dir
+from shmkv.paths import runtime_dir
 
 SETPRIV = shutil.which("setpriv")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None,
@@ -114,13 +114,13 @@ def test_another_user_can_use_nothing(cache_name, open_dir, umask):
         disk = d.role.disk
         assert disk.write(key(1), b"N" * 16, b"secret prompt KV" * 100)
         paths = {"segment": f"/dev/shm/{cache_name}", "disk_file": disk.path(key(1)), "disk_dir": disk.dir,
-                 "runtime_dir": runtime_dir(), "socket": f"{open_dir}/ctl.sock"}
+                 "runtime_dir": runtime_dir().path, "socket": f"{open_dir}/ctl.sock"}
         modes = {k: stat.S_IMODE(os.stat(p).st_mode) for k, p in paths.items()}
         assert modes == {"segment": 0o600, "disk_file": 0o600, "disk_dir": 0o700, "runtime_dir": 0o700,
                          "socket": 0o600}, modes
-        for f in os.listdir(runtime_dir()):
+        for f in os.listdir(runtime_dir().path):
             if f.startswith(cache_name + "."):
-                assert stat.S_IMODE(os.stat(os.path.join(runtime_dir(), f)).st_mode) == 0o600, f
+                assert stat.S_IMODE(os.stat(runtime_dir().join(f)).st_mode) == 0o600, f
 
         r = as_nobody(PROBE, json.dumps({**paths, "cache": cache_name, "ext_dir": ext_dir(open_dir)}))
         assert r.returncode == 0, r.stderr

@@ -63,7 +63,7 @@ def test_spilled_chunks_go_as_their_disk_file(store, redis_server, tmp_path):
     m = Maintainer(store, disk, remote=r, spill_ahead=0.0, low_watermark=0.0)
     for i in range(4):
         put(store, i)
-    assert m.spill_all() == 4
+    assert m.spill_all() == (4, 0)
     assert r.flush(timeout_s=30)
     client = redis_server.client()
     for i in range(4):

@@ -13,10 +13,17 @@ writer that still runs: a maintainer handing its role over may be mid-write).
 Nothing here raises into the caller for a damaged file, a full disk or an I/O
 error: a bad file is a miss, a counter and an unlink; a failed write is a
 counter and a chunk not spilled.
+
+The directory is opened once, checked (shmkv.paths: no planted parent or
+link), and every file operation is relative to its fd. A chunk file is opened
+O_NOFOLLOW | O_NONBLOCK and must be a regular file (a link, FIFO, device or
+directory under a chunk's name is a miss, a `disk_damaged` count and removed);
+it is read with exactly the length its header declares, capped.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -27,16 +34,29 @@ from collections.abc import Callable, Sequence
 import zstandard
 
 from shmkv.disk import format as fmt
+from shmkv.paths import open_private_dir
 
 log = logging.getLogger("shmkv.disk")
 
 SUFFIX = ".kv"
+MAX_FILE_BYTES = 1 << 34  # larger than any chunk shmkv writes (a segment's max payload is far below)
+
+
+def _read_exact(fd: int, n: int, offset: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        b = os.pread(fd, n - len(out), offset + len(out))
+        if not b:
+            break
+        out += b
+    return bytes(out)
 
 
 class DiskTier:
     def __init__(self, directory: str, *, capacity_bytes: int, level: int = 1, element_size: int = 2,
                  counter: Callable[[str, int], None] | None = None) -> None:
-        self.dir = os.path.abspath(directory)
+        self._d = open_private_dir(directory)
+        self.dir = self._d.path
         self.capacity = capacity_bytes
         self.level = level
         self.element_size = element_size
@@ -46,23 +66,94 @@ class DiskTier:
         self._bytes = 0
         self._unsynced: set[str] = set()  # written since the last sync()
         self._cctx = threading.local()
-        _make_private_dir(self.dir)
+        self._reported: set[str] = set()  # non-file entries already counted
+        self.last_write_error: OSError | None = None  # of the last failed write (None once one works)
 
     # ------------------------------------------------------------ naming --
     def path(self, key: bytes) -> str:
-        return os.path.join(self.dir, key.hex() + SUFFIX)
+        """Where a chunk's file is (for messages and tests; I/O goes through the dir fd)."""
+        return self._d.join(_name(key))
 
     # ----------------------------------------------------------- lookups --
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        return [os.path.exists(self.path(k)) for k in keys]
+        return [self._has(k) for k in keys]
 
     def prefix_length(self, keys: Sequence[bytes]) -> int:
         n = 0
         for k in keys:
-            if not os.path.exists(self.path(k)):
+            if not self._has(k):
                 break
             n += 1
         return n
+
+    def _has(self, key: bytes) -> bool:
+        """A regular file under the key's name; anything else there is counted and removed."""
+        name = _name(key)
+        try:
+            st = self._d.lstat(name)
+        except OSError:
+            return False
+        if stat.S_ISREG(st.st_mode):
+            return True
+        self._not_a_file(name, key, st.st_mode)
+        return False
+
+    def _not_a_file(self, name: str, key: bytes, mode: int) -> None:
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a regular file")
+        if name in self._reported:
+            return
+        self._count("disk_damaged", 1)
+        if stat.S_ISDIR(mode):
+            self._reported.add(name)  # not ours to remove recursively; counted once
+            log.warning("shmkv: %s is a directory, not a chunk file: ignored", self._d.join(name))
+            return
+        log.warning("shmkv: %s is %s, not a chunk file: removed", self._d.join(name), kind)
+        self._unlink(name, key)
+
+    def read_file(self, key: bytes) -> bytes | None:
+        """The chunk's file contents exactly as its (checked) header declares
+        them, or None: missing, not a regular file, or with a bad header
+        (counted and removed). decode() does the remaining checks."""
+        name = _name(key)
+        try:
+            fd = self._d.open(name, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # a symbolic link under a chunk's name
+                self._not_a_file(name, key, stat.S_IFLNK)
+                return None
+            log.warning("shmkv: cannot read %s: %s", self._d.join(name), e)
+            self._count("promote_errors", 1)
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self._not_a_file(name, key, st.st_mode)
+                return None
+            head = _read_exact(fd, fmt.HEADER_BYTES, 0)
+            try:
+                comp_len = fmt.read_header(head)[4]
+                total = fmt.HEADER_BYTES + comp_len
+                if total > MAX_FILE_BYTES or total != st.st_size:
+                    raise fmt.DamagedChunk(f"file is {st.st_size} bytes, its header says {total}")
+            except fmt.DamagedChunk as e:
+                self._damaged(name, key, e.reason)
+                return None
+            return head + _read_exact(fd, comp_len, fmt.HEADER_BYTES)
+        except OSError as e:
+            log.warning("shmkv: cannot read %s: %s", self._d.join(name), e)
+            self._count("promote_errors", 1)
+            return None
+        finally:
+            os.close(fd)
+
+    def _damaged(self, name: str, key: bytes, reason: str) -> None:
+        log.warning("shmkv: damaged disk chunk %s (%s): removed", self._d.join(name), reason)
+        self._count("disk_damaged", 1)
+        self._unlink(name, key)
 
     def read(self, key: bytes) -> bytes | None:
         """The checked raw payload, or None (missing or damaged: then removed)."""
@@ -71,22 +162,13 @@ class DiskTier:
 
     def read_with_namespace(self, key: bytes) -> tuple[bytes, bytes] | None:
         """(raw payload, namespace digest), or None (missing, or damaged and removed)."""
-        path = self.path(key)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            log.warning("shmkv: cannot read %s: %s", path, e)
-            self._count("promote_errors", 1)
+        data = self.read_file(key)
+        if data is None:
             return None
         try:
             got = fmt.decode(data, key, decompressor=self._dctx())
         except fmt.DamagedChunk as e:
-            log.warning("shmkv: damaged disk chunk %s (%s): removed", path, e.reason)
-            self._count("disk_damaged", 1)
-            self._unlink(path, key)
+            self._damaged(_name(key), key, e.reason)
             return None
         self._touch(key)
         return got
@@ -94,101 +176,105 @@ class DiskTier:
     # ------------------------------------------------ writes (maintainer) --
     def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview) -> bool:
         """Write one chunk (temp file + rename). False, counted, on any error."""
-        final = self.path(key)
-        tmp = os.path.join(self.dir, f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
+        final = _name(key)
+        tmp = f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             data = fmt.encode(key, namespace, raw, element_size=self.element_size, level=self.level,
                               compressor=self._cctx_get())
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = self._d.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
+            self._d.replace(tmp, final)
             with self._lock:
                 self._unsynced.add(final)
         except OSError as e:
-            log.warning("shmkv: spilling %s failed (%s); the chunk stays in memory only", key.hex(), e)
+            self.last_write_error = e
             self._count("spill_errors", 1)
             try:
-                os.unlink(tmp)
+                self._d.unlink(tmp)
             except OSError:
                 pass
             return False
+        self.last_write_error = None
         self._added(key, len(data))
         self._count("spills", 1)
         self._count("spill_bytes", len(raw))
         return True
 
     def remove(self, key: bytes) -> bool:
-        return self._unlink(self.path(key), key)
+        return self._unlink(_name(key), key)
 
     def clear(self, namespace: bytes | None = None) -> int:
         """Remove every chunk file (or those whose header names `namespace`,
         and any file whose header cannot be read). Returns how many."""
         removed = 0
         for name in self._chunk_names():
-            path = os.path.join(self.dir, name)
             key = bytes.fromhex(name[:32])
             if namespace is not None:
                 try:
-                    with open(path, "rb") as f:
-                        _es, ns, *_ = fmt.read_header(f.read(fmt.HEADER_BYTES))
+                    fd = self._d.open(name, os.O_RDONLY | os.O_NONBLOCK)
                 except FileNotFoundError:
                     continue
-                except (OSError, fmt.DamagedChunk):
-                    ns = None  # unreadable: not worth keeping either
+                except OSError:
+                    fd = -1  # unreadable: not worth keeping either
+                ns = None
+                if fd >= 0:
+                    try:
+                        _es, ns, *_ = fmt.read_header(_read_exact(fd, fmt.HEADER_BYTES, 0))
+                    except (OSError, fmt.DamagedChunk):
+                        pass
+                    finally:
+                        os.close(fd)
                 if ns is not None and ns != namespace:
                     continue
-            removed += self._unlink(path, key)
+            removed += self._unlink(name, key)
         return removed
 
     def sync(self) -> int:
         """Make the chunk files this process wrote since the last sync, and
         the directory, durable (fsync). Returns how many files."""
         with self._lock:
-            paths, self._unsynced = self._unsynced, set()
-        for path in paths:
+            names, self._unsynced = self._unsynced, set()
+        for name in names:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = self._d.open(name, os.O_RDONLY | os.O_NONBLOCK)
             except OSError:
                 continue
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return len(paths)
+        self._d.fsync()
+        return len(names)
 
     def _chunk_names(self) -> list[str]:
-        with os.scandir(self.dir) as it:
-            return [d.name for d in it if d.name.endswith(SUFFIX) and len(d.name) == 32 + len(SUFFIX)]
+        return [d.name for d in self._d.scandir() if d.name.endswith(SUFFIX) and len(d.name) == 32 + len(SUFFIX)]
 
     def rebuild_index(self) -> tuple[int, int]:
         """Scan the directory (stat only), drop temporary files, enforce the
         cap. Returns (files, bytes)."""
         entries: list[tuple[float, bytes, int]] = []
-        with os.scandir(self.dir) as it:
-            for d in it:
-                name = d.name
-                if name.endswith(".tmp"):
-                    if not _writer_alive(name):
-                        self._unlink_quiet(d.path)  # left by a writer that was killed
-                    continue
-                if not name.endswith(SUFFIX) or len(name) != 32 + len(SUFFIX):
-                    continue
-                try:
-                    key = bytes.fromhex(name[:32])
-                    st = d.stat()
-                except (ValueError, OSError):
-                    continue
-                entries.append((st.st_mtime, key, st.st_size))
+        for d in self._d.scandir():
+            name = d.name
+            if name.endswith(".tmp"):
+                if not _writer_alive(name):
+                    self._unlink_quiet(name)  # left by a writer that was killed
+                continue
+            if not name.endswith(SUFFIX) or len(name) != 32 + len(SUFFIX):
+                continue
+            try:
+                key = bytes.fromhex(name[:32])
+                st = self._d.lstat(name)
+            except (ValueError, OSError):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                self._not_a_file(name, key, st.st_mode)
+                continue
+            entries.append((st.st_mtime, key, st.st_size))
         entries.sort()
         with self._lock:
             self._index = OrderedDict((k, size) for _, k, size in entries)
@@ -204,7 +290,7 @@ class DiskTier:
                 if self._index is None or self._bytes <= self.capacity or not self._index:
                     return removed
                 key, _ = next(iter(self._index.items()))
-            if self._unlink(self.path(key), key):
+            if self._unlink(_name(key), key):
                 self._count("disk_removed", 1)
                 removed += 1
 
@@ -231,17 +317,16 @@ class DiskTier:
             if self._index is not None and key in self._index:
                 self._index.move_to_end(key)
 
-    def _unlink(self, path: str, key: bytes) -> bool:
-        ok = self._unlink_quiet(path)
+    def _unlink(self, name: str, key: bytes) -> bool:
+        ok = self._unlink_quiet(name)
         with self._lock:
             if self._index is not None and key in self._index:
                 self._bytes -= self._index.pop(key)
         return ok
 
-    @staticmethod
-    def _unlink_quiet(path: str) -> bool:
+    def _unlink_quiet(self, name: str) -> bool:
         try:
-            os.unlink(path)
+            self._d.unlink(name)
             return True
         except OSError:
             return False
@@ -278,11 +363,5 @@ def _writer_alive(tmp_name: str) -> bool:
     return True
 
 
-def _make_private_dir(path: str) -> None:
-    """Create (0700) or check a directory only we can use."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.geteuid():
-        raise PermissionError(f"disk tier directory {path} is owned by uid {st.st_uid}, not {os.geteuid()}")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
+def _name(key: bytes) -> str:
+    return key.hex() + SUFFIX

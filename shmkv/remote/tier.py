@@ -276,13 +276,9 @@ class RemoteTier:
         """The chunk's encoded bytes: its disk file if it is one, else encoded
         from the shared tier; None if neither holds it any more."""
         if self.disk is not None:
-            try:
-                with open(self.disk.path(key), "rb") as f:
-                    data = f.read()
-                fmt.read_header(data[:fmt.HEADER_BYTES])  # a sound file; decode() checks the rest on read
+            data = self.disk.read_file(key)  # a sound header; decode() checks the rest on read
+            if data is not None:
                 return data
-            except (OSError, fmt.DamagedChunk):
-                pass
         if self.store is None:
             return None
         leases = self.store.acquire_prefix([key], count_lookup=False)
