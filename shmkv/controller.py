@@ -35,7 +35,7 @@ from typing import Any
 
 from shmkv.config import ShmkvConfig
 from shmkv.disk.tier import DiskTier
-from shmkv.errors import ConfigError, RequestError
+from shmkv.errors import ConfigError, LockTimeoutError, RequestError
 from shmkv.integration.vllm.planner import Planner, Unit
 from shmkv.maintainer import Maintainer, MaintainerRole, promote
 from shmkv.namespaces import known, namespace_from_dict
@@ -94,6 +94,8 @@ class Controller:
             status, ctype, out = self._dispatch(method, path.split("?", 1)[0].rstrip("/") or "/", body)
         except RequestError as e:
             status, ctype, out = e.status, JSON, _json({"error": str(e)})
+        except LockTimeoutError as e:
+            status, ctype, out = 503, JSON, _json({"error": str(e)})
         except Exception as e:  # a bug or an I/O failure: the daemon stays up
             log.exception("shmkv: controller request %s %s failed", method, path)
             status, ctype, out = 500, JSON, _json({"error": f"internal error: {type(e).__name__}: {e}"})
@@ -119,6 +121,8 @@ class Controller:
         if len(body) > MAX_BODY_BYTES:
             raise RequestError(f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}", 413)
         args = _parse_body(body) if want == "POST" else {}
+        if want == "POST":
+            self._check_lock()
         result = fn(args)
         status = 200
         if isinstance(result, tuple):  # (status, body): an answer that is not a success
@@ -237,6 +241,14 @@ class Controller:
         out["uptime_seconds"] = round(time.time() - self.started, 3)
         return out
 
+    def _check_lock(self) -> None:
+        """503 naming the holder when the table lock is stuck (a stopped
+        process): the operation would only answer "miss" or time out."""
+        pid, held = self.store.lock_holder()
+        if pid and held > self.cfg.lock_timeout:
+            raise RequestError(f"the segment's table lock is held by pid {pid} for {held:.1f} s (bound "
+                               f"{self.cfg.lock_timeout} s); is that process stopped? Try again later", 503)
+
     def _need_disk(self, what: str) -> None:
         if self.disk is None:
             raise RequestError(f"{what} needs the disk tier; start the daemon with --disk-dir DIR", 409)
@@ -317,6 +329,8 @@ def _parse_body(body: bytes) -> dict[str, Any]:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(f"request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise RequestError("request body is JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise RequestError(f"request body must be a JSON object, got {type(obj).__name__}")
     return obj

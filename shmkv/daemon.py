@@ -23,7 +23,10 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import logging
+import resource
 import os
 import signal
 import socket
@@ -40,7 +43,7 @@ from shmkv.controller import MAX_BODY_BYTES, Controller
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import ShmkvError
 from shmkv.maintainer import MaintainerRole
-from shmkv.paths import daemon_lock, runtime_dir
+from shmkv.paths import check_trusted_dir, daemon_lock, runtime_dir
 from shmkv.remote.tier import open_remote
 from shmkv.store import open_store
 
@@ -51,25 +54,94 @@ READY = "shmkv daemon ready"
 
 
 # ------------------------------------------------------------------ HTTP --
+# Transport limits. A connection is idle while it waits for (the rest of) a
+# request line or headers; it is closed after IO_TIMEOUT_S without a byte, and
+# when MAX_CONNECTIONS are open the oldest idle one is closed to admit a new
+# one (a busy server answers 503 only when none is idle).
+IO_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 256
+BACKLOG = 128
+_MAX_CHUNK_LINE = 1024
+
+
+class _BadBody(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "shmkv"
     protocol_version = "HTTP/1.1"
+    timeout = IO_TIMEOUT_S  # socket timeout for every read and write of the connection
     controller: Controller  # set on the subclass made by _serve
 
     def _serve(self) -> None:
+        self.server.mark(self.request, idle=False)  # type: ignore[attr-defined]
         try:
-            n = int(self.headers.get("Content-Length", "0"))  # no header: no body
-        except ValueError:
-            n = -1
-        if n < 0 or n > MAX_BODY_BYTES:
-            status = 413 if n > MAX_BODY_BYTES else 400
-            self.controller.count(status)
-            self._reply(status, "application/json",
-                        b'{"error": "Content-Length malformed or over the limit"}\n', close=True)
+            body = self._read_body()
+        except _BadBody as e:
+            self.controller.count(e.status)
+            self._reply(e.status, "application/json", (json.dumps({"error": str(e)}) + "\n").encode(), close=True)
             return
-        body = self.rfile.read(n)
         status, ctype, out = self.controller.handle(self.command, self.path, body)
         self._reply(status, ctype, out)
+        self.server.mark(self.request, idle=True)  # type: ignore[attr-defined]
+
+    def _read_body(self) -> bytes:
+        """The body exactly as the headers declare it; _BadBody otherwise (the
+        connection is then closed: its framing cannot be trusted)."""
+        te = self.headers.get_all("Transfer-Encoding") or []
+        cl = self.headers.get_all("Content-Length") or []
+        if te and cl:
+            raise _BadBody(400, "both Transfer-Encoding and Content-Length given")
+        if te:
+            if [t.strip().lower() for t in ",".join(te).split(",")] != ["chunked"]:
+                raise _BadBody(501, f"Transfer-Encoding {', '.join(te)!r} is not supported (only chunked)")
+            return self._read_chunked()
+        if len(cl) > 1:
+            raise _BadBody(400, "more than one Content-Length")
+        try:
+            n = int(cl[0]) if cl else 0  # no header: no body
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise _BadBody(400, f"Content-Length {cl[0]!r} is not a byte count")
+        if n > MAX_BODY_BYTES:
+            raise _BadBody(413, f"a body of {n} bytes is over the limit of {MAX_BODY_BYTES}")
+        body = self.rfile.read(n)
+        if len(body) != n:
+            raise _BadBody(400, f"the body ended after {len(body)} of the {n} bytes declared")
+        return body
+
+    def _read_chunked(self) -> bytes:
+        out = bytearray()
+        while True:
+            line = self.rfile.readline(_MAX_CHUNK_LINE + 1)
+            if not line.endswith(b"\n") or len(line) > _MAX_CHUNK_LINE:
+                raise _BadBody(400, "malformed or truncated chunk size line")
+            size_s = line.split(b";", 1)[0].strip()
+            try:
+                size = int(size_s, 16)
+            except ValueError:
+                raise _BadBody(400, f"chunk size {size_s[:20]!r} is not hexadecimal") from None
+            if size < 0:
+                raise _BadBody(400, "negative chunk size")
+            if size == 0:
+                break
+            if len(out) + size > MAX_BODY_BYTES:
+                raise _BadBody(413, f"a chunked body over the limit of {MAX_BODY_BYTES} bytes")
+            data = self.rfile.read(size)
+            if len(data) != size or self.rfile.read(2) != b"\r\n":
+                raise _BadBody(400, "truncated or malformed chunk")
+            out += data
+        for _ in range(64):  # trailer fields, up to the empty line
+            line = self.rfile.readline(_MAX_CHUNK_LINE + 1)
+            if line in (b"\r\n", b"\n"):
+                return bytes(out)
+            if not line.endswith(b"\n"):
+                raise _BadBody(400, "truncated chunked trailer")
+        raise _BadBody(400, "too many trailer fields")
 
     def _reply(self, status: int, ctype: str, out: bytes, close: bool = False) -> None:
         self.send_response(status)
@@ -90,8 +162,78 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("controller %s: " + format, self.address_string(), *args)
 
 
-class _UnixHTTPServer(socketserver.ThreadingUnixStreamServer):
+class _ConnectionLimits:
+    """Connection bookkeeping shared by the TCP and unix servers: a cap, idle
+    eviction, and no busy loop when the process runs out of descriptors."""
+
     daemon_threads = True
+    request_queue_size = BACKLOG
+    max_connections = MAX_CONNECTIONS
+
+    def _conns(self) -> dict:
+        if not hasattr(self, "_conn_state"):
+            self._conn_state: dict = {}  # socket -> monotonic time it became idle, or None (busy)
+            self._conn_lock = threading.Lock()
+            self.refused_busy = 0
+            self.evicted_idle = 0
+        return self._conn_state
+
+    def mark(self, sock, *, idle: bool) -> None:
+        conns = self._conns()
+        with self._conn_lock:
+            if sock in conns:
+                conns[sock] = time.monotonic() if idle else None
+
+    def _evict_idle(self) -> bool:
+        conns = self._conns()
+        with self._conn_lock:
+            idle = [(t, s) for s, t in conns.items() if t is not None]
+            if not idle:
+                return False
+            _t, victim = min(idle, key=lambda x: x[0])
+            conns[victim] = None  # never picked twice
+        try:
+            victim.shutdown(socket.SHUT_RDWR)  # its handler's read returns: it closes and leaves
+        except OSError:
+            pass
+        self.evicted_idle += 1
+        return True
+
+    def verify_request(self, request, client_address) -> bool:
+        conns = self._conns()
+        with self._conn_lock:
+            full = len(conns) >= self.max_connections
+        if full and not self._evict_idle():
+            self.refused_busy += 1
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: 46\r\nConnection: close\r\n\r\n"
+                                b'{"error": "too many connections, try again"}\n')
+            except OSError:
+                pass
+            return False
+        with self._conn_lock:
+            conns[request] = time.monotonic()
+        return True
+
+    def shutdown_request(self, request) -> None:
+        with self._conn_lock:
+            self._conns().pop(request, None)
+        super().shutdown_request(request)  # type: ignore[misc]
+
+    def get_request(self):
+        try:
+            return super().get_request()  # type: ignore[misc]
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                # Out of descriptors: free one (the selector would report the
+                # pending connection again at once, a busy loop otherwise).
+                if not self._evict_idle():
+                    threading.Event().wait(0.05)
+            raise
+
+
+class _UnixHTTPServer(_ConnectionLimits, socketserver.ThreadingUnixStreamServer):
     allow_reuse_address = False
 
     def server_bind(self) -> None:
@@ -103,8 +245,23 @@ class _UnixHTTPServer(socketserver.ThreadingUnixStreamServer):
         os.chmod(self.server_address, 0o600)
 
 
-class _TCPHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
+class _TCPHTTPServer(_ConnectionLimits, ThreadingHTTPServer):
+    pass
+
+
+def _connection_cap() -> int:
+    """MAX_CONNECTIONS, or fewer when the descriptor limit (raised to its hard
+    limit first) leaves less room: the cap, not EMFILE, must be what bites."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(4, min(MAX_CONNECTIONS, soft - 64))
 
 
 def make_server(listen: str, controller: Controller) -> tuple[socketserver.BaseServer, str]:
@@ -112,6 +269,7 @@ def make_server(listen: str, controller: Controller) -> tuple[socketserver.BaseS
     kind, where, port = parse_listen(listen)
     handler = type("Handler", (_Handler,), {"controller": controller})
     if kind == "unix":
+        check_trusted_dir(os.path.dirname(where) or ".")  # nobody else can swap the socket's directory
         if os.path.exists(where):
             st = os.lstat(where)
             if not (st.st_mode & 0o170000 == 0o140000 and st.st_uid == os.geteuid()):
@@ -120,10 +278,12 @@ def make_server(listen: str, controller: Controller) -> tuple[socketserver.BaseS
         parent = os.path.dirname(where) or "."
         if not os.path.isdir(parent):
             raise OSError(f"directory {parent} of the controller socket does not exist")
-        server: socketserver.BaseServer = _UnixHTTPServer(where, handler)
+        ucls = type("UnixServer", (_UnixHTTPServer,), {"max_connections": _connection_cap()})
+        server: socketserver.BaseServer = ucls(where, handler)
         return server, f"unix:{where}"
     family = socket.AF_INET6 if ":" in where else socket.AF_INET
-    cls = type("Server", (_TCPHTTPServer,), {"address_family": family})
+    cls = type("Server", (_TCPHTTPServer,), {"address_family": family,
+                                             "max_connections": _connection_cap()})
     server = cls((where, port), handler)
     host, bound_port = server.server_address[:2]
     return server, f"http://{'[' + host + ']' if family == socket.AF_INET6 else host}:{bound_port}"

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from shmkv.errors import SegmentError, SegmentNotFoundError
+from shmkv.errors import SegmentNotFoundError, ShmkvError
 from shmkv.store import Store, default_cache_name
 
 # (metric, help, kind) for the Prometheus view; kind "counter" gets _total
@@ -38,6 +38,12 @@ _SHM_METRICS = [
     ("writes_aborted", "Writes aborted by their writer", "counter"),
     ("lock_recoveries", "Table rebuilds after a process died holding the lock", "counter"),
     ("segment_resets", "Segments emptied because they could not be rebuilt", "counter"),
+    ("lock_timeouts", "Waits for the table lock that hit the bound (answered miss/busy)", "counter"),
+    ("deferred_ops", "Commits/releases queued behind a table lock held too long", "counter"),
+    ("metadata_repairs", "Damaged derived metadata found and rebuilt", "counter"),
+    ("segment_truncated", "Times the segment file was found truncated (and restored)", "counter"),
+    ("lock_holder_pid", "Process holding the table lock now (0: none)", "gauge"),
+    ("lock_held_ms", "How long the current holder has held the table lock", "gauge"),
     ("bytes_used", "Payload bytes in use", "gauge"),
     ("arena_bytes", "Payload byte cap", "gauge"),
     ("capacity_bytes", "Size of the shared segment", "gauge"),
@@ -102,9 +108,9 @@ def snapshot(store: Store, disk_dir: str | None = None, *, count_self: bool = Tr
         if os.path.isdir(path):
             with os.scandir(path) as it:
                 for d in it:
-                    if d.name.endswith(".kv"):
+                    if d.name.endswith(".kv") and d.is_file(follow_symlinks=False):
                         files += 1
-                        size += d.stat().st_size
+                        size += d.stat(follow_symlinks=False).st_size
         disk.update({"dir": path, "files": files, "bytes_on_disk": size})
     return {"cache": store.name, "time": time.time(), "shm": shm, "disk": disk, "remote": remote}
 
@@ -133,6 +139,10 @@ def render_table(snap: dict[str, Any]) -> str:
         f"  processes         {s['processes_attached']} attached",
         f"  reclaims          {s['leases_reclaimed']} leases, {s['writes_reclaimed']} writes; "
         f"lock recoveries {s['lock_recoveries']}, resets {s['segment_resets']}",
+        f"  table lock        " + (f"HELD by pid {s['lock_holder_pid']} for {s['lock_held_ms']} ms"
+                                   if s["lock_holder_pid"] else "free")
+        + f"; {s['lock_timeouts']} timed-out waits, {s['deferred_ops']} deferred ops, "
+        f"{s['metadata_repairs']} metadata repairs, {s['segment_truncated']} truncations",
         "",
         "disk tier",
         f"  spills            {d['spills']} ({_fmt_bytes(d['spill_bytes'])}), errors {d['spill_errors']}",
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                       "Start one with scripts/start_shm_daemon.sh, or start vLLM with the shmkv connector "
                       "(the first process creates it); pick another name with --cache NAME.", file=sys.stderr)
                 return 1
-            except SegmentError as e:
+            except (ShmkvError, OSError) as e:
                 print(f"shmkv: cannot read cache '{args.cache}': {e}", file=sys.stderr)
                 return 1
             if args.json:

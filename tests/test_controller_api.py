@@ -255,7 +255,7 @@ def test_bad_requests_change_nothing(served, method, path, body, status, words):
 
 def test_oversized_or_unframed_bodies_are_refused(served):
     st, reply = http(served.url, "POST", "/lookup", raw=b"{}", headers={"Content-Length": str(1 << 30)})
-    assert st == 413 and "Content-Length" in reply["error"]
+    assert st == 413 and "over the limit" in reply["error"]
     st, reply = http(served.url, "POST", "/lookup", raw=b"{}", headers={"Content-Length": "lots"})
     assert st == 400
     st, reply = http(served.url, "POST", "/lookup", {"tokens": [1] * ((1 << 20) + 1), "namespace": "00" * 16})

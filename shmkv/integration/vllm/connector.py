@@ -196,12 +196,13 @@ class ShmKVConnector(KVConnectorBase_V1):
         if self.disk is not None or self.remote is not None:
             # NOTE: promotion reads and decompresses off the scheduler's thread
             self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
-        self._role = None
+        # NOTE: not `_role`: KVConnectorBase_V1 keeps vLLM's KVConnectorRole there.
+        self._maintainer_role = None
         if self.cfg.maintainer:
             from shmkv.maintainer import MaintainerRole
 
-            self._role = MaintainerRole(self.cfg, self.store, self.disk, remote=self.remote)
-            self._role.start()
+            self._maintainer_role = MaintainerRole(self.cfg, self.store, self.disk, remote=self.remote)
+            self._maintainer_role.start()
         if self.cfg.load_failure_policy == "recompute" and ktc.kv_load_failure_policy != "recompute":
             # A chunk evicted between lookup and load must mean "recompute it",
             # never a failed request. vLLM reads this after building us.
@@ -434,8 +435,8 @@ class ShmKVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if getattr(self, "_worker", None) is not None:
             self._worker.shutdown()
-        if getattr(self, "_role", None) is not None:
-            self._role.stop()
+        if getattr(self, "_maintainer_role", None) is not None:
+            self._maintainer_role.stop()
         if getattr(self, "_promoter", None) is not None:
             self._promoter.shutdown(wait=True)
         if getattr(self, "remote", None) is not None:
