@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstring>
 
 #include "chunk_table.h"
@@ -309,6 +310,23 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<SegmentBroken>(m, "SegmentBrokenError", broken_base);
   py::register_exception<LockTimeout>(m, "LockTimeoutError", timeout_base);
   m.attr("FLAG_SPILLED") = kFlagSpilled;
+  {
+    // Byte offsets of header fields, for tests that damage a segment on purpose.
+    py::dict off;
+    off["lock"] = offsetof(Header, lock);
+    off["lock_holder_pid"] = offsetof(Header, lock_holder_pid);
+    off["lru_head"] = offsetof(Header, lru_head);
+    off["lru_tail"] = offsetof(Header, lru_tail);
+    off["free_entry_head"] = offsetof(Header, free_entry_head);
+    off["free_lease_head"] = offsetof(Header, free_lease_head);
+    off["num_extents"] = offsetof(Header, num_extents);
+    off["evictable_bytes"] = offsetof(Header, evictable_bytes);
+    off["geo_max_entries"] = offsetof(Header, geo) + offsetof(Geometry, max_entries);
+    off["header_bytes"] = sizeof(Header);
+    off["entry_bytes"] = sizeof(Entry);
+    off["entry_offset"] = offsetof(Entry, offset);
+    m.attr("LAYOUT_OFFSETS") = off;
+  }
 
   py::dict codes;
   for (int i : {0, 1, 2, 3, 4, 5, 6, 16, 17, 18, 19, 20, 21, 22, 23, 24})
@@ -475,6 +493,15 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(who.pid, double(who.held_ns) / 1e9);
       }, "(pid, seconds) of the process holding the table lock now; pid 0: nobody")
       .def("file_bytes", [](PyTable& t) { return t.t->file_bytes(); })
+      .def("probe_lock", [](PyTable& t) {
+        bool ok;
+        {
+          py::gil_scoped_release nogil;
+          ok = t.t->probe_lock();
+        }
+        flush_events(*t.t);
+        return ok;
+      }, "Whether the table lock can be had within the bound (taken and given back).")
       .def("restore_size", [](PyTable& t) -> py::tuple {
         std::string err;
         Status s;
@@ -490,6 +517,9 @@ PYBIND11_MODULE(_C, m) {
         return reinterpret_cast<uintptr_t>(t.t->segment()->arena());
       })
       .def_property_readonly("arena_bytes", [](const PyTable& t) { return t.t->segment()->geo().arena_bytes; })
+      .def_property_readonly("capacity_bytes", [](const PyTable& t) {
+        return t.t->segment()->geo().capacity_bytes;  // this process's copy: no page of the segment is read
+      })
       .def("debug_die_holding_lock", [](PyTable& t, int fd, bool scramble) {
         py::gil_scoped_release nogil;
         t.t->debug_die_holding_lock(fd, scramble);

@@ -303,6 +303,11 @@ ChunkTable::~ChunkTable() {
   }
 }
 
+bool ChunkTable::probe_lock() {
+  TableLock lock(*this);
+  return lock.ok();
+}
+
 LockHolder ChunkTable::lock_holder() const {
   LockHolder out;
   out.pid = h()->lock_holder_pid.load(std::memory_order_acquire);
@@ -834,10 +839,10 @@ Status ChunkTable::do_finish_locked(const Reservation& r, bool commit) {
     return Status::kOk;
   }
   en.last_use = ++h()->use_clock;
+  do_lru_link_head_locked(r.entry);  // derived first: if it finds damage, nothing is committed yet
   en.state.store(kEntryReady, std::memory_order_release);  // commit point
   c().ready_entries.fetch_add(1, std::memory_order_relaxed);
   c().puts.fetch_add(1, std::memory_order_relaxed);
-  do_lru_link_head_locked(r.entry);
   return Status::kOk;
 }
 

@@ -161,6 +161,9 @@ class ChunkTable {
   std::map<std::string, uint64_t> stats();
   std::vector<std::string> drain_events();
   LockHolder lock_holder() const;
+  // Take and give back the table lock, waiting at most the bound: whether it
+  // could be had (the controller's check before it changes anything).
+  bool probe_lock();
   uint64_t lock_timeout_ns() const { return lock_timeout_ns_; }
   // Segment file size against its capacity; restore_size() grows a truncated
   // file back and resets the table (what was past the cut is gone).

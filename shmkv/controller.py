@@ -244,10 +244,12 @@ class Controller:
     def _check_lock(self) -> None:
         """503 naming the holder when the table lock is stuck (a stopped
         process): the operation would only answer "miss" or time out."""
+        if self.store.lock_available():
+            return
         pid, held = self.store.lock_holder()
-        if pid and held > self.cfg.lock_timeout:
-            raise RequestError(f"the segment's table lock is held by pid {pid} for {held:.1f} s (bound "
-                               f"{self.cfg.lock_timeout} s); is that process stopped? Try again later", 503)
+        raise RequestError(f"the segment's table lock is held by pid {pid} for {held:.1f} s (over the bound "
+                           f"of {self.store.stats()['lock_timeout_ms']} ms); is that process stopped? "
+                           "Try again later", 503)
 
     def _need_disk(self, what: str) -> None:
         if self.disk is None:

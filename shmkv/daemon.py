@@ -412,7 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         return _background(argv, cfg, args.log_file)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    daemon = Daemon(cfg)
+    try:
+        daemon = Daemon(cfg)  # opens the runtime directory: a planted one is refused here
+    except (ShmkvError, OSError) as e:
+        print(f"shmkv daemon: cannot start for cache '{cfg.cache_name}': {e}", file=sys.stderr)
+        return EXIT_CANNOT_SERVE
     if not daemon.lock.try_acquire():
         pid = daemon.lock.holder_pid()
         print(f"shmkv daemon: another daemon (pid {pid}) already serves cache '{cfg.cache_name}' "

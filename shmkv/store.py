@@ -466,16 +466,21 @@ class Store:
         pid, held = self.table.lock_holder()
         return int(pid), float(held)
 
+    def lock_available(self) -> bool:
+        """Whether the table lock can be had within the bound (it is taken
+        and given back at once)."""
+        return bool(self.table.probe_lock())
+
     def check_size(self) -> bool:
         """Whether the segment file still has its full size. If somebody
         truncated it, grow it back, reset the table (what was past the cut is
         lost; counted as segment_truncated) and return False. Touching pages
         past the end of a truncated file raises SIGBUS, so the maintainer calls
         this before each pass."""
-        have = self.table.file_bytes()
-        cap = self.stats()["capacity_bytes"] if have >= 4096 else None
-        if cap is not None and have >= cap:
+        # NOTE: read nothing of the segment before the size is known good (SIGBUS past the end)
+        if self.table.file_bytes() >= self.table.capacity_bytes:
             return True
+        have = self.table.file_bytes()
         log.error("shmkv: segment '%s' file was truncated to %d bytes (a process of this user did it); "
                   "restoring its size and resetting the cache", self.name, have)
         code, msg = self.table.restore_size()

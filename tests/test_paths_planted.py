@@ -1,0 +1,83 @@
+"""Directories another user planted are refused, naming the path and its
+owner; nothing in them is changed (no chmod, no deletion). Runs the planting
+as `nobody` (needs root and setpriv)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from shmkv.disk.tier import DiskTier
+from shmkv.errors import PermissionDeniedError
+from shmkv.paths import PrivateDir, open_private_dir, runtime_dir
+
+SETPRIV = shutil.which("setpriv")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None,
+                                reason="switching to another user needs root and setpriv")
+
+
+def as_nobody(code: str, *args: str) -> None:
+    r = subprocess.run([SETPRIV, "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/bin/sh", "-c", code,
+                        "sh", *args], capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture
+def sticky_tmp():
+    """A root-owned sticky world-writable directory, like /tmp."""
+    d = tempfile.mkdtemp(prefix="shmkv-sticky-", dir="/tmp")
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_planted_parent_is_refused_and_left_alone(sticky_tmp):
+    parent, victim = os.path.join(sticky_tmp, "P"), os.path.join(sticky_tmp, "R")
+    os.mkdir(victim, 0o755)
+    open(os.path.join(victim, "precious.tmp"), "w").close()
+    # nobody owns P and plants P/<cache> -> R (root's directory)
+    as_nobody('mkdir -m 0777 "$1" && ln -s "$2" "$1/shmkv-x"', parent, victim)
+    with pytest.raises(PermissionDeniedError, match=f"{parent}: owned by uid 65534"):
+        DiskTier(os.path.join(parent, "shmkv-x"), capacity_bytes=1 << 20)
+    assert stat.S_IMODE(os.stat(victim).st_mode) == 0o755, "not chmod'ed"
+    assert os.path.exists(os.path.join(victim, "precious.tmp")), "nothing deleted"
+
+
+def test_symlinked_leaf_of_another_user_is_refused(sticky_tmp):
+    victim = os.path.join(sticky_tmp, "R")
+    os.mkdir(victim, 0o755)
+    leaf = os.path.join(sticky_tmp, "disk")
+    as_nobody('ln -s "$2" "$1"', leaf, victim)
+    with pytest.raises(PermissionDeniedError, match="symbolic link owned by uid 65534"):
+        open_private_dir(leaf)
+    assert stat.S_IMODE(os.stat(victim).st_mode) == 0o755
+
+
+def test_our_own_links_are_followed(sticky_tmp):
+    real = os.path.join(sticky_tmp, "real")
+    os.mkdir(real, 0o700)
+    os.symlink(real, os.path.join(sticky_tmp, "link"))
+    d = open_private_dir(os.path.join(sticky_tmp, "link", "disk"))
+    assert isinstance(d, PrivateDir) and d.path == os.path.join(real, "disk")
+    assert stat.S_IMODE(os.stat(d.path).st_mode) == 0o700
+    d.close()
+
+
+def test_a_planted_runtime_directory_is_refused_with_the_fix(sticky_tmp, monkeypatch):
+    planted = os.path.join(sticky_tmp, "shmkv-0")
+    as_nobody('mkdir -m 0777 "$1"', planted)
+    monkeypatch.setenv("SHMKV_RUNTIME_DIR", planted)
+    with pytest.raises(PermissionDeniedError, match="owned by uid 65534") as e:
+        runtime_dir()
+    assert "SHMKV_RUNTIME_DIR" in str(e.value), "the message names the fix"
+    # the daemon says the same in one line (no traceback) and exits non-zero
+    env = dict(os.environ, SHMKV_RUNTIME_DIR=planted)
+    r = subprocess.run([sys.executable, "-m", "shmkv.daemon", "--cache", "shmkv-planted-test", "--capacity",
+                        "8MiB", "--listen", "127.0.0.1:0"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "65534" in r.stderr, r.stderr
