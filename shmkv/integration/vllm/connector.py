@@ -131,6 +131,7 @@ class ShmKVConnector(KVConnectorBase_V1):
         self.stores_enabled = ktc.is_kv_producer
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._kv_role_name = role.name.lower()
         self.store = open_store(self.cfg)
         self._base_ns = [namespace_for(vllm_config, self.cfg, r) for r in range(self.tp_size)]
         self._planners: dict[str | None, Planner] = {}
@@ -442,4 +443,5 @@ class ShmKVConnector(KVConnectorBase_V1):
         if getattr(self, "remote", None) is not None:
             self.remote.flush(timeout_s=10)
             self.remote.close()
+        log.info("shmkv: %s connector shut down", self._kv_role_name)
 
