@@ -221,8 +221,9 @@ class Controller:
             synced = self.disk.sync()
             # spilled chunks are queued for the remote tier too: wait for its writer
             remote = self.remote.flush(timeout_s=60) if self.remote is not None else None
+        remote_note = "" if remote is None else f", remote writes {'done' if remote else 'still pending after 60 s'}"
         log.info("shmkv: controller flush: %d chunks spilled, %d not on disk, %d files synced%s", spilled, left,
-                 synced, "" if remote is None else f", remote writes {'done' if remote else 'still pending after 60 s'}")
+                 synced, remote_note)
         out: dict[str, Any] = {"spilled_chunks": spilled, "synced_files": synced}
         if remote is not None:
             out["remote_flushed"] = remote

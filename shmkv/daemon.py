@@ -26,8 +26,8 @@ import argparse
 import errno
 import json
 import logging
-import resource
 import os
+import resource
 import signal
 import socket
 import socketserver

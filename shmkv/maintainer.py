@@ -36,8 +36,8 @@ import time
 from collections.abc import Sequence
 
 from shmkv.disk.tier import DiskTier
-from shmkv.paths import daemon_lock, maintainer_lock
 from shmkv.errors import LockTimeoutError
+from shmkv.paths import daemon_lock, maintainer_lock
 from shmkv.store import FLAG_SPILLED, PutResult, Store
 
 log = logging.getLogger("shmkv.maintainer")

@@ -139,7 +139,7 @@ def render_table(snap: dict[str, Any]) -> str:
         f"  processes         {s['processes_attached']} attached",
         f"  reclaims          {s['leases_reclaimed']} leases, {s['writes_reclaimed']} writes; "
         f"lock recoveries {s['lock_recoveries']}, resets {s['segment_resets']}",
-        f"  table lock        " + (f"HELD by pid {s['lock_holder_pid']} for {s['lock_held_ms']} ms"
+        "  table lock        " + (f"HELD by pid {s['lock_holder_pid']} for {s['lock_held_ms']} ms"
                                    if s["lock_holder_pid"] else "free")
         + f"; {s['lock_timeouts']} timed-out waits, {s['deferred_ops']} deferred ops, "
         f"{s['metadata_repairs']} metadata repairs, {s['segment_truncated']} truncations",

@@ -55,7 +55,8 @@ def raw_request(addr, data: bytes, *, half_close: bool = False, timeout: float =
                 break
             buf += got
         head, _, body = buf.partition(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
         while len(body) < length:
             body += s.recv(65536)
     return int(head.split()[1]), json.loads(body)

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 from conftest import REPO, key, payload_for
 
-from shmkv import PutResult, Store, _C
+from shmkv import _C, PutResult, Store
 from shmkv.errors import SegmentCorruptError
 from shmkv.maintainer import Maintainer
 

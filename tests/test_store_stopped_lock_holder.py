@@ -14,7 +14,7 @@ import signal
 import pytest
 from conftest import key, payload_for
 
-from shmkv import PutResult, Store, _C
+from shmkv import _C, PutResult, Store
 from shmkv.config import load_config
 from shmkv.controller import Controller
 from shmkv.errors import LockTimeoutError, SegmentCorruptError
