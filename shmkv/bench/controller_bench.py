@@ -1,0 +1,98 @@
+"""Controller latency under many clients, against a daemon process on loopback.
+
+  concurrent_*_ms   p50 / p99 / max latency of POST /lookup from --clients
+                    concurrent clients (a new connection per request)
+  idle_health_ms    p50 / p99 / max of GET /health while --idle connections
+                    are held open and silent
+  all_answered      every request got a 200
+
+The daemon is `python -m shmkv.daemon` with a private cache name, started and
+stopped by the benchmark (its segment is unlinked afterwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from shmkv import Store
+
+
+def _percentiles(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    return {"p50": round(pick(0.50) * 1e3, 3), "p99": round(pick(0.99) * 1e3, 3), "max": round(xs[-1] * 1e3, 3)}
+
+
+def _request(host: str, port: int, method: str, path: str, body: bytes | None) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, time.perf_counter() - t0
+    finally:
+        conn.close()
+
+
+def run(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m shmkv.bench controller")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=20, help="requests per client")
+    ap.add_argument("--idle", type=int, default=200, help="silent connections held open")
+    args = ap.parse_args(argv)
+
+    cache = f"shmkv-bench-ctl-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.daemon", "--cache", cache, "--capacity", "64MiB",
+                             "--listen", "127.0.0.1:0", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if "ready" not in line:
+            raise RuntimeError(f"daemon did not start: {line!r}")
+        host, port_s = line.rsplit(" ", 1)[-1].strip().removeprefix("http://").rsplit(":", 1)
+        port = int(port_s)
+        body = json.dumps({"tokens": list(range(4096)), "namespace": {
+            "model_id": "bench", "dtype": "bfloat16", "num_layers": 2, "num_kv_heads": 2, "head_size": 64,
+            "chunk_size": 256, "block_size": 128}}).encode()
+
+        def client(_i: int) -> list[tuple[int, float]]:
+            return [_request(host, port, "POST", "/lookup", body) for _ in range(args.requests)]
+
+        with ThreadPoolExecutor(args.clients) as ex:
+            results = [r for batch in ex.map(client, range(args.clients)) for r in batch]
+        idle = [socket.create_connection((host, port), timeout=30) for _ in range(args.idle)]
+        try:
+            health = [_request(host, port, "GET", "/health", None) for _ in range(50)]
+        finally:
+            for s in idle:
+                s.close()
+        return {
+            "clients": args.clients, "requests": len(results), "idle_connections": args.idle,
+            "concurrent_lookup_ms": _percentiles([t for _, t in results]),
+            "idle_health_ms": _percentiles([t for _, t in health]),
+            "all_answered": all(st == 200 for st, _ in results + health),
+            "cpus": os.cpu_count(),
+        }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        Store.unlink(cache)
+
+
+def report(r: dict) -> None:
+    c, h = r["concurrent_lookup_ms"], r["idle_health_ms"]
+    print(f"{r['requests']} lookups from {r['clients']} concurrent clients: p50 {c['p50']} ms, p99 {c['p99']} ms, "
+          f"max {c['max']} ms")
+    print(f"/health with {r['idle_connections']} idle connections open: p50 {h['p50']} ms, p99 {h['p99']} ms, "
+          f"max {h['max']} ms")
+    print(f"all answered: {r['all_answered']}")
