@@ -36,7 +36,7 @@ import time
 from collections.abc import Sequence
 
 from shmkv.disk.tier import DiskTier
-from shmkv.errors import LockTimeoutError
+from shmkv.errors import LockTimeoutError, SegmentCorruptError
 from shmkv.paths import daemon_lock, maintainer_lock
 from shmkv.store import FLAG_SPILLED, PutResult, Store
 
@@ -212,7 +212,7 @@ class MaintainerRole:
         self.standby_s = standby_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock_stuck = False
+        self._failing = ""  # the failure the last pass ended with, logged once
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="shmkv-maintainer", daemon=True)
@@ -247,13 +247,16 @@ class MaintainerRole:
                     continue
             try:
                 self.maintainer.run_once()
-                if self._lock_stuck:
-                    log.info("shmkv: the segment's table lock is free again; maintenance goes on")
-                    self._lock_stuck = False
-            except LockTimeoutError as e:
-                if not self._lock_stuck:
-                    log.warning("shmkv: maintenance paused: %s", e)
-                    self._lock_stuck = True
-            except Exception:
-                log.exception("shmkv: maintenance pass failed; retrying")
+                if self._failing:
+                    log.info("shmkv: maintenance works again (after %s)", self._failing)
+                    self._failing = ""
+            except Exception as e:
+                # One line per kind of failure, not one per pass (a pass runs every 50 ms).
+                kind = type(e).__name__  # not the message: it may hold a changing duration
+                if kind != self._failing:
+                    if isinstance(e, (LockTimeoutError, SegmentCorruptError)):
+                        log.warning("shmkv: maintenance paused: %s", e)
+                    else:
+                        log.exception("shmkv: maintenance pass failed; retrying")
+                    self._failing = kind
             self._stop.wait(self.interval_s)

@@ -47,6 +47,7 @@ def stopped_holder(cache_name, child):
     pid, held = store.lock_holder()
     assert pid not in (0, os.getpid(), c.proc.pid), "the forked grandchild holds it"
     os.kill(pid, signal.SIGSTOP)
+    store.holder_child = c  # reaps the holder: its exit means the holder is gone
     yield store, pid, lease, r
     try:
         os.kill(pid, signal.SIGKILL)
@@ -79,6 +80,7 @@ def test_commit_and_release_are_deferred_not_lost(stopped_holder):
     assert r.commit() is PutResult.OK
     assert store.stats()["deferred_ops"] == 2
     os.kill(pid, signal.SIGKILL)  # the holder dies (SIGKILL ends a stopped process too)
+    store.holder_child.proc.wait(timeout=30)  # returns once the holder is reaped (its robust lock released)
     assert store.get(key(1)) == payload_for(key(1), 4096), "the deferred commit happened"
     st = store.stats()
     assert st["leases_held"] == 0, "the deferred release happened"
@@ -112,3 +114,25 @@ def test_a_garbage_mutex_in_a_live_segment_is_an_error(cache_name):
         store.clear()
     with pytest.raises(SegmentCorruptError):
         store.lookup_prefix([key(0)])
+
+
+def test_the_maintainer_pauses_with_one_log_line(stopped_holder, caplog):
+    import logging
+    import time
+
+    from shmkv.maintainer import MaintainerRole
+
+    store, pid, _lease, _r = stopped_holder
+    caplog.set_level(logging.INFO, logger="shmkv")
+    cfg = load_config({"cache_name": store.name, "lock_timeout": BOUND}, env={})
+    role = MaintainerRole(cfg, store, None, interval_s=0.01, yield_to_daemon=False)
+    role.start()
+    try:
+        deadline = time.monotonic() + 30
+        while store.stats()["lock_timeouts"] < 20 and time.monotonic() < deadline:  # many passes against it
+            role._stop.wait(0.05)
+    finally:
+        role.stop()
+    paused = [r for r in caplog.records if "maintenance paused" in r.getMessage()]
+    assert len(paused) == 1 and f"pid {pid}" in paused[0].getMessage(), [r.getMessage() for r in caplog.records]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
