@@ -1,12 +1,33 @@
 """Chunk keys: prefix-chained 128-bit XXH3 hashes of token ids.
 
     k_0 = xxh3_128(namespace)                      the root key
-    k_i = xxh3_128(k_{i-1} || token ids of chunk i)
+    k_i = xxh3_128(p_i || token ids of chunk i)
+    p_i = k_{i-1}                                  a chunk of token ids alone
+    p_i = xxh3_128(k_{i-1} || TAG || extras_i)     a chunk with other inputs
 
 so a chunk's key names its whole token prefix and everything that makes its
 bytes (in)compatible. Token ids are hashed as little-endian uint32; the
 namespace is canonical JSON (sorted keys), so no two different namespaces
 encode to the same bytes and no token sequence can produce a namespace.
+
+What changes KV besides the token ids, and where it goes (the same inputs
+vLLM's own block hash uses, vllm/v1/core/kv_cache_utils.py):
+  * for the whole request (the namespace): the model and its geometry, dtype,
+    TP size and rank, layout, chunk size, format, the cache salt, and the
+    LoRA adapter (its name and a digest of its files: an adapter replaced
+    under the same name is another namespace);
+  * per chunk (`ExtraInputs.for_range`): the multimodal items overlapping the
+    chunk (their identifier, which vLLM derives from the item's content, and
+    their offset relative to the chunk's start) and a digest of the chunk's
+    prompt-embedding rows. A chunk with such inputs chains from p_i, a
+    16-byte mix of the previous key and the canonical JSON of its extras, so
+    every hash input keeps the fixed shape of 16 key bytes then the tokens:
+    no choice of token ids can stand in for an extra input, and a difference
+    in any chunk changes the keys of that chunk and of every one after it.
+Why not vLLM's own block hashes: they are per block (16 or 128 tokens, not
+our chunks), their algorithm and seed are engine settings (Python's hash()
+with a random PYTHONHASHSEED differs between processes), and they do not name
+the model.
 
 A prompt's tail that does not fill a whole chunk can still be cached as a
 *piece*: a block-aligned prefix of the next chunk, keyed the same way over its
@@ -33,6 +54,59 @@ from shmkv.errors import ConfigError
 
 PAYLOAD_FORMAT_VERSION = 1
 KEY_BYTES = 16
+EXTRA_TAG = b"\x00shmkv-extra-inputs-v1\x00"
+
+
+def mix_extras(prev: bytes, extras: bytes) -> bytes:
+    """The 16 bytes a chunk with extra inputs chains from (prev itself when it has none)."""
+    return prev if not extras else xxhash.xxh3_128_digest(prev + EXTRA_TAG + extras)
+
+
+@dataclass(frozen=True)
+class MultiModalItem:
+    """One multimodal input of a prompt: its placeholder tokens are
+    [offset, offset + length); `identifier` names its content (vLLM's
+    mm_hash / identifier)."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, eq=False)
+class ExtraInputs:
+    """Inputs of one request, besides its token ids, that change the KV of
+    the tokens they cover: multimodal items and prompt embeddings."""
+
+    mm: tuple[MultiModalItem, ...] = ()
+    embeds: np.ndarray | None = None  # [num_prompt_tokens, ...] prompt embeddings, any dtype (raw bytes hashed)
+    token_mask: np.ndarray | None = None  # [num_prompt_tokens] bool: position given as a token id (mixed prompts)
+
+    def __post_init__(self) -> None:
+        if self.embeds is not None:
+            object.__setattr__(self, "_embeds_digests", {})
+
+    def for_range(self, start: int, end: int) -> bytes:
+        """Canonical bytes of what covers tokens [start, end) (b"" if nothing)."""
+        items: list[list] = []
+        for f in self.mm:
+            if f.length > 0 and f.offset < end and f.offset + f.length > start:
+                items.append(["mm", str(f.identifier), int(f.offset) - start])
+        if self.embeds is not None:
+            cache = self._embeds_digests  # type: ignore[attr-defined]
+            d = cache.get((start, end))
+            if d is None:
+                rows = np.ascontiguousarray(self.embeds[start:end])
+                h = xxhash.xxh3_128(rows.view(np.uint8).tobytes())
+                if self.token_mask is not None:
+                    h.update(b"\x00mask\x00" + np.asarray(self.token_mask[start:end], dtype=np.uint8).tobytes())
+                d = cache[(start, end)] = [str(rows.dtype), list(rows.shape), h.hexdigest()]
+            items.append(["embeds", *d])
+        return json.dumps(items, separators=(",", ":")).encode() if items else b""
+
+    @property
+    def empty(self) -> bool:
+        return not self.mm and self.embeds is None
 
 
 @dataclass(frozen=True)
@@ -100,7 +174,8 @@ def chain_key(prev: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
 
 
 def chunk_keys(
-    root: bytes | Namespace, tokens: Sequence[int] | np.ndarray, chunk_size: int | None = None
+    root: bytes | Namespace, tokens: Sequence[int] | np.ndarray, chunk_size: int | None = None,
+    extras: ExtraInputs | None = None,
 ) -> list[tuple[int, int, bytes]]:
     """(start, end, key) of every FULL chunk of `tokens`, in prefix order."""
     if isinstance(root, Namespace):
@@ -113,12 +188,15 @@ def chunk_keys(
     k = root
     step = chunk_size * 4
     for i in range(len(raw) // step):
+        if extras is not None:
+            k = mix_extras(k, extras.for_range(i * chunk_size, (i + 1) * chunk_size))
         k = xxhash.xxh3_128_digest(k + raw[i * step:(i + 1) * step])
         out.append((i * chunk_size, (i + 1) * chunk_size, k))
     return out
 
 
-def piece_key(prev: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+def piece_key(prev: bytes, tokens: Sequence[int] | np.ndarray, extras: bytes = b"") -> bytes:
     """Key of a partial chunk (a block-aligned prefix of the chunk after the
-    one keyed `prev`). Same construction as a chunk; shorter input."""
-    return chain_key(prev, tokens)
+    one keyed `prev`; `extras` = ExtraInputs.for_range of its tokens). Same
+    construction as a chunk; shorter input."""
+    return chain_key(mix_extras(prev, extras), tokens)

@@ -23,6 +23,7 @@ without the cache (vLLM is told to recompute blocks that could not be loaded).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -39,8 +40,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from shmkv.config import ShmkvConfig, load_config
+from shmkv.errors import ConfigError
 from shmkv.integration.vllm.planner import LoadItem, Planner, RequestPlan, StoreItem
-from shmkv.keys import Namespace
+from shmkv.keys import ExtraInputs, MultiModalItem, Namespace
 from shmkv.maintainer import promote
 from shmkv.namespaces import register
 from shmkv.remote.tier import open_remote
@@ -119,10 +121,77 @@ def namespace_for(vllm_config: VllmConfig, cfg: ShmkvConfig, tp_rank: int) -> Na
     )
 
 
+def prompt_tokens(request: Request) -> np.ndarray:
+    """The prompt's token ids as vLLM computes with them: positions given as
+    embeddings hold 0 (their content is in request_extras)."""
+    n = int(request.num_prompt_tokens)
+    if request.prompt_token_ids is not None and getattr(request, "prompt_is_token_ids", None) is None:
+        return np.asarray(request.prompt_token_ids, dtype=np.int64)
+    return np.asarray(request.all_token_ids[:n], dtype=np.int64)
+
+
+def request_extras(request: Request) -> ExtraInputs | None:
+    """The multimodal items and prompt embeddings of a request (None: it has neither)."""
+    mm = tuple(MultiModalItem(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+               for f in (getattr(request, "mm_features", None) or ()))
+    embeds = getattr(request, "prompt_embeds", None)
+    mask = getattr(request, "prompt_is_token_ids", None)
+    if not mm and embeds is None:
+        return None
+    arr = None
+    if embeds is not None:
+        t = embeds.detach().to("cpu").contiguous()
+        arr = t.view(torch.uint8).numpy().reshape(t.shape[0], -1)  # raw bytes per position (bf16 has no numpy dtype)
+    return ExtraInputs(mm=mm, embeds=arr, token_mask=None if mask is None else np.asarray(mask, dtype=bool))
+
+
+_LORA_DIGESTS: dict[tuple, str] = {}
+
+
+def lora_extra(request: Request) -> tuple[tuple[str, str], ...]:
+    """Namespace fields of the request's LoRA adapter: its name and a digest
+    of its files (cached by path, size, mtime and inode, so an adapter
+    replaced under the same name gets a new digest)."""
+    lr = getattr(request, "lora_request", None)
+    if not lr:
+        return ()
+    return (("lora_name", str(lr.lora_name)), ("lora_digest", lora_digest(str(lr.lora_path or ""))))
+
+
+def lora_digest(path: str) -> str:
+    """xxh3-128 over the adapter directory's regular files (names and bytes)."""
+    import xxhash
+
+    try:
+        names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
+        stats = tuple((n, st.st_size, st.st_mtime_ns, st.st_ino)
+                      for n in names for st in [os.stat(os.path.join(path, n))])
+    except OSError:
+        log.warning("shmkv: LoRA adapter path %r is not a readable directory: its keys name the path only "
+                    "(a different adapter at the same path would share them)", path)
+        return "path:" + path
+    key = (path, stats)
+    d = _LORA_DIGESTS.get(key)
+    if d is None:
+        h = xxhash.xxh3_128()
+        for n in names:
+            h.update(n.encode() + b"\x00")
+            with open(os.path.join(path, n), "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        d = _LORA_DIGESTS[key] = h.hexdigest()
+    return d
+
+
 class ShmKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        pp = vllm_config.parallel_config.pipeline_parallel_size
+        if pp > 1:
+            raise ConfigError(f"shmkv does not support pipeline parallelism (pipeline_parallel_size={pp}): its "
+                              "keys do not name a pipeline stage. Use pipeline_parallel_size=1 (tensor parallelism "
+                              "is supported), or run this engine without the shmkv connector")
         ktc = self._kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         self.cfg = load_config(extra)
@@ -148,12 +217,14 @@ class ShmKVConnector(KVConnectorBase_V1):
                  "on" if self.loads_enabled else "off", "on" if self.stores_enabled else "off")
 
     # ================================================================ common
-    def _planner(self, salt: str | None) -> Planner:
-        p = self._planners.get(salt)
+    def _planner(self, salt: str | None, lora: tuple[tuple[str, str], ...] = ()) -> Planner:
+        """The planner of one namespace: the engine's, with the request's cache
+        salt and LoRA adapter (`lora`: namespace extra fields, lora_extra())."""
+        p = self._planners.get((salt, lora))
         if p is None:
-            ns = [n.with_salt(salt) for n in self._base_ns]
+            ns = [dataclasses.replace(n.with_salt(salt), extra=n.extra + lora) for n in self._base_ns]
             p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail)
-            self._planners[salt] = p
+            self._planners[(salt, lora)] = p
         return p
 
     def _dtype_bytes(self) -> int:
@@ -212,12 +283,15 @@ class ShmKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
-            tokens = np.asarray(request.prompt_token_ids, dtype=np.int64)
-            # the request's cache salt is part of every key it reads or writes
-            planner = self._planner(getattr(request, "cache_salt", None))
+            tokens = prompt_tokens(request)
+            # the request's cache salt and LoRA adapter are in every key it reads or writes,
+            # its multimodal items and prompt embeddings in the keys of the chunks they cover
+            planner = self._planner(getattr(request, "cache_salt", None), lora_extra(request))
             plan = self._plans.get(request.request_id)
             if plan is None or plan.prompt_len != len(tokens):
-                plan = RequestPlan(request.request_id, len(tokens), planner.units(tokens), roots=planner.roots)
+                extras = request_extras(request)
+                plan = RequestPlan(request.request_id, len(tokens), planner.units(tokens, extras), roots=planner.roots)
+                plan.extras = extras
                 self._plans[request.request_id] = plan
             plan.local_tokens = num_computed_tokens
             if not self.loads_enabled:
@@ -226,7 +300,7 @@ class ShmKVConnector(KVConnectorBase_V1):
             self._asked.add(request.request_id)
             disk, remote = self._lower_tiers(request.request_id)
             hit, units, lower = planner.lookup(self.store, tokens, plan.units, count=first, disk=disk,
-                                               remote=remote)
+                                               remote=remote, extras=plan.extras)
             if lower:
                 # Promote from disk / remote in the background; vLLM asks again next step.
                 keys = [k for u in lower for k in u.keys]

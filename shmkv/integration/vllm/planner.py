@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shmkv.keys import Namespace, chunk_keys, piece_key
+from shmkv.keys import ExtraInputs, Namespace, chunk_keys, piece_key
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class RequestPlan:
     next_store: int = 0  # first unit not yet considered for storing
     stored_any: bool = False
     roots: tuple[bytes, ...] = ()  # namespace root key per rank (the request's cache salt included)
+    extras: ExtraInputs | None = None  # multimodal items / prompt embeddings (in the keys of the chunks they cover)
 
 
 class Planner:
@@ -94,9 +95,9 @@ class Planner:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of block_size {block_size}")
 
     # ------------------------------------------------------------- units --
-    def units(self, tokens: Sequence[int] | np.ndarray) -> list[Unit]:
+    def units(self, tokens: Sequence[int] | np.ndarray, extras: ExtraInputs | None = None) -> list[Unit]:
         """Full chunks, then the tail piece (if any full block remains)."""
-        per_rank = [chunk_keys(root, tokens, self.chunk_size) for root in self.roots]
+        per_rank = [chunk_keys(root, tokens, self.chunk_size, extras) for root in self.roots]
         units = [Unit(s, e, tuple(r[i][2] for r in per_rank)) for i, (s, e, _) in enumerate(per_rank[0])]
         if self.store_tail:
             start = len(units) * self.chunk_size
@@ -104,19 +105,21 @@ class Planner:
             if blocks > 0:
                 end = start + blocks * self.block_size
                 prev = units[-1].keys if units else self.roots
-                keys = tuple(piece_key(p, tokens[start:end]) for p in prev)
+                ex = extras.for_range(start, end) if extras is not None else b""
+                keys = tuple(piece_key(p, tokens[start:end], ex) for p in prev)
                 units.append(Unit(start, end, keys))
         return units
 
     def piece_candidates(self, tokens: Sequence[int] | np.ndarray, full_hit: int,
-                         prev: tuple[bytes, ...]) -> list[Unit]:
+                         prev: tuple[bytes, ...], extras: ExtraInputs | None = None) -> list[Unit]:
         """Pieces that could extend a hit of `full_hit` chunks' tokens, longest first."""
         out = []
         start = full_hit
         for m in range(self.chunk_size // self.block_size - 1, 0, -1):
             end = start + m * self.block_size
             if end <= len(tokens):
-                out.append(Unit(start, end, tuple(piece_key(p, tokens[start:end]) for p in prev)))
+                ex = extras.for_range(start, end) if extras is not None else b""
+                out.append(Unit(start, end, tuple(piece_key(p, tokens[start:end], ex) for p in prev)))
         return out
 
     def max_loadable(self, prompt_len: int) -> int:
@@ -125,7 +128,8 @@ class Planner:
 
     # ------------------------------------------------------------ lookup --
     def lookup(self, store, tokens: Sequence[int] | np.ndarray, units: list[Unit], count: bool = True,
-               disk=None, cap: bool = True, remote=None) -> tuple[int, list[Unit], list[Unit]]:
+               disk=None, cap: bool = True, remote=None, extras: ExtraInputs | None = None
+               ) -> tuple[int, list[Unit], list[Unit]]:
         """(tokens every rank has cached, the units that hold them, those of
         them not in the shared tier). The prefix continues into the disk tier
         where the shared tier's ends, then into the remote tier (one round
@@ -155,7 +159,7 @@ class Planner:
                 lower.append(u)
         if self.store_tail and self.chunk_size > self.block_size:
             prev = found[-1].keys if found else self.roots
-            cands = self.piece_candidates(tokens, len(found) * self.chunk_size, prev)
+            cands = self.piece_candidates(tokens, len(found) * self.chunk_size, prev, extras)
             if cands:
                 flags = [store.contains([c.keys[r] for c in cands]) for r in ranks]
                 piece = next((c for i, c in enumerate(cands) if all(f[i] for f in flags)), None)
