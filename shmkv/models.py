@@ -93,3 +93,28 @@ def write_llama(directory: str, spec: TinyLlama = TEST_MODEL) -> str:
     with open(marker, "w") as f:
         json.dump(asdict(spec), f)
     return directory
+
+
+def write_lora(directory: str, seed: int, spec: TinyLlama = TEST_MODEL, rank: int = 8) -> str:
+    """A PEFT LoRA adapter with random (non-zero) A and B on q/k/v/o of every
+    layer of `spec`, so it changes the KV of every token. Returns the directory."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    h = spec.hidden_size
+    kv = spec.num_key_value_heads * (h // spec.num_attention_heads)
+    outs = {"q_proj": h, "k_proj": kv, "v_proj": kv, "o_proj": h}
+    tensors = {}
+    for i in range(spec.num_hidden_layers):
+        for name, out in outs.items():
+            p = f"base_model.model.model.layers.{i}.self_attn.{name}."
+            tensors[p + "lora_A.weight"] = torch.randn(rank, h, generator=g) * 0.05
+            tensors[p + "lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.05
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+                   "lora_dropout": 0.0, "bias": "none", "target_modules": sorted(outs),
+                   "base_model_name_or_path": "shmkv-tiny-llama"}, f, indent=2)
+    return directory

@@ -74,10 +74,12 @@ class EngineProcess:
             raise RuntimeError(f"engine error: {reply['error']}")
         return reply
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 16, salts: list[str | None] | None = None
-                 ) -> dict[str, Any]:
-        """Greedy outputs, num_cached_tokens and the wall time of one batch."""
-        return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens, salts=salts)
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16, salts: list[str | None] | None = None,
+                 loras: list[tuple[str, int, str] | None] | None = None) -> dict[str, Any]:
+        """Greedy outputs, num_cached_tokens and the wall time of one batch;
+        `loras`: per prompt (name, int id, path) of a LoRA adapter, or None
+        (the engine needs llm_kwargs enable_lora=True)."""
+        return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens, salts=salts, loras=loras)
 
     def ttft(self, prompt: list[int]) -> dict[str, Any]:
         """Time to first token of one prompt (max_tokens=1)."""
@@ -193,8 +195,13 @@ def _serve(spec: EngineSpec) -> None:
                     p["cache_salt"] = salt
                 prompts.append(p)
             sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+            loras = None
+            if cmd.get("loras"):
+                from vllm.lora.request import LoRARequest
+
+                loras = [None if x is None else LoRARequest(x[0], x[1], x[2]) for x in cmd["loras"]]
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
+            outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
             wall = time.perf_counter() - t0
             say({"outputs": [list(o.outputs[0].token_ids) for o in outs],
                  "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
