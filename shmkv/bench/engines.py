@@ -81,6 +81,14 @@ class EngineProcess:
         (the engine needs llm_kwargs enable_lora=True)."""
         return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens, salts=salts, loras=loras)
 
+    def generate_embeds(self, specs: list[dict[str, int]], max_tokens: int = 16) -> dict[str, Any]:
+        """Like generate, with prompts given as embeddings made in the engine:
+        each spec {"seed", "n", "hidden"} is N(0, 0.02) bf16 rows, and an
+        optional {"change_from", "change_seed"} redraws rows from that index
+        (the engine needs llm_kwargs enable_prompt_embeds=True)."""
+        return self.call(cmd="generate", embeds=specs, prompts=[[] for _ in specs], max_tokens=max_tokens,
+                         salts=None)
+
     def ttft(self, prompt: list[int]) -> dict[str, Any]:
         """Time to first token of one prompt (max_tokens=1)."""
         return self.call(cmd="generate", prompts=[prompt], max_tokens=1, salts=None)
@@ -132,6 +140,17 @@ def _abort_after_steps(llm: Any, prompt: list[int], steps: int) -> dict[str, Any
     while engine.has_unfinished_requests():
         engine.step()
     return {"aborted": not finished}
+
+
+def _make_embeds(spec: dict[str, int]) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(spec["seed"])
+    e = torch.randn(spec["n"], spec["hidden"], generator=g) * 0.02
+    if "change_from" in spec:
+        g2 = torch.Generator().manual_seed(spec["change_seed"])
+        e[spec["change_from"]:] = torch.randn(spec["n"] - spec["change_from"], spec["hidden"], generator=g2) * 0.02
+    return e.to(torch.bfloat16)
 
 
 def _serve(spec: EngineSpec) -> None:
@@ -189,8 +208,9 @@ def _serve(spec: EngineSpec) -> None:
         try:
             salts = cmd.get("salts") or [None] * len(cmd["prompts"])
             prompts = []
-            for toks, salt in zip(cmd["prompts"], salts):
-                p: dict[str, Any] = {"prompt_token_ids": toks}
+            for i, (toks, salt) in enumerate(zip(cmd["prompts"], salts)):
+                p: dict[str, Any] = ({"prompt_embeds": _make_embeds(cmd["embeds"][i])} if cmd.get("embeds")
+                                     else {"prompt_token_ids": toks})
                 if salt is not None:
                     p["cache_salt"] = salt
                 prompts.append(p)
