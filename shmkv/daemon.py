@@ -44,7 +44,7 @@ from shmkv.disk.tier import DiskTier
 from shmkv.errors import ShmkvError
 from shmkv.maintainer import MaintainerRole
 from shmkv.paths import check_trusted_dir, daemon_lock, runtime_dir
-from shmkv.remote.tier import open_remote
+from shmkv.remote import open_remote
 from shmkv.store import open_store
 
 log = logging.getLogger("shmkv.daemon")

@@ -249,7 +249,7 @@ def start_engine(model_dir, engine_logs):
     made = []
 
     def start(label: str, **spec):
-        e = EngineProcess(EngineSpec(model_dir, **spec), str(engine_logs / f"{label}.log"))
+        e = EngineProcess(EngineSpec(spec.pop("model_dir", model_dir), **spec), str(engine_logs / f"{label}.log"))
         made.append(e)
         return e
 

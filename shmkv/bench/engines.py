@@ -26,6 +26,7 @@ class EngineSpec:
     model_dir: str
     shmkv: dict[str, Any] | None = None  # kv_connector_extra_config; None = no connector
     kv_role: str = "kv_both"
+    module_path: str | None = "shmkv.integration.vllm"  # None: the connector by name (the vLLM plugin)
     prefix_caching: bool = False
     max_model_len: int = 4096
     max_num_batched_tokens: int | None = None  # small values force chunked prefill
@@ -100,9 +101,9 @@ class EngineProcess:
         """vLLM's counters and gauges (e.g. vllm:num_preemptions)."""
         return self.call(cmd="metrics")["metrics"]
 
-    def reset_prefix_cache(self) -> None:
-        """Empty vLLM's own prefix cache (not shmkv)."""
-        self.call(cmd="reset_prefix_cache")
+    def reset_prefix_cache(self, connector: bool = False) -> bool:
+        """Empty vLLM's own prefix cache; with `connector`, shmkv's chunks of this engine too."""
+        return self.call(cmd="reset_prefix_cache", connector=connector)["reset"]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -169,7 +170,7 @@ def _serve(spec: EngineSpec) -> None:
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="ShmKVConnector", kv_connector_module_path="shmkv.integration.vllm",
+            kv_connector="ShmKVConnector", kv_connector_module_path=spec.module_path,
             kv_role=spec.kv_role, kv_connector_extra_config=spec.shmkv,
         )
     llm = LLM(**kwargs)
@@ -186,7 +187,7 @@ def _serve(spec: EngineSpec) -> None:
             say({"bye": True})
             return
         if cmd["cmd"] == "reset_prefix_cache":
-            say({"reset": bool(llm.reset_prefix_cache())})
+            say({"reset": bool(llm.reset_prefix_cache(reset_connector=bool(cmd.get("connector"))))})
             continue
         if cmd["cmd"] == "metrics":  # needs llm_kwargs={"disable_log_stats": False}
             try:

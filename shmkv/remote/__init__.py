@@ -1,1 +1,33 @@
-"""Remote tier (Redis/Valkey) shared by several hosts."""
+"""Remote tier (Redis/Valkey) shared by several hosts.
+
+redis-py is an optional dependency (`pip install 'shmkv[remote]'`): it is
+imported only when `remote_url` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from shmkv.errors import ConfigError
+
+log = logging.getLogger("shmkv.remote")
+
+
+def open_remote(cfg: Any, *, store: Any = None, disk: Any = None, element_size: int = 2) -> Any:
+    """The remote tier (shmkv.remote.tier.RemoteTier) a ShmkvConfig asks for, or None (no remote_url)."""
+    if not cfg.remote_url:
+        return None
+    try:
+        from shmkv.remote.tier import RemoteTier, _redact
+    except ImportError as e:
+        raise ConfigError(f"remote_url is set but the remote tier cannot load ({e}); "
+                          "install it with: pip install 'shmkv[remote]'") from e
+    tier = RemoteTier(cfg.remote_url, timeout_s=cfg.remote_timeout, ttl_s=cfg.remote_ttl,
+                      capacity_bytes=cfg.remote_capacity, counter=store.bump if store is not None else None,
+                      store=store, disk=disk, element_size=element_size, level=cfg.disk_level)
+    log.info("shmkv: remote tier %s (timeout %.2f s, ttl %s, budget %s, write-through %s)", _redact(cfg.remote_url),
+             cfg.remote_timeout, f"{cfg.remote_ttl} s" if cfg.remote_ttl else "none",
+             f"{cfg.remote_capacity / 2**30:.1f} GiB" if cfg.remote_capacity else "none",
+             "on" if cfg.remote_write_through else "off")
+    return tier

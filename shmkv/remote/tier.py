@@ -292,19 +292,6 @@ class RemoteTier:
         return data if valid else None
 
 
-def open_remote(cfg, *, store=None, disk=None, element_size: int = 2) -> RemoteTier | None:
-    """The remote tier a ShmkvConfig asks for, or None (no remote_url)."""
-    if not cfg.remote_url:
-        return None
-    tier = RemoteTier(cfg.remote_url, timeout_s=cfg.remote_timeout, ttl_s=cfg.remote_ttl,
-                      capacity_bytes=cfg.remote_capacity, counter=store.bump if store is not None else None,
-                      store=store, disk=disk, element_size=element_size, level=cfg.disk_level)
-    log.info("shmkv: remote tier %s (timeout %.2f s, ttl %s, budget %s, write-through %s)", _redact(cfg.remote_url),
-             cfg.remote_timeout, f"{cfg.remote_ttl} s" if cfg.remote_ttl else "none",
-             f"{cfg.remote_capacity / 2**30:.1f} GiB" if cfg.remote_capacity else "none",
-             "on" if cfg.remote_write_through else "off")
-    return tier
-
 
 def _redact(url: str) -> str:
     """The URL without its password, for logs."""

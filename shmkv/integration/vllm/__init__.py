@@ -1,5 +1,6 @@
-"""vLLM integration: `kv_connector_module_path="shmkv.integration.vllm"`,
-`kv_connector="ShmKVConnector"`.
+"""vLLM integration: `kv_connector="ShmKVConnector"` (registered with vLLM's
+connector factory by the `vllm.general_plugins` entry point `register`, so no
+module path is needed), or explicitly `kv_connector_module_path="shmkv.integration.vllm"`.
 
 The connector (and vLLM with it) is imported on first access, so the planner
 and worker modules stay importable without loading vLLM.
@@ -8,6 +9,17 @@ and worker modules stay importable without loading vLLM.
 from typing import Any
 
 __all__ = ["ShmKVConnector", "ShmKVMetadata"]
+
+
+def register() -> None:
+    """vLLM general plugin (entry point `vllm.general_plugins: shmkv`): make
+    `kv_connector="ShmKVConnector"` work without kv_connector_module_path.
+    vLLM calls it in every process it starts; it imports nothing heavy."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if "ShmKVConnector" not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector("ShmKVConnector", "shmkv.integration.vllm.connector",
+                                              "ShmKVConnector")
 
 
 def __getattr__(name: str) -> Any:

@@ -45,7 +45,7 @@ from shmkv.integration.vllm.planner import LoadItem, Planner, RequestPlan, Store
 from shmkv.keys import ExtraInputs, MultiModalItem, Namespace
 from shmkv.maintainer import promote
 from shmkv.namespaces import register
-from shmkv.remote.tier import open_remote
+from shmkv.remote import open_remote
 from shmkv.store import open_store
 
 if TYPE_CHECKING:
@@ -424,6 +424,31 @@ class ShmKVConnector(KVConnectorBase_V1):
 
         delay = bool(plan and plan.stored_any and not current_platform.is_cpu())
         return delay, None
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset_prefix_cache(reset_connector=True) (and the server's
+        /reset_prefix_cache?reset_external=true): remove this engine's chunks
+        (every namespace it used: its own, salted and LoRA ones) from every
+        tier; other engines' chunks stay. False when the table lock could not
+        be had."""
+        if self._kv_role_name != "scheduler":
+            return None
+        from shmkv.errors import LockTimeoutError
+
+        roots = {r for p in self._planners.values() for r in p.roots}
+        roots |= {ns.root_key() for ns in self._base_ns}
+        removed = {"shm": 0, "disk": 0, "remote": 0}
+        try:
+            for root in sorted(roots):
+                removed["shm"] += self.store.clear(namespace=root)
+                removed["disk"] += self.disk.clear(root) if self.disk is not None else 0
+                removed["remote"] += self.remote.clear(root) if self.remote is not None else 0
+        except LockTimeoutError as e:
+            log.warning("shmkv: reset_cache could not finish: %s", e)
+            return False
+        log.info("shmkv: reset_cache removed this engine's chunks (%d namespaces): %d in memory, %d on disk, "
+                 "%d in the remote", len(roots), removed["shm"], removed["disk"], removed["remote"])
+        return True
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
