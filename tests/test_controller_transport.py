@@ -23,8 +23,8 @@ NS = [Namespace(model_id=f"m{i}", dtype="bfloat16", num_layers=2, num_kv_heads=2
       for i in range(2)]
 
 
-@pytest.fixture
-def served(cache_name):
+def start_daemon(cache_name: str) -> tuple[Daemon, threading.Thread]:
+    """A daemon serving in this process on a loopback port (d.addr)."""
     cfg = load_config({"cache_name": cache_name, "capacity": "8MiB", "listen": "127.0.0.1:0", "populate": False},
                       env={})
     d = Daemon(cfg)
@@ -34,6 +34,12 @@ def served(cache_name):
     t.start()
     host, port = d.url.removeprefix("http://").rsplit(":", 1)
     d.addr = (host, int(port))
+    return d, t
+
+
+@pytest.fixture
+def served(cache_name):
+    d, t = start_daemon(cache_name)
     for i in range(10):  # 5 chunks in each of two namespaces
         k = bytes([i]) * 16
         d.store.put(k, payload_for(k, 4096), namespace=NS[i % 2].root_key())
@@ -117,16 +123,9 @@ def test_64_concurrent_clients_are_all_answered(served):
 def test_idle_connections_time_out_and_the_cap_evicts_the_oldest(cache_name, monkeypatch):
     monkeypatch.setattr(daemon_mod._Handler, "timeout", 0.5)
     monkeypatch.setattr(daemon_mod, "MAX_CONNECTIONS", 8)
-    cfg = load_config({"cache_name": cache_name, "capacity": "8MiB", "listen": "127.0.0.1:0", "populate": False},
-                      env={})
-    d = Daemon(cfg)
-    assert d.lock.try_acquire()
-    d.start()
-    t = threading.Thread(target=d.serve, daemon=True)
-    t.start()
+    d, t = start_daemon(cache_name)
     try:
-        host, port = d.url.removeprefix("http://").rsplit(":", 1)
-        addr = (host, int(port))
+        addr = d.addr
         with socket.create_connection(addr, timeout=10) as s:
             s.sendall(b"GET /health HTT")  # a slow client that never finishes its request line
             assert s.recv(100) == b"", "closed by the server's read timeout"

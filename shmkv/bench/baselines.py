@@ -20,7 +20,8 @@ import uuid
 import numpy as np
 
 
-def _median_gbps(fn, nbytes: int, repeats: int) -> float:
+def median_gbps(fn, nbytes: int, repeats: int) -> float:
+    """GB/s of moving `nbytes` with fn(), from the median of `repeats` runs."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -34,7 +35,7 @@ def memcpy_baselines(nbytes: int, slots: int, repeats: int) -> dict[str, float]:
     src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
     warm = np.empty_like(src)
     warm[:] = src
-    warm_gbps = _median_gbps(lambda: np.copyto(warm, src), nbytes, repeats)
+    warm_gbps = median_gbps(lambda: np.copyto(warm, src), nbytes, repeats)
     path = f"/dev/shm/shmkv-bench-memcpy-{uuid.uuid4().hex[:8]}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -44,7 +45,7 @@ def memcpy_baselines(nbytes: int, slots: int, repeats: int) -> dict[str, float]:
             region[:] = 0  # fault every page in first, as the store's populate does
             views = [region[i * nbytes:(i + 1) * nbytes] for i in range(slots)]
             it = iter(range(1 << 30))
-            cold_gbps = _median_gbps(lambda: np.copyto(views[next(it) % slots], src), nbytes,
+            cold_gbps = median_gbps(lambda: np.copyto(views[next(it) % slots], src), nbytes,
                                      max(repeats, 2 * slots))
             views.clear()  # the mapping closes only once no array exports it
             del region

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 import uuid
 
@@ -19,22 +18,13 @@ import numpy as np
 import xxhash
 
 from shmkv import PutResult, Store
-from shmkv.bench.baselines import memcpy_baselines
+from shmkv.bench.baselines import median_gbps, memcpy_baselines
 
 MiB = 1 << 20
 
 
 def _key(tag: str, i: int) -> bytes:
     return xxhash.xxh3_128_digest(f"{tag}-{i}".encode())
-
-
-def _best_gbps(fn, nbytes: int, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
 
 
 def bench_size(chunk: int, slots: int, repeats: int) -> dict[str, float]:
@@ -53,7 +43,7 @@ def bench_size(chunk: int, slots: int, repeats: int) -> dict[str, float]:
 
         for _ in range(slots + 2):  # fill once, so later puts also evict
             put()
-        put_gbps = _best_gbps(put, chunk, repeats * 2)
+        put_gbps = median_gbps(put, chunk, repeats * 2)
         live = [_key("p", i) for i in range(next(counter) - slots // 2, next(counter) - 1)]
         it = iter(range(1 << 30))
 
@@ -61,7 +51,7 @@ def bench_size(chunk: int, slots: int, repeats: int) -> dict[str, float]:
             k = live[next(it) % len(live)]
             assert store.get_into(k, dst) == chunk
 
-        get_gbps = _best_gbps(get, chunk, repeats * 2)
+        get_gbps = median_gbps(get, chunk, repeats * 2)
         assert bytes(dst[:64]) == bytes(src[:64])
         return {**base, "memcpy_gbps": memcpy, "put_gbps": put_gbps, "get_gbps": get_gbps,
                 "put_ratio": put_gbps / memcpy, "get_ratio": get_gbps / memcpy}
