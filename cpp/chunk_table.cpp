@@ -352,7 +352,7 @@ void ChunkTable::do_register_self_locked() {
   pid_t me = self_pid();
   if (registered_pid_ == me) return;
   ProcSlot* p = procs();
-  uint32_t n = seg_->geo().max_procs;
+  uint32_t n = geo().max_procs;
   uint32_t free_slot = kNone;
   for (uint32_t i = 0; i < n; ++i) {
     int32_t pid = p[i].pid.load(std::memory_order_relaxed);
@@ -391,7 +391,7 @@ void ChunkTable::detach_process() {
   if (!lock.ok()) return;  // the slot is freed when this process is found dead
   pid_t me = self_pid();
   ProcSlot* p = procs();
-  for (uint32_t i = 0; i < seg_->geo().max_procs; ++i)
+  for (uint32_t i = 0; i < geo().max_procs; ++i)
     if (p[i].pid.load(std::memory_order_relaxed) == me) p[i].pid.store(0, std::memory_order_release);
   registered_pid_ = 0;
 }
@@ -417,19 +417,19 @@ std::vector<std::string> ChunkTable::drain_events() {
 uint64_t ChunkTable::slot_of(const Key& k) const {
   uint64_t x = k.lo ^ (k.hi * 0x9e3779b97f4a7c15ull);
   x ^= x >> 29;
-  return x & (uint64_t(seg_->geo().index_slots) - 1);
+  return x & (uint64_t(geo().index_slots) - 1);
 }
 
 uint32_t ChunkTable::do_find_locked(const Key& k, uint64_t* slot_out) const {
   const uint32_t* idx = index();
   const Entry* ent = entries();
-  uint64_t mask = uint64_t(seg_->geo().index_slots) - 1;
+  uint64_t mask = uint64_t(geo().index_slots) - 1;
   uint64_t s = slot_of(k);
   for (uint64_t probes = 0; probes <= mask; ++probes, s = (s + 1) & mask) {
     uint32_t v = idx[s];
     if (v == kIndexEmpty) return kNone;
     if (v == kIndexTomb) continue;
-    check(v < seg_->geo().max_entries, "index slot points past the entry table");
+    check(v < geo().max_entries, "index slot points past the entry table");
     if (ent[v].key == k) {
       if (slot_out) *slot_out = s;
       return v;
@@ -440,7 +440,7 @@ uint32_t ChunkTable::do_find_locked(const Key& k, uint64_t* slot_out) const {
 
 void ChunkTable::do_index_insert_locked(uint32_t e) {
   uint32_t* idx = index();
-  uint64_t mask = uint64_t(seg_->geo().index_slots) - 1;
+  uint64_t mask = uint64_t(geo().index_slots) - 1;
   uint64_t s = slot_of(entries()[e].key);
   uint64_t probes = 0;
   while (idx[s] != kIndexEmpty && idx[s] != kIndexTomb) {
@@ -450,7 +450,7 @@ void ChunkTable::do_index_insert_locked(uint32_t e) {
   if (idx[s] == kIndexEmpty) h()->index_used += 1;
   idx[s] = e;
   // Tombstones lengthen probes; clean up when live + tombstones pass 3/4.
-  if (h()->index_used * 4 > uint64_t(seg_->geo().index_slots) * 3) do_rehash_locked();
+  if (h()->index_used * 4 > uint64_t(geo().index_slots) * 3) do_rehash_locked();
 }
 
 void ChunkTable::do_index_remove_locked(uint32_t e) {
@@ -460,12 +460,12 @@ void ChunkTable::do_index_remove_locked(uint32_t e) {
 
 void ChunkTable::do_rehash_locked() {
   Header* hd = h();
-  std::memset(index(), 0xff, uint64_t(seg_->geo().index_slots) * sizeof(uint32_t));
+  std::memset(index(), 0xff, uint64_t(geo().index_slots) * sizeof(uint32_t));
   hd->index_used = 0;
   uint32_t* idx = index();
-  uint64_t mask = uint64_t(seg_->geo().index_slots) - 1;
+  uint64_t mask = uint64_t(geo().index_slots) - 1;
   Entry* ent = entries();
-  for (uint32_t i = 0; i < seg_->geo().max_entries; ++i) {
+  for (uint32_t i = 0; i < geo().max_entries; ++i) {
     uint32_t st = ent[i].state.load(std::memory_order_relaxed);
     if (st != kEntryWriting && st != kEntryReady) continue;
     uint64_t s = slot_of(ent[i].key);
@@ -481,7 +481,7 @@ void ChunkTable::do_rehash_locked() {
 // are at most (live allocations + 1) of them, so the array never overflows.
 
 bool ChunkTable::do_alloc_locked(uint64_t need, uint64_t* offset) {
-  const Geometry& g = seg_->geo();
+  const Geometry& g = geo();
   Extent* ex = extents();
   uint64_t n = h()->num_extents;
   check(n <= uint64_t(g.max_entries) + 1, "more free extents than the extent table holds");
@@ -503,7 +503,7 @@ bool ChunkTable::do_alloc_locked(uint64_t need, uint64_t* offset) {
 }
 
 void ChunkTable::do_free_extent_locked(uint64_t off, uint64_t len) {
-  const Geometry& g = seg_->geo();
+  const Geometry& g = geo();
   Extent* ex = extents();
   uint64_t n = h()->num_extents;
   check(n <= g.max_entries, "more free extents than live allocations allow");
@@ -638,15 +638,15 @@ Status ChunkTable::do_grant_lease_locked(uint32_t e, LeaseHandle* out) {
     }
   }
   uint32_t l = hd->free_lease_head;
-  check(l < seg_->geo().max_leases, "free lease list head");
+  check(l < geo().max_leases, "free lease list head");
   Lease& ls = leases()[l];
   check(ls.state.load(std::memory_order_relaxed) == kLeaseFree, "free lease list holds a held lease");
   uint32_t next = ls.next_free;
-  check(next == kNone || next < seg_->geo().max_leases, "free lease list link");
+  check(next == kNone || next < geo().max_leases, "free lease list link");
   Entry& en = entries()[e];
   // the payload handed out must lie inside the arena (a wild offset is a wild pointer)
-  check(en.offset <= seg_->geo().arena_bytes && en.size <= en.alloc_size &&
-            en.alloc_size <= seg_->geo().arena_bytes - en.offset,
+  check(en.offset <= geo().arena_bytes && en.size <= en.alloc_size &&
+            en.alloc_size <= geo().arena_bytes - en.offset,
         "an entry's payload lies outside the arena");
   hd->free_lease_head = next;
   ls.generation += 1;
@@ -667,7 +667,7 @@ void ChunkTable::do_drop_lease_locked(uint32_t l, bool cold) {
   Lease& ls = leases()[l];
   uint32_t e = checked_entry(ls.entry, "a lease points past the entry table");
   check(entries()[e].refcount > 0, "an entry's refcount is below its leases");
-  check(hd->free_lease_head == kNone || hd->free_lease_head < seg_->geo().max_leases, "free lease list head");
+  check(hd->free_lease_head == kNone || hd->free_lease_head < geo().max_leases, "free lease list head");
   ls.state.store(kLeaseFree, std::memory_order_release);  // commit point
   ls.next_free = hd->free_lease_head;
   hd->free_lease_head = l;
@@ -701,7 +701,7 @@ void ChunkTable::do_lru_link_tail_locked(uint32_t e) {
   uint32_t newer = checked_link(hd->lru_tail, "LRU tail");  // first entry, from the tail, not older than e
   uint64_t steps = 0;
   while (newer != kNone && ent[newer].last_use < ent[e].last_use) {
-    check(++steps <= seg_->geo().max_entries, "LRU list has a cycle");
+    check(++steps <= geo().max_entries, "LRU list has a cycle");
     newer = checked_link(ent[newer].lru_prev, "LRU link");
   }
   uint32_t older = checked_link(newer == kNone ? hd->lru_head : ent[newer].lru_next, "LRU link");
@@ -717,7 +717,7 @@ void ChunkTable::do_lru_link_tail_locked(uint32_t e) {
 // --------------------------------------------------------------- stores ----
 
 Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns) {
-  const Geometry& g = seg_->geo();
+  const Geometry& g = geo();
   if (size == 0) return Status::kInvalidArgument;
   if (size > g.max_payload_bytes) {
     c().put_too_large.fetch_add(1, std::memory_order_relaxed);
@@ -734,7 +734,7 @@ Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, cons
 
 Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t need, Reservation* out,
                                      const Key& ns) {
-  const Geometry& g = seg_->geo();
+  const Geometry& g = geo();
   Header* hd = h();
   Entry* ent = entries();
   uint32_t existing = do_find_locked(key);
@@ -807,7 +807,7 @@ Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t nee
 }
 
 Status ChunkTable::commit(const Reservation& r) {
-  if (r.entry >= g().max_entries) return Status::kInvalidArgument;
+  if (r.entry >= geo().max_entries) return Status::kInvalidArgument;
   TableLock lock(*this);
   if (!lock.ok()) {
     defer(Deferred{Deferred::kCommit, r, LeaseHandle{}, false});
@@ -817,7 +817,7 @@ Status ChunkTable::commit(const Reservation& r) {
 }
 
 Status ChunkTable::abort(const Reservation& r) {
-  if (r.entry >= g().max_entries) return Status::kInvalidArgument;
+  if (r.entry >= geo().max_entries) return Status::kInvalidArgument;
   TableLock lock(*this);
   if (!lock.ok()) {
     defer(Deferred{Deferred::kAbort, r, LeaseHandle{}, false});
@@ -883,7 +883,7 @@ Status ChunkTable::acquire_prefix(const Key* keys, size_t n, LeaseHandle* out, s
 }
 
 Status ChunkTable::release(const LeaseHandle& hnd, bool cold) {
-  if (hnd.lease >= g().max_leases) return Status::kInvalidArgument;
+  if (hnd.lease >= geo().max_leases) return Status::kInvalidArgument;
   TableLock lock(*this);
   if (!lock.ok()) {
     // The bytes were read under a lease that is still held: they are valid.
@@ -992,7 +992,7 @@ uint64_t ChunkTable::clear(const Key* ns) {
   return guarded([&] {
     Entry* ent = entries();
     uint64_t removed = 0;
-    for (uint32_t e = 0; e < seg_->geo().max_entries; ++e) {
+    for (uint32_t e = 0; e < geo().max_entries; ++e) {
       if (ent[e].state.load(std::memory_order_relaxed) != kEntryReady) continue;
       if (ns && !(ent[e].ns == *ns)) continue;
       do_remove_ready_locked(e);
@@ -1019,7 +1019,7 @@ ReclaimResult ChunkTable::reclaim() {
 ReclaimResult ChunkTable::do_reclaim_locked(bool full_scan) {
   ReclaimResult r;
   Header* hd = h();
-  const Geometry& g = seg_->geo();
+  const Geometry& g = geo();
   LivenessCache lc{{}, procs(), g.max_procs};
   ProcSlot* p = procs();
   for (uint32_t i = 0; i < g.max_procs; ++i) {
@@ -1067,7 +1067,7 @@ std::vector<ColdEntry> ChunkTable::coldest(size_t max_n) {
     uint64_t steps = 0;
     for (uint32_t e = checked_link(h()->lru_tail, "LRU tail"); e != kNone && out.size() < max_n;
          e = checked_link(ent[e].lru_prev, "LRU link")) {
-      check(++steps <= seg_->geo().max_entries, "LRU list has a cycle");
+      check(++steps <= geo().max_entries, "LRU list has a cycle");
       out.push_back(ColdEntry{ent[e].key, ent[e].ns, ent[e].size, ent[e].flags});
     }
     return out;
@@ -1080,7 +1080,7 @@ std::vector<EntryInfo> ChunkTable::list_entries() {
   return guarded([&] {
     std::vector<EntryInfo> out;
     const Entry* ent = entries();
-    for (uint32_t e = 0; e < seg_->geo().max_entries; ++e) {
+    for (uint32_t e = 0; e < geo().max_entries; ++e) {
       const Entry& en = ent[e];
       uint32_t st = en.state.load(std::memory_order_relaxed);
       if (st == kEntryFree) continue;
@@ -1140,7 +1140,7 @@ void ChunkTable::rebuild() {
 // segment instead: the cache is disposable, a wrong byte is not.
 void ChunkTable::do_rebuild_locked(const char* why) {
   Header* hd = h();
-  const Geometry& g = seg_->geo();
+  const Geometry& g = geo();
   Entry* ent = entries();
   Lease* ls = leases();
   uint64_t max_alloc = align_up(g.max_payload_bytes, g.alignment);
@@ -1280,7 +1280,7 @@ void ChunkTable::do_rebuild_locked(const char* why) {
 
 void ChunkTable::do_reset_locked(const std::string& why) {
   Header* hd = h();
-  const Geometry& g = seg_->geo();
+  const Geometry& g = geo();
   Entry* ent = entries();
   for (uint32_t e = 0; e < g.max_entries; ++e) {
     if (ent[e].state.load(std::memory_order_relaxed) != kEntryFree) ent[e].generation += 1;
@@ -1309,7 +1309,7 @@ std::vector<std::string> ChunkTable::check_consistency() {
       if (bad.size() < 50) bad.push_back(s);
     };
     Header* hd = h();
-    const Geometry& g = seg_->geo();
+    const Geometry& g = geo();
     Entry* ent = entries();
     Lease* ls = leases();
     // refcounts vs leases
@@ -1446,7 +1446,7 @@ std::vector<std::string> ChunkTable::check_consistency() {
 std::map<std::string, uint64_t> ChunkTable::stats() {
   std::map<std::string, uint64_t> m;
   Header* hd = h();
-  const Geometry& g = seg_->geo();
+  const Geometry& g = geo();
   Counters& k = c();
   for (const NamedCounter& nc : kCounters) m[nc.name] = (k.*nc.member).load(std::memory_order_relaxed);
   m["capacity_bytes"] = g.capacity_bytes;
@@ -1479,7 +1479,7 @@ std::map<std::string, uint64_t> ChunkTable::stats() {
 
 Status ChunkTable::restore_size(std::string* err) {
   int64_t now = file_bytes();
-  if (now < 0 || uint64_t(now) >= g().capacity_bytes) return Status::kOk;
+  if (now < 0 || uint64_t(now) >= geo().capacity_bytes) return Status::kOk;
   bool header_cut = uint64_t(now) < sizeof(Header);
   Status s = seg_->restore_size(err);  // first: touching a page past the end is SIGBUS
   if (s != Status::kOk) return s;
@@ -1493,7 +1493,7 @@ Status ChunkTable::restore_size(std::string* err) {
   TableLock lock(*this);
   lock.require("restoring a truncated segment");
   do_reset_locked("the segment file had been truncated to " + std::to_string(now) + " of " +
-                  std::to_string(g().capacity_bytes) + " bytes");
+                  std::to_string(geo().capacity_bytes) + " bytes");
   return Status::kOk;
 }
 

@@ -179,12 +179,12 @@ class ChunkTable {
  private:
   friend class TableLock;
   Header* h() const { return seg_->header(); }
-  const Geometry& g() const { return seg_->geo(); }  // this process's validated copy
-  Entry* entries() const { return reinterpret_cast<Entry*>(seg_->base() + g().entries_offset); }
-  Lease* leases() const { return reinterpret_cast<Lease*>(seg_->base() + g().leases_offset); }
-  uint32_t* index() const { return reinterpret_cast<uint32_t*>(seg_->base() + g().index_offset); }
-  Extent* extents() const { return reinterpret_cast<Extent*>(seg_->base() + g().extents_offset); }
-  ProcSlot* procs() const { return reinterpret_cast<ProcSlot*>(seg_->base() + g().procs_offset); }
+  const Geometry& geo() const { return seg_->geo(); }  // this process's validated copy
+  Entry* entries() const { return reinterpret_cast<Entry*>(seg_->base() + geo().entries_offset); }
+  Lease* leases() const { return reinterpret_cast<Lease*>(seg_->base() + geo().leases_offset); }
+  uint32_t* index() const { return reinterpret_cast<uint32_t*>(seg_->base() + geo().index_offset); }
+  Extent* extents() const { return reinterpret_cast<Extent*>(seg_->base() + geo().extents_offset); }
+  ProcSlot* procs() const { return reinterpret_cast<ProcSlot*>(seg_->base() + geo().procs_offset); }
   Counters& c() const { return h()->counters; }
 
   // Run f (which expects the lock held); on DerivedCorrupt repair the table
@@ -195,11 +195,11 @@ class ChunkTable {
     if (!ok) throw DerivedCorrupt(what);
   }
   uint32_t checked_entry(uint32_t e, const char* what) const {
-    check(e < g().max_entries, what);
+    check(e < geo().max_entries, what);
     return e;
   }
   uint32_t checked_link(uint32_t e, const char* what) const {  // an entry index or kNone
-    check(e == kNone || e < g().max_entries, what);
+    check(e == kNone || e < geo().max_entries, what);
     return e;
   }
 

@@ -35,44 +35,13 @@ import threading
 import time
 from collections.abc import Sequence
 
+from shmkv.backoff import Backoff
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import LockTimeoutError, SegmentCorruptError
 from shmkv.paths import daemon_lock, maintainer_lock
 from shmkv.store import FLAG_SPILLED, PutResult, Store
 
 log = logging.getLogger("shmkv.maintainer")
-
-
-class SpillBackoff:
-    """Whether to try spilling now, after failures; logs state changes only."""
-
-    FIRST_S, MAX_S = 0.25, 30.0
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.failures = 0  # since spilling last worked
-        self.delay_s = 0.0
-        self.next_try = 0.0
-        self._lock = threading.Lock()
-
-    def ready(self) -> bool:
-        return time.monotonic() >= self.next_try
-
-    def failed(self, error: BaseException | None) -> None:
-        with self._lock:
-            self.failures += 1
-            self.delay_s = min(self.MAX_S, self.delay_s * 2 if self.delay_s else self.FIRST_S)
-            self.next_try = time.monotonic() + self.delay_s
-            first = self.failures == 1
-        if first:
-            log.warning("shmkv: spilling to %s fails (%s); chunks stay in memory only, retrying with a "
-                        "backoff up to %.0f s", self.where, error or "unknown error", self.MAX_S)
-
-    def worked(self) -> None:
-        with self._lock:
-            failures, self.failures, self.delay_s, self.next_try = self.failures, 0, 0.0, 0.0
-        if failures:
-            log.info("shmkv: spilling to %s works again (after %d failed attempts)", self.where, failures)
 
 
 class Maintainer:
@@ -84,7 +53,7 @@ class Maintainer:
         arena = store.arena_bytes
         self.low_bytes = int(arena * low_watermark)
         self.spill_ahead_bytes = int(arena * spill_ahead)
-        self.backoff = SpillBackoff(disk.dir if disk is not None else "disk")
+        self.backoff = Backoff()  # of spills: a full disk is not retried at once
 
     # ------------------------------------------------------------- steps --
     def run_once(self) -> dict[str, int]:
@@ -147,9 +116,13 @@ class Maintainer:
         finally:
             valid = lease.release(cold=True)
         if ok:
-            self.backoff.worked()
-        else:
-            self.backoff.failed(getattr(self.disk, "last_write_error", None))
+            failures = self.backoff.worked()
+            if failures:
+                log.info("shmkv: spilling to %s works again (after %d failed attempts)", self.disk.dir, failures)
+        elif self.backoff.failed():
+            log.warning("shmkv: spilling to %s fails (%s); chunks stay in memory only, retrying with a backoff "
+                        "up to %.0f s", self.disk.dir, self.disk.last_write_error or "unknown error",
+                        Backoff.MAX_S)
         if ok and valid:
             self.store.mark_spilled(key)
             if self.remote is not None:

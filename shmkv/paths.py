@@ -30,7 +30,6 @@ import fcntl
 import os
 import stat
 import threading
-from collections.abc import Iterator
 
 from shmkv.errors import PermissionDeniedError
 
@@ -79,14 +78,10 @@ class PrivateDir:
     def replace(self, src: str, dst: str) -> None:
         os.replace(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
-    def scandir(self) -> Iterator[os.DirEntry]:
+    def scandir(self) -> list[os.DirEntry]:
         """Entries of the directory. Use only their names: stat them with
         lstat(), since DirEntry.stat() would need the (closed) listing fd."""
-        fd = os.dup(self.fd)
-        try:
-            return iter(list(os.scandir(fd)))
-        finally:
-            os.close(fd)
+        return list(os.scandir(self.fd))  # CPython reads a dup of the fd and rewinds it
 
     def fsync(self) -> None:
         os.fsync(self.fd)

@@ -38,13 +38,13 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from shmkv.backoff import Backoff
 from shmkv.disk import format as fmt
 
 log = logging.getLogger("shmkv.remote")
 
 PREFIX = b"shmkv:v1:"
 _LRU, _SIZES, _BYTES = PREFIX + b"m:lru", PREFIX + b"m:sizes", PREFIX + b"m:bytes"
-MAX_BACKOFF_S = 30.0
 
 # KEYS: chunk, lru, sizes, bytes. ARGV: value, ttl seconds (0: none), budget, now.
 _PUT_WITH_BUDGET = """
@@ -93,9 +93,7 @@ class RemoteTier:
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                             retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self._put_script = self._client.register_script(_PUT_WITH_BUDGET)
-        self._state = threading.Lock()
-        self._down_until = 0.0
-        self._backoff = 0.0
+        self._backoff = Backoff()
         self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
         self._max_queue = max_queue
         self._cv = threading.Condition()
@@ -106,7 +104,7 @@ class RemoteTier:
     # ------------------------------------------------------- fault handling --
     @property
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self._backoff.ready()
 
     def _call(self, what: str, fn: Callable[[], object]) -> tuple[bool, object]:
         """(ok, result) of one bounded call; a failure marks the tier down."""
@@ -115,19 +113,13 @@ class RemoteTier:
         try:
             result = fn()
         except (redis.RedisError, OSError) as e:
-            with self._state:
-                self._backoff = min(MAX_BACKOFF_S, max(0.25, self._backoff * 2))
-                self._down_until = time.monotonic() + self._backoff
-                backoff = self._backoff
+            self._backoff.failed()
             self._count("remote_errors", 1)
             log.warning("shmkv: remote tier %s: %s failed (%s: %s); treated as a miss, next try in %.2f s",
-                        self.display_url, what, type(e).__name__, e, backoff)
+                        self.display_url, what, type(e).__name__, e, self._backoff.delay_s)
             return False, None
-        if self._backoff:
-            with self._state:
-                if self._backoff:
-                    log.info("shmkv: remote tier %s reachable again", self.display_url)
-                self._backoff = 0.0
+        if self._backoff.worked():
+            log.info("shmkv: remote tier %s reachable again", self.display_url)
         return True, result
 
     # ---------------------------------------------------------------- reads --

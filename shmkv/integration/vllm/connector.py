@@ -286,13 +286,15 @@ class ShmKVConnector(KVConnectorBase_V1):
             tokens = prompt_tokens(request)
             # the request's cache salt and LoRA adapter are in every key it reads or writes,
             # its multimodal items and prompt embeddings in the keys of the chunks they cover
-            planner = self._planner(getattr(request, "cache_salt", None), lora_extra(request))
+            # (computed once per request: vLLM may ask again every step until it admits it)
             plan = self._plans.get(request.request_id)
             if plan is None or plan.prompt_len != len(tokens):
+                planner = self._planner(getattr(request, "cache_salt", None), lora_extra(request))
                 extras = request_extras(request)
                 plan = RequestPlan(request.request_id, len(tokens), planner.units(tokens, extras), roots=planner.roots)
-                plan.extras = extras
+                plan.extras, plan.planner = extras, planner
                 self._plans[request.request_id] = plan
+            planner = plan.planner
             plan.local_tokens = num_computed_tokens
             if not self.loads_enabled:
                 return 0, False

@@ -76,6 +76,7 @@ class RequestPlan:
     stored_any: bool = False
     roots: tuple[bytes, ...] = ()  # namespace root key per rank (the request's cache salt included)
     extras: ExtraInputs | None = None  # multimodal items / prompt embeddings (in the keys of the chunks they cover)
+    planner: Planner | None = None  # of the request's namespace (its salt and LoRA adapter)
 
 
 class Planner:
