@@ -40,14 +40,21 @@ def unregister_segment(store: Store) -> None:
     _ext().unregister_host(store.arena_address)
 
 
-def paged_copy(layout: KVLayout, idx: np.ndarray, payload: Any, gather: bool, stream: Any) -> None:
+def paged_copy(layout: KVLayout, idx: np.ndarray, payload: Any, gather: bool, stream: Any,
+               part: tuple[int, int] | None = None) -> None:
     """Launch the copy on `stream` (a torch.cuda.Stream, a raw handle, or None
     for the current stream). Asynchronous: keep the payload's lease or
-    reservation until the stream has passed it."""
+    reservation until the stream has passed it. `part` = (offset, bytes) of
+    the payload this copy covers."""
     if isinstance(payload, torch.Tensor):
         address, nbytes = payload.data_ptr(), payload.numel() * payload.element_size()
     else:
         address, nbytes = int(payload.address), int(payload.size)
+    if part is not None:
+        off, n = part
+        if off < 0 or n < 0 or off + n > nbytes:
+            raise InvalidArgumentError(f"payload part [{off}, {off + n}) is outside the {nbytes}-byte payload")
+        address, nbytes = address + off, n
     if stream is None:
         stream = torch.cuda.current_stream(layout.device)
     handle = int(getattr(stream, "cuda_stream", stream))

@@ -116,16 +116,25 @@ def _as_index(x: Any, what: str) -> np.ndarray:
     return arr
 
 
-def _as_payload(x: Any) -> Any:
+def _as_payload(x: Any, part: tuple[int, int] | None = None) -> Any:
     """A buffer-protocol object for a payload: shmkv leases/reservations,
-    numpy arrays, bytearrays, or CPU torch tensors (viewed as bytes)."""
+    numpy arrays, bytearrays, or CPU torch tensors (viewed as bytes);
+    `part` = (offset, bytes) narrows it to that byte range."""
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise InvalidArgumentError("a tensor payload must live in CPU memory")
         if not x.is_contiguous():
             raise InvalidArgumentError("a tensor payload must be contiguous")
-        return x.detach().view(torch.uint8).reshape(-1).numpy()
-    return getattr(x, "_c", x)  # shmkv.store Lease/Reservation -> their C++ buffer
+        buf = x.detach().view(torch.uint8).reshape(-1).numpy()
+    else:
+        buf = getattr(x, "_c", x)  # shmkv.store Lease/Reservation -> their C++ buffer
+    if part is None:
+        return buf
+    off, n = part
+    mv = memoryview(buf).cast("B")
+    if off < 0 or n < 0 or off + n > len(mv):
+        raise InvalidArgumentError(f"payload part [{off}, {off + n}) is outside the {len(mv)}-byte payload")
+    return mv[off:off + n]
 
 
 class KVLayout:
@@ -202,21 +211,25 @@ class KVLayout:
 
     # ------------------------------------------------------------ copies --
     def gather(self, index: Any, payload: Any, stream: Any = None, *, payload_first: int = 0,
-               payload_blocks: int = -1, layers: tuple[int, int] | None = None) -> None:
+               payload_blocks: int = -1, layers: tuple[int, int] | None = None,
+               part: tuple[int, int] | None = None) -> None:
         """Paged cache -> payload. `index`: block ids (block mode) or a slot
         mapping (token mode; negative slots are skipped). In block mode the
         payload may hold `payload_blocks` blocks per layer, of which this
         copy fills those from `payload_first` on. `layers=(begin, end)`
-        copies only those layers (the payload keeps all of them)."""
-        self._copy(index, payload, True, stream, payload_first, payload_blocks, layers)
+        copies only those layers (the payload keeps all of them). `part` =
+        (offset, bytes): this layout's section of a larger payload (one
+        KV-cache group of a hybrid model)."""
+        self._copy(index, payload, True, stream, payload_first, payload_blocks, layers, part)
 
     def scatter(self, index: Any, payload: Any, stream: Any = None, *, payload_first: int = 0,
-                payload_blocks: int = -1, layers: tuple[int, int] | None = None) -> None:
+                payload_blocks: int = -1, layers: tuple[int, int] | None = None,
+                part: tuple[int, int] | None = None) -> None:
         """Payload -> paged cache (the inverse of gather)."""
-        self._copy(index, payload, False, stream, payload_first, payload_blocks, layers)
+        self._copy(index, payload, False, stream, payload_first, payload_blocks, layers, part)
 
     def _copy(self, index: Any, payload: Any, gather: bool, stream: Any, first: int, blocks: int,
-              layers: tuple[int, int] | None) -> None:
+              layers: tuple[int, int] | None, part: tuple[int, int] | None = None) -> None:
         what = "slot_mapping" if self.token_mode else "block_ids"
         idx = _as_index(index, what)
         l0, l1 = layers if layers is not None else (0, -1)
@@ -225,9 +238,9 @@ class KVLayout:
 
             if first or blocks >= 0 or layers is not None:
                 raise InvalidArgumentError("block windows and layer ranges are CPU-only")
-            gpu.paged_copy(self, idx, payload, gather, stream)
+            gpu.paged_copy(self, idx, payload, gather, stream, part)
             return
-        buf = _as_payload(payload)
+        buf = _as_payload(payload, part)
         if self.token_mode:
             if first or blocks >= 0:
                 raise InvalidArgumentError("payload_first/payload_blocks apply to block layouts only")

@@ -24,6 +24,9 @@ class TinyLlama:
     vocab_size: int = 4096
     max_position_embeddings: int = 4096
     seed: int = 0
+    # hybrid attention: per layer "sliding_attention" or "full_attention" (None: all full)
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
 
 
 TEST_MODEL = TinyLlama()
@@ -42,7 +45,7 @@ def write_llama(directory: str, spec: TinyLlama = TEST_MODEL) -> str:
     marker = os.path.join(directory, "shmkv_spec.json")
     if os.path.exists(marker):
         with open(marker) as f:
-            if json.load(f) == asdict(spec):
+            if json.load(f) == json.loads(json.dumps(asdict(spec))):
                 return directory
     h, layers = spec.hidden_size, spec.num_hidden_layers
     head = h // spec.num_attention_heads
@@ -65,6 +68,10 @@ def write_llama(directory: str, spec: TinyLlama = TEST_MODEL) -> str:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if spec.layer_types is not None:
+        if len(spec.layer_types) != layers or not spec.sliding_window:
+            raise ValueError("layer_types needs one entry per layer and a sliding_window")
+        config.update(layer_types=list(spec.layer_types), sliding_window=spec.sliding_window)
     g = torch.Generator().manual_seed(spec.seed)
 
     def w(*shape: int) -> torch.Tensor:

@@ -265,3 +265,15 @@ def read_digests(path: str) -> list[tuple[str, ...]]:
         return []
     with open(path) as f:
         return [tuple(line.split()) for line in f if line.strip()]
+
+
+def check_loaded_bytes_equal_stored(digest_file: str) -> int:
+    """Every KV-cache group's section loaded whole (debug_digest_file lines
+    "load KEY GROUP FIRST N TOTAL DIGEST") must digest like that section as
+    stored ("store KEY GROUP DIGEST"). Returns how many were compared."""
+    rows = read_digests(digest_file)
+    stored = {(r[1], r[2]): r[3] for r in rows if r[0] == "store"}
+    whole = [r for r in rows if r[0] == "load" and r[3] == "0" and r[4] == r[5]]
+    for _, key, group, _, _, _, digest in whole:
+        assert stored[(key, group)] == digest, f"unit {key} group {group}: loaded bytes differ from the stored ones"
+    return len(whole)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from shmkv import Store
-from shmkv.integration.vllm.planner import Planner, RequestPlan
+from shmkv.integration.vllm.planner import GroupWindow, Planner, RequestPlan
 from shmkv.keys import Namespace
 
 BS, CHUNK = 128, 256
@@ -68,10 +68,10 @@ def test_longer_prompt_reuses_the_stored_tail_piece(store):
     hit, units, _ = p.lookup(store, longer, p.units(longer))
     assert hit == 2944, "the piece stored for the shorter prompt extends the hit"
     plan = RequestPlan("r", len(longer), p.units(longer), hit_tokens=hit, hit_units=units,
-                       block_ids=list(range(100, 130)))
+                       block_ids=[list(range(100, 130))])
     items = p.load_items(plan)
     assert [i.keys for i in items][-1] == units[-1].keys
-    assert items[-1].block_ids == (122,) and items[-1].payload_blocks == 1
+    assert items[-1].groups == (GroupWindow(0, 1, (122,)),)
 
 
 def test_shared_prefix_hits_exactly_the_shared_full_chunks(store):
@@ -90,28 +90,28 @@ def test_load_window_starts_after_vllms_own_hit(store):
     put_units(store, units)
     hit, found, _ = p.lookup(store, t, units)
     plan = RequestPlan("r", 3000, units, local_tokens=384, hit_tokens=hit - 384, hit_units=found,
-                       block_ids=list(range(1000, 1024)))
+                       block_ids=[list(range(1000, 1024))])
     items = p.load_items(plan)
-    first = items[0]
-    assert (first.payload_first, first.payload_blocks, first.block_ids) == (1, 2, (1003,))
+    assert items[0].groups == (GroupWindow(1, 2, (1003,)),)
     assert sum(len(i.block_ids) for i in items) == (2944 - 384) // BS
 
 
 def test_store_plan_follows_chunked_prefill_and_skips_hits():
     p = Planner([ns()], BS)
     t = tokens(3000)
-    plan = RequestPlan("r", 3000, p.units(t), block_ids=list(range(24)))
-    assert [(i.payload_blocks, i.block_ids) for i in p.store_items(plan, 600)] == [(2, (0, 1)), (2, (2, 3))]
+    plan = RequestPlan("r", 3000, p.units(t), block_ids=[list(range(100, 124))])
+    assert [(i.tokens, i.groups) for i in p.store_items(plan, 600)] == [
+        (256, (GroupWindow(0, 2, (100, 101)),)), (256, (GroupWindow(0, 2, (102, 103)),))]
     assert p.store_items(plan, 600) == [], "each unit is planned once"
     rest = p.store_items(plan, 3000)
-    assert len(rest) == 10 and rest[-1].payload_blocks == 1 and rest[-1].block_ids == (22,)
-    hit_plan = RequestPlan("h", 3000, p.units(t), hit_tokens=2944, block_ids=list(range(24)))
+    assert len(rest) == 10 and rest[-1].tokens == 128 and rest[-1].groups == (GroupWindow(0, 1, (122,)),)
+    hit_plan = RequestPlan("h", 3000, p.units(t), hit_tokens=2944, block_ids=[list(range(100, 124))])
     assert p.store_items(hit_plan, 3000) == [], "loaded units are not stored again"
 
 
 def test_store_plan_waits_for_blocks_to_exist():
     p = Planner([ns()], BS)
-    plan = RequestPlan("r", 3000, p.units(tokens(3000)), block_ids=[0, 1, 2])
+    plan = RequestPlan("r", 3000, p.units(tokens(3000)), block_ids=[[1, 2, 3]])
     assert len(p.store_items(plan, 3000)) == 1
 
 

@@ -10,11 +10,20 @@ import torch
 from kv_reference import make_cache
 
 from shmkv import Store
-from shmkv.integration.vllm.planner import LoadItem, StoreItem
+from shmkv.integration.vllm.planner import GroupWindow, LoadItem, StoreItem
 from shmkv.integration.vllm.worker import KVWorker
 from shmkv.layout import KVLayout
 
 BS = 16
+
+
+def stored(key: bytes, *block_ids: int) -> StoreItem:
+    """A one-group unit of whole blocks, as the planner makes them."""
+    return StoreItem("r", (key,), len(block_ids) * BS, (GroupWindow(0, len(block_ids), block_ids),))
+
+
+def loaded(key: bytes, *block_ids: int) -> LoadItem:
+    return LoadItem("q", (key,), (GroupWindow(0, len(block_ids), block_ids),))
 
 
 @pytest.fixture
@@ -28,9 +37,9 @@ def setup(cache_name):
 
 def test_store_then_load_into_another_cache(setup):
     store, a, b, src, dst = setup
-    a.store([StoreItem("r", (b"k1" * 8,), 2, (3, 5)), StoreItem("r", (b"k2" * 8,), 1, (6,))])
+    a.store([stored(b"k1" * 8, 3, 5), stored(b"k2" * 8, 6)])
     assert a.counters["stored_units"] == 2
-    failed, done = b.load([LoadItem("q", (b"k1" * 8,), 0, 2, (0, 1)), LoadItem("q", (b"k2" * 8,), 0, 1, (2,))])
+    failed, done = b.load([loaded(b"k1" * 8, 0, 1), loaded(b"k2" * 8, 2)])
     assert failed == set() and done["q"][0] == 3 * BS
     for s, d in zip(src, dst):
         for a_blk, b_blk in ((3, 0), (5, 1), (6, 2)):
@@ -40,10 +49,10 @@ def test_store_then_load_into_another_cache(setup):
 
 def test_missing_units_are_reported_not_raised(setup):
     store, a, b, _, _ = setup
-    a.store([StoreItem("r", (b"k1" * 8,), 1, (3,))])
-    failed, done = b.load([LoadItem("q", (b"k1" * 8,), 0, 1, (0,)),
-                           LoadItem("q", (b"gone" * 4,), 0, 2, (1, 2)),
-                           LoadItem("q", (b"after" * 3 + b"!",), 0, 1, (4,))])
+    a.store([stored(b"k1" * 8, 3)])
+    failed, done = b.load([loaded(b"k1" * 8, 0),
+                           loaded(b"gone" * 4, 1, 2),
+                           loaded(b"after" * 3 + b"!", 4)])
     assert failed == {1, 2, 4}, "the first miss ends the prefix: later units are not loaded either"
     assert done["q"][0] == BS
     assert b.counters["load_missing_units"] == 2
@@ -51,8 +60,8 @@ def test_missing_units_are_reported_not_raised(setup):
 
 def test_a_broken_scatter_is_reported_and_the_lease_returned(setup):
     store, a, b, _, _ = setup
-    a.store([StoreItem("r", (b"k1" * 8,), 1, (3,))])
-    failed, _ = b.load([LoadItem("q", (b"k1" * 8,), 0, 1, (99,))])  # block id out of range
+    a.store([stored(b"k1" * 8, 3)])
+    failed, _ = b.load([loaded(b"k1" * 8, 99)])  # block id out of range
     assert failed == {99} and b.counters["load_errors"] == 1
     assert store.stats()["leases_held"] == 0
 
@@ -66,7 +75,7 @@ def test_full_and_existing_stores_are_skipped(cache_name):
     for i in range(n):
         store.put(i.to_bytes(16, "little"), np.zeros(unit, np.uint8))
         store.pin(i.to_bytes(16, "little"))
-    w.store([StoreItem("r", (b"new" * 5 + b"!",), 1, (1,)), StoreItem("r", ((0).to_bytes(16, "little"),), 1, (2,))])
+    w.store([stored(b"new" * 5 + b"!", 1), stored((0).to_bytes(16, "little"), 2)])
     assert w.counters["store_full"] == 1 and w.counters["store_exists"] == 1
     t = w.finish("r")
     assert t.not_stored == 1 and t.already_cached == 1 and t.stored_units == 0
@@ -75,8 +84,8 @@ def test_full_and_existing_stores_are_skipped(cache_name):
 
 def test_pipelined_load_signals_each_layer_then_releases(setup):
     store, a, b, src, dst = setup
-    a.store([StoreItem("r", (b"k1" * 8,), 2, (3, 5))])
-    b.start_load([LoadItem("q", (b"k1" * 8,), 0, 2, (0, 1))], pipelined=True)
+    a.store([stored(b"k1" * 8, 3, 5)])
+    b.start_load([loaded(b"k1" * 8, 0, 1)], pipelined=True)
     for name in b.layout.names:  # as vLLM's attention layers would, in order
         b.wait_layer(name)
         i = b.layout.layer_index(name)

@@ -7,23 +7,12 @@ prefix loads exactly the shared full chunks."""
 from __future__ import annotations
 
 import pytest
-from conftest import E2E_TOKENS, random_prompt, read_digests
+from conftest import E2E_TOKENS, check_loaded_bytes_equal_stored, random_prompt
 
 pytestmark = pytest.mark.slow
 
 P = random_prompt(3000, seed=1)
 Q = P[:2000] + random_prompt(1000, seed=2)
-
-
-def check_loaded_bytes_equal_stored(digest_file: str) -> int:
-    """Every unit loaded whole must digest like the unit the first engine stored."""
-    rows = read_digests(digest_file)
-    stored = {r[1]: r[2] for r in rows if r[0] == "store"}
-    loads = [r for r in rows if r[0] == "load"]
-    whole = [r for r in loads if r[2] == "0" and r[3] == r[4]]
-    for _, key, _, _, _, digest in whole:
-        assert stored[key] == digest, f"unit {key} loaded bytes differ from the stored ones"
-    return len(whole)
 
 
 def test_second_engine_loads_while_first_runs_and_after_it_exits(cache_name, start_engine, reference, tmp_path):

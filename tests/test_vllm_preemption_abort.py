@@ -4,7 +4,7 @@ prefill (512-token steps) and a KV cache of only 40 blocks."""
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompt, read_digests
+from conftest import check_loaded_bytes_equal_stored, random_prompt
 
 from shmkv import Store
 
@@ -26,12 +26,7 @@ def test_resumed_request_reloads_its_own_chunks_and_abort_leaves_only_good_chunk
     assert all(len(o) == 700 for o in r["outputs"])
     assert e.metrics().get("vllm:num_preemptions", 0) >= 1
     assert store.stats()["hits"] > 0, "the resumed request loaded its prefix from shmkv"
-    rows = read_digests(digests)
-    stored = {row[1]: row[2] for row in rows if row[0] == "store"}
-    loads = [row for row in rows if row[0] == "load" and row[2] == "0" and row[3] == row[4]]
-    assert loads, "the resumed request's units were loaded whole"
-    for _, key, _, _, _, digest in loads:
-        assert stored[key] == digest
+    assert check_loaded_bytes_equal_stored(digests), "the resumed request's units were loaded whole"
 
     # abort a request after two 512-token steps of its prefill
     prompt = prompts[0][:700] + random_prompt(1000, seed=56)

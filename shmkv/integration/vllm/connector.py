@@ -19,6 +19,13 @@ others attach (embedded default).
 Roles: kv_producer only stores, kv_consumer only loads, kv_both does both.
 Failures inside the connector are logged and counted; the request then runs
 without the cache (vLLM is told to recompute blocks that could not be loaded).
+
+Hybrid models: the connector declares SupportsHMA, so vLLM keeps its hybrid
+KV-cache manager on. Every KV-cache group is copied with its own block ids;
+full-attention and sliding-window groups are supported (planner.py says what
+a sliding-window group stores). A group of any other kind (Mamba or other
+linear-attention state, chunked local attention, ...) turns the connector
+off for that engine with one log line, and vLLM serves as usual.
 """
 
 from __future__ import annotations
@@ -37,11 +44,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from shmkv.config import ShmkvConfig, load_config
 from shmkv.errors import ConfigError
-from shmkv.integration.vllm.planner import LoadItem, Planner, RequestPlan, StoreItem
+from shmkv.integration.vllm.planner import NULL_BLOCK, LoadItem, Planner, RequestPlan, StoreItem
 from shmkv.keys import ExtraInputs, MultiModalItem, Namespace
 from shmkv.maintainer import promote
 from shmkv.namespaces import register
@@ -87,6 +95,51 @@ class ShmKVMetadata(KVConnectorMetadata):
     loads: list[LoadItem] = field(default_factory=list)
     stores: list[StoreItem] = field(default_factory=list)
     summaries: dict[str, RequestSummary] = field(default_factory=dict)
+    # blocks promised to vLLM whose loads could not be planned: the worker reports them as load errors
+    failed_blocks: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group of the engine: its layers and sliding window (0: full attention)."""
+
+    layer_names: tuple[str, ...]
+    window: int = 0
+
+
+def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[list[KVGroup], str | None]:
+    """The engine's KV-cache groups, or the reason shmkv cannot copy them exactly."""
+    if kv_cache_config is None:
+        return [KVGroup(())], None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    groups = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        kind = type(spec).__name__
+        if getattr(g, "is_eagle_group", False):
+            return [], f"KV-cache group {i} holds speculative-decoding (EAGLE) draft layers"
+        if not getattr(g, "enable_kv_transfer", True):
+            return [], f"KV-cache group {i} is rebuilt by vLLM after a transfer (not transferable state)"
+        if spec.block_size != block_size:
+            return [], f"KV-cache group {i} ({kind}) has block size {spec.block_size}, not {block_size}"
+        if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            groups.append(KVGroup(tuple(g.layer_names)))
+        elif type(spec) is SlidingWindowSpec and not spec.extra_retained_tokens:
+            groups.append(KVGroup(tuple(g.layer_names), int(spec.sliding_window)))
+        else:
+            return [], (f"KV-cache group {i} is {kind} (layers {', '.join(g.layer_names[:3])}"
+                        f"{', ...' if len(g.layer_names) > 3 else ''}): shmkv copies attention KV only, and "
+                        "this state cannot be restored exactly from chunks")
+    return groups, None
+
+
+def groups_field(groups: list[KVGroup]) -> tuple[tuple[str, str], ...]:
+    """Namespace field of a hybrid engine's groups (none for one full-attention group, so
+    plain models keep their keys): the payload's sections follow them."""
+    if len(groups) == 1 and not groups[0].window:
+        return ()
+    return (("kv_groups", ";".join(f"{g.window}:{','.join(g.layer_names)}" for g in groups)),)
 
 
 def namespace_for(vllm_config: VllmConfig, cfg: ShmkvConfig, tp_rank: int) -> Namespace:
@@ -183,7 +236,7 @@ def lora_digest(path: str) -> str:
     return d
 
 
-class ShmKVConnector(KVConnectorBase_V1):
+class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -201,17 +254,29 @@ class ShmKVConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._kv_role_name = role.name.lower()
+        self._groups, self.off_reason = kv_groups_of(kv_cache_config, self.block_size)
+        self._worker = None
+        self._maintainer_role = None
+        self._promoter = None
+        self.remote = None
+        self._load_errors: set[int] = set()  # worker: blocks vLLM must recompute
+        self._finished_waiting: set[str] = set()
+        self._loading: ShmKVMetadata | None = None
+        if self.off_reason is not None:
+            # NOTE: one line per engine (the scheduler's); vLLM serves as if no connector were set.
+            (log.warning if role == KVConnectorRole.SCHEDULER else log.debug)(
+                "shmkv: connector off for this engine: %s; vLLM serves without the shared cache", self.off_reason)
+            self.loads_enabled = self.stores_enabled = False
+            self.store = None
+            return
         self.store = open_store(self.cfg)
-        self._base_ns = [namespace_for(vllm_config, self.cfg, r) for r in range(self.tp_size)]
+        self._base_ns = [dataclasses.replace(n, extra=n.extra + groups_field(self._groups))
+                         for n in (namespace_for(vllm_config, self.cfg, r) for r in range(self.tp_size))]
         self._planners: dict[str | None, Planner] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(ktc)
         else:
-            self._worker = None
             self._tp_rank = self._get_tp_rank()
-            self._load_errors: set[int] = set()
-            self._finished_waiting: set[str] = set()
-            self._loading: ShmKVMetadata | None = None
         log.info("shmkv: %s connector ready (role %s, chunk %d tokens, block %d, loads %s, stores %s)",
                  role.name.lower(), ktc.kv_role, self.cfg.chunk_size, self.block_size,
                  "on" if self.loads_enabled else "off", "on" if self.stores_enabled else "off")
@@ -223,7 +288,8 @@ class ShmKVConnector(KVConnectorBase_V1):
         p = self._planners.get((salt, lora))
         if p is None:
             ns = [dataclasses.replace(n.with_salt(salt), extra=n.extra + lora) for n in self._base_ns]
-            p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail)
+            p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail,
+                        windows=[g.window for g in self._groups])
             self._planners[(salt, lora)] = p
         return p
 
@@ -251,6 +317,10 @@ class ShmKVConnector(KVConnectorBase_V1):
         self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0}
         self.disk = None
         self._promoter: ThreadPoolExecutor | None = None
+        if groups_field(self._groups):
+            log.info("shmkv: hybrid KV cache, %d groups: %s", len(self._groups), "; ".join(
+                f"{len(g.layer_names)} layers with " + (f"a {g.window}-token sliding window" if g.window
+                                                       else "full attention") for g in self._groups))
         for rank, ns in enumerate(self._base_ns):
             # operators name a namespace by this root in the controller API (lookup, clear, pin...)
             log.info("shmkv: namespace of TP rank %d: root %s (model %s, %s, %d layers)", rank,
@@ -269,7 +339,6 @@ class ShmKVConnector(KVConnectorBase_V1):
             # NOTE: promotion reads and decompresses off the scheduler's thread
             self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
         # NOTE: not `_role`: KVConnectorBase_V1 keeps vLLM's KVConnectorRole there.
-        self._maintainer_role = None
         if self.cfg.maintainer:
             from shmkv.maintainer import MaintainerRole
 
@@ -282,6 +351,8 @@ class ShmKVConnector(KVConnectorBase_V1):
             log.info("shmkv: set kv_load_failure_policy=recompute (a cache miss at load time is recomputed)")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.off_reason is not None:
+            return 0, False
         try:
             tokens = prompt_tokens(request)
             # the request's cache salt and LoRA adapter are in every key it reads or writes,
@@ -353,11 +424,13 @@ class ShmKVConnector(KVConnectorBase_V1):
         return None, None
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self.off_reason is not None:
+            return
         plan = self._plans.get(request.request_id)
         if plan is None:
             return
         try:
-            plan.block_ids = list(blocks.get_block_ids()[0])
+            plan.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         except Exception:
             log.exception("shmkv: cannot read block ids of request %s", request.request_id)
             num_external_tokens = 0
@@ -370,19 +443,38 @@ class ShmKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = ShmKVMetadata()
+        if self.off_reason is not None:
+            return meta
+        try:
+            self._plan_loads(meta)
+        finally:
+            self._pending_loads.clear()
         try:
             self._build(scheduler_output, meta)
         except Exception:
-            log.exception("shmkv: planning this step failed; it runs without the cache")
-            meta = ShmKVMetadata()
-        self._pending_loads.clear()
+            log.exception("shmkv: planning the stores of this step failed; they are skipped")
+            meta.stores = []
         return meta
 
-    def _build(self, so: SchedulerOutput, meta: ShmKVMetadata) -> None:
+    def _plan_loads(self, meta: ShmKVMetadata) -> None:
+        """Load items of the requests admitted with a hit. A request whose loads
+        cannot be planned has its promised blocks reported as load errors, so
+        vLLM recomputes them (never runs on blocks nobody filled)."""
         planner = self._planner(None)  # units carry their own keys: any planner of this geometry
+        bs = self.block_size
         for req_id, plan in self._pending_loads.items():
-            meta.loads.extend(planner.load_items(plan))
+            try:
+                meta.loads.extend(planner.load_items(plan))
+            except Exception:
+                self.counters["lookup_errors"] += 1
+                log.exception("shmkv: planning the load of request %s failed; vLLM recomputes it", req_id)
+                lo, hi = plan.local_tokens // bs, (plan.local_tokens + plan.hit_tokens) // bs
+                meta.failed_blocks.update(b for ids in plan.block_ids for b in ids[lo:hi] if b != NULL_BLOCK)
+                continue
             meta.summaries[req_id] = RequestSummary(req_id, plan.prompt_len, plan.local_tokens, plan.hit_tokens)
+
+    def _build(self, so: SchedulerOutput, meta: ShmKVMetadata) -> None:
+        planner = self._planner(None)
         # Admitted now: vLLM asks again only if it preempts the request, and
         # that new admission is counted and logged like a first one.
         for new in so.scheduled_new_reqs:
@@ -395,7 +487,7 @@ class ShmKVConnector(KVConnectorBase_V1):
             plan = self._plans.get(new.req_id)
             if plan is None:  # never seen by get_num_new_matched_tokens: its salt is unknown
                 continue
-            plan.block_ids = list(new.block_ids[0])
+            plan.block_ids = [list(ids) for ids in new.block_ids]
             done = new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)
             meta.stores.extend(planner.store_items(plan, done))
         cached = so.scheduled_cached_reqs
@@ -405,17 +497,28 @@ class ShmKVConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                plan.block_ids = list(new_ids[0]) if new_ids else []
+                plan.block_ids = [list(ids) for ids in new_ids] if new_ids else [[] for _ in self._groups]
             elif new_ids:
-                plan.block_ids.extend(new_ids[0])
+                for mine, ids in zip(plan.block_ids, new_ids):
+                    mine.extend(ids)
             done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
             meta.stores.extend(planner.store_items(plan, done))
 
     def update_connector_output(self, connector_output: Any) -> None:
         return
 
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call when the hybrid KV-cache manager is on (SupportsHMA)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.off_reason is not None:
+            return False, None
         plan = self._plans.pop(request.request_id, None)
+        if plan is not None and plan.window_skipped:
+            log.debug("shmkv: request %s: %d chunks not stored (their sliding window held vLLM's null block)",
+                      request.request_id, plan.window_skipped)
         self._asked.discard(request.request_id)
         self._promotions.pop(request.request_id, None)
         self._promoted.discard(request.request_id)
@@ -433,7 +536,7 @@ class ShmKVConnector(KVConnectorBase_V1):
         (every namespace it used: its own, salted and LoRA ones) from every
         tier; other engines' chunks stay. False when the table lock could not
         be had."""
-        if self._kv_role_name != "scheduler":
+        if self._kv_role_name != "scheduler" or self.off_reason is not None:
             return None
         from shmkv.errors import LockTimeoutError
 
@@ -458,6 +561,8 @@ class ShmKVConnector(KVConnectorBase_V1):
 
     # =============================================================== worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.off_reason is not None:
+            return
         from shmkv.integration.vllm.worker import KVWorker
         from shmkv.layout import KVLayout
 
@@ -466,15 +571,27 @@ class ShmKVConnector(KVConnectorBase_V1):
             kind = "cpu"
         else:
             kind = {4: "hnd", 5: "kv_split", 3: "mla"}.get(first.dim(), "")
-        layout = KVLayout.from_tensors(kv_caches, kind)
+        groups = [g.layer_names or tuple(kv_caches) for g in self._groups]
+        layouts = [KVLayout(kind, [kv_caches[n] for n in names], names) for names in groups]
         remote = None
         if self.cfg.remote_write_through:
             remote = open_remote(self.cfg, store=self.store, disk=None,
                                  element_size=self.cfg.disk_shuffle_bytes or first.element_size())
-        self._worker = KVWorker(self.store, layout, self._tp_rank, digest_file=self.cfg.debug_digest_file,
-                                remote=remote)
-        log.info("shmkv: registered %d KV layers (%s layout, %s, %.1f KiB per token)", len(kv_caches), kind,
-                 str(first.dtype).replace("torch.", ""), layout.bytes_per_token() / 1024)
+        self._worker = KVWorker(self.store, layouts, self._tp_rank, digest_file=self.cfg.debug_digest_file,
+                                remote=remote, layer_order=list(kv_caches))
+        log.info("shmkv: registered %d KV layers in %d group(s) (%s layout, %s, %.1f KiB per token)",
+                 len(kv_caches), len(layouts), kind, str(first.dtype).replace("torch.", ""),
+                 sum(lay.bytes_per_token() for lay in layouts) / 1024)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, ShmKVMetadata) and connector_metadata.failed_blocks:
+            self._load_errors |= connector_metadata.failed_blocks
+        if self._worker is not None and self._worker.on_gpu and any(g.window for g in self._groups):
+            # NOTE: vLLM frees sliding-window blocks as a request advances and may hand them
+            # to this step's forward: it must not overwrite them before last step's stores
+            # have read them (the compute stream waits on their events; the host does not).
+            self._worker.order_compute_after_stores()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -535,13 +652,13 @@ class ShmKVConnector(KVConnectorBase_V1):
         return out
 
     def shutdown(self) -> None:
-        if getattr(self, "_worker", None) is not None:
+        if self._worker is not None:
             self._worker.shutdown()
-        if getattr(self, "_maintainer_role", None) is not None:
+        if self._maintainer_role is not None:
             self._maintainer_role.stop()
-        if getattr(self, "_promoter", None) is not None:
+        if self._promoter is not None:
             self._promoter.shutdown(wait=True)
-        if getattr(self, "remote", None) is not None:
+        if self.remote is not None:
             self.remote.flush(timeout_s=10)
             self.remote.close()
         log.info("shmkv: %s connector shut down", self._kv_role_name)

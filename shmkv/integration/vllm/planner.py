@@ -15,6 +15,20 @@ The planner answers three questions:
     cached yet (chunked prefill stores chunk by chunk; decode is ignored).
 
 Keys are computed per tensor-parallel rank (each rank stores its own shard).
+
+Hybrid models (vLLM's hybrid KV-cache manager): the KV cache is split into
+*groups* of layers, each with its own block table (`RequestPlan.block_ids`
+holds one list per group). A unit's payload is the groups' parts one after
+the other. A full-attention group stores all the unit's blocks. A
+sliding-window group (window W) stores only the blocks holding the unit's
+last W-1 tokens, [max(start, end - W + 1), end): the only ones a hit ending
+at or after the unit's end can need (vLLM frees, and pads with its null
+block, everything before the window of the next token). Those blocks are
+always still allocated in the step that completes the unit; a unit whose
+window holds a null block (vLLM's own prefix hit skipped it) is not stored.
+A load fills a sliding group only from the window of the hit's end on; a hit
+that ends inside its last unit (vLLM's one-token rule) is cut back to the
+unit's start when that unit's stored window does not cover it.
 """
 
 from __future__ import annotations
@@ -40,25 +54,52 @@ class Unit:
         return self.end - self.start
 
 
-@dataclass(frozen=True)
-class LoadItem:
-    """Fill `block_ids` from blocks [first, first + len(block_ids)) of the
-    unit's payload, which holds `payload_blocks` blocks per layer."""
+NULL_BLOCK = 0  # vLLM's null block (the block pool's first): a freed or skipped position
 
-    req_id: str
-    keys: tuple[bytes, ...]
+
+@dataclass(frozen=True)
+class GroupWindow:
+    """One KV-cache group's part of a copy: that group's section of the unit's
+    payload holds `payload_blocks` blocks per layer; the copy moves blocks
+    [payload_first, payload_first + len(block_ids)) of it to or from
+    `block_ids` of the paged cache."""
+
     payload_first: int
     payload_blocks: int
     block_ids: tuple[int, ...]
 
 
+def _all_blocks(groups: tuple[GroupWindow, ...]) -> tuple[int, ...]:
+    return tuple(b for g in groups for b in g.block_ids)
+
+
 @dataclass(frozen=True)
-class StoreItem:
+class LoadItem:
+    """Fill each group's window of the paged cache from the stored unit."""
+
     req_id: str
     keys: tuple[bytes, ...]
-    payload_blocks: int
-    block_ids: tuple[int, ...]
+    groups: tuple[GroupWindow, ...]  # one per KV-cache group
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """Every block this item fills (all groups): what vLLM recomputes if it fails."""
+        return _all_blocks(self.groups)
+
+
+@dataclass(frozen=True)
+class StoreItem:
+    """Store a unit of `tokens` tokens: each group's window, whole."""
+
+    req_id: str
+    keys: tuple[bytes, ...]
+    tokens: int
+    groups: tuple[GroupWindow, ...]  # one per KV-cache group, payload_first 0
     namespaces: tuple[bytes, ...] = ()  # root key per rank: tags the entry (clear by namespace, tiers)
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return _all_blocks(self.groups)
 
 
 @dataclass
@@ -71,9 +112,10 @@ class RequestPlan:
     hit_tokens: int = 0  # tokens shmkv supplies (beyond vLLM's local hit)
     local_tokens: int = 0  # vLLM's own prefix-cache hit when it asked us
     hit_units: list[Unit] = field(default_factory=list)  # what the lookup found
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=lambda: [[]])  # per KV-cache group
     next_store: int = 0  # first unit not yet considered for storing
     stored_any: bool = False
+    window_skipped: int = 0  # units not stored: a sliding window held vLLM's null block
     roots: tuple[bytes, ...] = ()  # namespace root key per rank (the request's cache salt included)
     extras: ExtraInputs | None = None  # multimodal items / prompt embeddings (in the keys of the chunks they cover)
     planner: Planner | None = None  # of the request's namespace (its salt and LoRA adapter)
@@ -81,8 +123,10 @@ class RequestPlan:
 
 class Planner:
     def __init__(self, namespaces: Sequence[Namespace | bytes], block_size: int, *, store_tail: bool = True,
-                 chunk_size: int | None = None):
-        """One namespace (or its 16-byte root key, then give chunk_size) per TP rank."""
+                 chunk_size: int | None = None, windows: Sequence[int] = (0,)):
+        """One namespace (or its 16-byte root key, then give chunk_size) per TP
+        rank; `windows`: per KV-cache group, its sliding window in tokens (0:
+        full attention)."""
         if not namespaces:
             raise ValueError("need one namespace per TP rank")
         self.roots = tuple(ns if isinstance(ns, bytes) else ns.root_key() for ns in namespaces)
@@ -92,6 +136,9 @@ class Planner:
             raise ValueError("chunk_size is needed when namespaces are given as root keys")
         self.block_size = block_size
         self.store_tail = store_tail
+        if not windows or any(w < 0 for w in windows):
+            raise ValueError(f"windows must be one size >= 0 per KV-cache group, got {tuple(windows)}")
+        self.windows = tuple(int(w) for w in windows)
         if self.chunk_size % block_size:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of block_size {block_size}")
 
@@ -177,6 +224,8 @@ class Planner:
         hit = found[-1].end if found else 0
         if cap:
             hit = min(hit, self.max_loadable(len(tokens)))
+        if found and found[-1].start < hit < found[-1].end and not self._windows_cover(found[-1], hit):
+            hit = found[-1].start
         keep = [u for u in found if u.start < hit]
         return hit, keep, [u for u in lower if u.start < hit]
 
@@ -186,10 +235,36 @@ class Planner:
         flags = remote.contains([k for u in units for k in u.keys], [root for _ in units for root in self.roots])
         return [all(flags[i * nr:(i + 1) * nr]) for i in range(len(units))]
 
+    # ----------------------------------------------------- group windows --
+    def stored_blocks(self, u: Unit, group: int) -> tuple[int, int]:
+        """(first block of the unit, number of blocks) that `group` stores of unit `u`."""
+        bs, w = self.block_size, self.windows[group]
+        n = u.tokens // bs
+        if not w:
+            return 0, n
+        first = max(u.start, u.end - w + 1) // bs - u.start // bs
+        return first, n - first
+
+    def _window_start(self, group: int, hit_end: int) -> int:
+        """First token position `group` needs for a hit of `hit_end` tokens
+        (vLLM's sliding-window skip rule: the next token sees the last W-1)."""
+        w = self.windows[group]
+        return max(0, hit_end - w + 1) if w else 0
+
+    def _windows_cover(self, u: Unit, hit_end: int) -> bool:
+        """Whether every group's stored part of `u` holds what a hit ending at hit_end needs of it."""
+        bs = self.block_size
+        for g in range(len(self.windows)):
+            need = max(u.start, self._window_start(g, hit_end)) // bs - u.start // bs
+            if need < self.stored_blocks(u, g)[0]:
+                return False
+        return True
+
     # ---------------------------------------------------------- loading --
     def load_items(self, plan: RequestPlan) -> list[LoadItem]:
         """Items that fill tokens [local, local + hit) into the request's
-        blocks, each a window of one found unit's payload."""
+        blocks, each a window of one found unit's payload (per group: only
+        the blocks the group needs, none of vLLM's null blocks)."""
         lo, hi = plan.local_tokens, plan.local_tokens + plan.hit_tokens
         bs = self.block_size
         items = []
@@ -197,8 +272,17 @@ class Planner:
             a, b = max(u.start, lo), min(u.end, hi)
             if a >= b:
                 continue
-            blocks = tuple(plan.block_ids[a // bs:b // bs])
-            items.append(LoadItem(plan.req_id, u.keys, (a - u.start) // bs, u.tokens // bs, blocks))
+            groups = []
+            for g, ids in enumerate(plan.block_ids):
+                first, n = self.stored_blocks(u, g)
+                p0 = max(a, self._window_start(g, hi)) // bs  # first request position this group needs
+                p0 = min(p0, b // bs)
+                blocks = tuple(ids[p0:b // bs])
+                if p0 - u.start // bs < first or NULL_BLOCK in blocks:
+                    raise ValueError(f"request {plan.req_id}: group {g} needs blocks the unit at {u.start} "
+                                     "did not store (a planning bug)")
+                groups.append(GroupWindow(p0 - u.start // bs - first, n, blocks))
+            items.append(LoadItem(plan.req_id, u.keys, tuple(groups)))
         return items
 
     # ---------------------------------------------------------- storing --
@@ -209,13 +293,20 @@ class Planner:
         hit_end = plan.local_tokens + plan.hit_tokens if plan.hit_tokens else 0
         while plan.next_store < len(plan.units):
             u = plan.units[plan.next_store]
-            if u.end > min(computed_after, plan.prompt_len) or u.end > len(plan.block_ids) * bs:
+            if u.end > min(computed_after, plan.prompt_len) or any(u.end > len(ids) * bs for ids in plan.block_ids):
                 break
             plan.next_store += 1
             if u.end <= hit_end:
                 continue  # it came from shmkv: cached already
-            blocks = tuple(plan.block_ids[u.start // bs:u.end // bs])
-            items.append(StoreItem(plan.req_id, u.keys, u.tokens // bs, blocks, plan.roots))
+            groups = []
+            for g, ids in enumerate(plan.block_ids):
+                first, n = self.stored_blocks(u, g)
+                p0 = u.start // bs + first
+                groups.append(GroupWindow(0, n, tuple(ids[p0:p0 + n])))
+            if any(NULL_BLOCK in w.block_ids or len(w.block_ids) < w.payload_blocks for w in groups):
+                plan.window_skipped += 1  # vLLM's own prefix hit padded the window with null blocks
+                continue
+            items.append(StoreItem(plan.req_id, u.keys, u.tokens, tuple(groups), plan.roots))
         if items:
             plan.stored_any = True
         return items

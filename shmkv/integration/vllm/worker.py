@@ -10,6 +10,10 @@ full, another process writing it) is skipped. Every such path has a counter.
 On a GPU, stores must not stall the next forward pass: the gather runs on a
 side stream and the chunk is committed when its CUDA event has completed; the
 scheduler keeps the request's blocks until `finished_sending` says so.
+
+A hybrid model's KV cache is several groups (one KVLayout each, with its own
+block ids); a unit's payload is the groups' sections in group order, each
+`[layers of the group][its stored blocks][block bytes]` (or per token).
 """
 
 from __future__ import annotations
@@ -19,13 +23,13 @@ import os
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
-from shmkv.integration.vllm.planner import LoadItem, StoreItem
+from shmkv.integration.vllm.planner import GroupWindow, LoadItem, StoreItem
 from shmkv.layout import KVLayout
 from shmkv.store import PutResult, Reservation, Store
 
@@ -66,10 +70,22 @@ class RequestTally:
 class KVWorker:
     """Loads and stores units for one worker (one TP rank)."""
 
-    def __init__(self, store: Store, layout: KVLayout, tp_rank: int, *, digest_file: str = "", remote=None):
+    def __init__(self, store: Store, layouts: KVLayout | Sequence[KVLayout], tp_rank: int, *,
+                 digest_file: str = "", remote=None, layer_order: Sequence[str] | None = None):
+        """`layouts`: one per KV-cache group, in vLLM's group order;
+        `layer_order`: every layer name in forward order (default: group by group)."""
         self.cache = store
         self.remote = remote  # write-through: committed chunks are queued for the remote tier
-        self.layout = layout
+        self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
+        self.layout = layout = self.layouts[0]
+        if len({lay.block_size for lay in self.layouts}) != 1:
+            raise ValueError("every KV-cache group must have the same block size")
+        where = {name: (g, li) for g, lay in enumerate(self.layouts) for li, name in enumerate(lay.names)}
+        order = list(layer_order) if layer_order is not None else list(where)
+        if sorted(order) != sorted(where):
+            raise ValueError("layer_order must name every layer of the groups once")
+        self._order = [where[name] for name in order]  # forward position -> (group, layer in group)
+        self._position = {name: i for i, name in enumerate(order)}
         self.rank = tp_rank
         self.counters: Counter[str] = Counter()
         self.tallies: dict[str, RequestTally] = defaultdict(RequestTally)
@@ -116,7 +132,7 @@ class KVWorker:
                 else:
                     self._failed.update(it.block_ids)
                     self.counters["load_missing_units"] += 1
-        n = self.layout.num_layers
+        n = len(self._order)
         self._layer_done = [threading.Event() for _ in range(n)]
         self._broken: set[int] = set()  # job indices whose copy failed
         if pipelined and not self.on_gpu and n > 1 and self._jobs:
@@ -129,24 +145,24 @@ class KVWorker:
     def _load_layers(self, move_off_omp_cores: bool) -> None:
         if move_off_omp_cores:
             _avoid_cores_of_the_main_thread()
-        for layer in range(self.layout.num_layers):
+        for pos, (g, layer) in enumerate(self._order):
             for j, (it, lease) in enumerate(self._jobs):
                 if j in self._broken:
                     continue
                 try:
-                    self._scatter(it, lease, (layer, layer + 1))
+                    self._scatter(it, lease, g, (layer, layer + 1))
                 except Exception:
                     log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
                     self._broken.add(j)
                     self.counters["load_errors"] += 1
-            self._layer_done[layer].set()
+            self._layer_done[pos].set()
         if self.on_gpu and self._jobs:
             import torch
 
             torch.cuda.current_stream(self.layout.device).synchronize()
 
     def wait_layer(self, name: str) -> None:
-        idx = self.layout.layer_index(name)
+        idx = self._position.get(name)
         if idx is not None and self._loader is not None:
             self._layer_done[idx].wait()
 
@@ -161,12 +177,12 @@ class KVWorker:
         for j, (it, lease) in enumerate(self._jobs):
             ok = j not in self._broken
             if ok and self.digest_file:
-                self._digest("load", it.keys[self.rank], it.block_ids, it.payload_first, it.payload_blocks)
+                self._digest_load(it)
             if not lease.release():  # reclaimed meanwhile: the bytes may be wrong
                 self.counters["load_stale"] += 1
                 ok = False
             if ok:
-                loaded[it.req_id] += len(it.block_ids) * bs
+                loaded[it.req_id] += max(len(w.block_ids) for w in it.groups) * bs
             else:
                 self._failed.update(it.block_ids)
         seconds = time.perf_counter() - self._t0
@@ -176,29 +192,49 @@ class KVWorker:
         self._jobs = None
         return failed, done
 
-    def _scatter(self, it: LoadItem, lease: Any, layers: tuple[int, int] | None = None) -> None:
-        if not self.layout.token_mode:
-            self.layout.scatter(list(it.block_ids), lease, payload_first=it.payload_first,
-                                payload_blocks=it.payload_blocks, layers=layers)
-            return
-        # token payloads: slots of the unit's tokens outside the window are -1
+    def _sections(self, groups: Sequence[GroupWindow]) -> list[tuple[int, int]]:
+        """(byte offset, bytes) of each group's section of a unit's payload."""
+        out, off = [], 0
+        for lay, w in zip(self.layouts, groups):
+            n = lay.payload_bytes(w.payload_blocks * lay.block_size)
+            out.append((off, n))
+            off += n
+        return out
+
+    def _scatter(self, it: LoadItem, lease: Any, group: int | None = None,
+                 layers: tuple[int, int] | None = None) -> None:
+        """Copy the item's window of one group (all groups when None) into the paged cache."""
+        sections = self._sections(it.groups)
+        for g in range(len(self.layouts)) if group is None else (group,):
+            w, lay = it.groups[g], self.layouts[g]
+            if not w.block_ids:
+                continue  # nothing of this group is needed (outside its sliding window)
+            if not lay.token_mode:
+                lay.scatter(list(w.block_ids), lease, payload_first=w.payload_first,
+                            payload_blocks=w.payload_blocks, layers=layers, part=sections[g])
+                continue
+            lay.scatter(self._window_slots(lay, w), lease, layers=None if self.on_gpu else layers,
+                        part=sections[g])
+
+    @staticmethod
+    def _window_slots(lay: KVLayout, w: GroupWindow):
+        """Token payloads: the slot of every token of the section; -1 outside the window."""
         import numpy as np
 
-        bs = self.layout.block_size
-        slots = np.full(it.payload_blocks * bs, -1, dtype=np.int64)
-        inside = self.layout.slots_for_blocks(list(it.block_ids), len(it.block_ids) * bs)
-        slots[it.payload_first * bs:it.payload_first * bs + len(inside)] = inside
-        self.layout.scatter(slots, lease, layers=None if self.on_gpu else layers)
+        bs = lay.block_size
+        slots = np.full(w.payload_blocks * bs, -1, dtype=np.int64)
+        inside = lay.slots_for_blocks(list(w.block_ids), len(w.block_ids) * bs)
+        slots[w.payload_first * bs:w.payload_first * bs + len(inside)] = inside
+        return slots
 
     # ----------------------------------------------------------- stores --
     def store(self, items: Iterable[StoreItem]) -> None:
-        bs = self.layout.block_size
         for it in items:
             t0 = time.perf_counter()
             tally = self.tallies[it.req_id]
             key = it.keys[self.rank]
             try:
-                nbytes = self.layout.payload_bytes(it.payload_blocks * bs)
+                nbytes = sum(n for _, n in self._sections(it.groups))
                 ns = it.namespaces[self.rank] if it.namespaces else None
                 r = self.cache.reserve(key, nbytes, namespace=ns)
                 if isinstance(r, PutResult):
@@ -213,14 +249,14 @@ class KVWorker:
                 else:
                     self._gather_into(it, r)
                     if self.digest_file:
-                        self._digest_store(key, r)
+                        self._digest_store(it, r)
                     if r.commit() is not PutResult.OK:
                         tally.not_stored += 1
                         self.counters["store_stale"] += 1
                         continue
                     self._committed(key, ns)
                 tally.stored_units += 1
-                tally.stored_tokens += it.payload_blocks * bs
+                tally.stored_tokens += it.tokens
                 self.counters["stored_units"] += 1
             except Exception:
                 log.exception("shmkv: storing a chunk of request %s failed; continuing without it", it.req_id)
@@ -229,9 +265,14 @@ class KVWorker:
             finally:
                 tally.store_s += time.perf_counter() - t0
 
-    def _gather_into(self, it: StoreItem, r: Reservation) -> None:
+    def _gather_into(self, it: StoreItem, r: Reservation, stream: Any = None) -> None:
+        """Every group's window into its section of the reservation (aborted on failure)."""
         try:
-            self.layout.gather(list(it.block_ids), r)
+            for lay, w, part in zip(self.layouts, it.groups, self._sections(it.groups)):
+                if lay.token_mode:
+                    lay.gather(self._window_slots(lay, w), r, stream=stream, part=part)
+                else:
+                    lay.gather(list(w.block_ids), r, part=part)
         except BaseException:
             r.abort()
             raise
@@ -246,12 +287,7 @@ class KVWorker:
         # NOTE: the side stream must see the KV the forward pass just wrote.
         self._side_stream.wait_stream(torch.cuda.current_stream(self.layout.device))
         with torch.cuda.stream(self._side_stream):
-            slots = self.layout.slots_for_blocks(list(it.block_ids), it.payload_blocks * self.layout.block_size)
-            try:
-                self.layout.gather(slots, r, stream=self._side_stream)
-            except BaseException:
-                r.abort()
-                raise
+            self._gather_into(it, r, stream=self._side_stream)
             ev = torch.cuda.Event()
             ev.record(self._side_stream)
         self._pending.append(_PendingStore(it.req_id, r, ev, ns))
@@ -269,6 +305,15 @@ class KVWorker:
                 still.append(p)
         self._pending = still
 
+    def order_compute_after_stores(self) -> None:
+        """Make the compute stream wait (on the device, not the host) until
+        every pending store has read its blocks."""
+        import torch
+
+        stream = torch.cuda.current_stream(self.layout.device)
+        for p in self._pending:
+            stream.wait_event(p.event)
+
     def pending_requests(self) -> set[str]:
         return {p.req_id for p in self._pending}
 
@@ -284,18 +329,29 @@ class KVWorker:
             self.remote.close()
 
     # ------------------------------------------------------------ debug --
-    def _digest(self, what: str, key: bytes, block_ids: tuple[int, ...], first: int, total: int) -> None:
-        """Digest of the paged cache's bytes for these blocks, re-gathered."""
+    # Lines "store KEY GROUP DIGEST" (a group's section as stored) and "load
+    # KEY GROUP FIRST N TOTAL DIGEST" (the paged cache's bytes of the blocks a
+    # load filled, re-gathered): a load with FIRST 0 and N == TOTAL must
+    # digest like the stored section.
+    def _digest_load(self, it: LoadItem) -> None:
         import torch
 
-        n = len(block_ids)
-        tokens = n * self.layout.block_size
-        buf = torch.empty(self.layout.payload_bytes(tokens), dtype=torch.uint8)
-        index = self.layout.slots_for_blocks(list(block_ids), tokens) if self.layout.token_mode else list(block_ids)
-        self.layout.gather(index, buf)
+        lines = []
+        for g, (lay, w) in enumerate(zip(self.layouts, it.groups)):
+            n = len(w.block_ids)
+            if not n:
+                continue
+            tokens = n * lay.block_size
+            buf = torch.empty(lay.payload_bytes(tokens), dtype=torch.uint8)
+            index = lay.slots_for_blocks(list(w.block_ids), tokens) if lay.token_mode else list(w.block_ids)
+            lay.gather(index, buf)
+            lines.append(f"load {it.keys[self.rank].hex()} {g} {w.payload_first} {n} {w.payload_blocks} "
+                         f"{xxhash.xxh3_128_hexdigest(buf.numpy())}\n")
         with open(self.digest_file, "a") as f:
-            f.write(f"{what} {key.hex()} {first} {n} {total} {xxhash.xxh3_128_hexdigest(buf.numpy())}\n")
+            f.writelines(lines)
 
-    def _digest_store(self, key: bytes, r: Reservation) -> None:
+    def _digest_store(self, it: StoreItem, r: Reservation) -> None:
+        mv = r.view()
         with open(self.digest_file, "a") as f:
-            f.write(f"store {key.hex()} {xxhash.xxh3_128_hexdigest(r.view())}\n")
+            for g, (off, n) in enumerate(self._sections(it.groups)):
+                f.write(f"store {r.key.hex()} {g} {xxhash.xxh3_128_hexdigest(mv[off:off + n])}\n")
