@@ -143,3 +143,61 @@ def test_two_groups_round_trip_through_the_worker(cache_name):
     assert torch.equal(u8(dst[3]), u8(src[1])) and torch.equal(u8(dst[4]), u8(src[2]))
     untouched = [i for i in range(12) if i not in (3, 4, 9)]
     assert torch.equal(u8(dst[untouched]), u8(before[untouched]))
+
+
+# --------------------------------------------------------- connector ---
+def test_a_mamba_group_turns_the_connector_off_and_vllm_serves_as_usual(cache_name, tmp_path, caplog):
+    """Both halves built as vLLM builds them for a model with a Mamba group:
+    one WARNING naming the group, no segment, and neutral answers to every call."""
+    import logging
+    import os
+
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from shmkv.integration.vllm.connector import ShmKVConnector, ShmKVMetadata
+    from shmkv.models import write_llama
+
+    mc = ModelConfig(model=write_llama(str(tmp_path / "model")), skip_tokenizer_init=True, dtype="bfloat16",
+                     max_model_len=4096)
+    vc = VllmConfig(model_config=mc, kv_transfer_config=KVTransferConfig(
+        kv_connector="ShmKVConnector", kv_connector_module_path="shmkv.integration.vllm", kv_role="kv_both",
+        kv_connector_extra_config={"cache_name": cache_name, "log_level": "info"}))
+    bs = vc.cache_config.block_size
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(layer_names=["model.layers.0.attn"], kv_cache_spec=FullAttentionSpec(
+            block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)),
+        SimpleNamespace(layer_names=["model.layers.1.mixer"], kv_cache_spec=MambaSpec(
+            block_size=bs, shapes=((2, 3),), dtypes=(torch.bfloat16,)))])
+    shmkv_log = logging.getLogger("shmkv")  # the connector logs through its own handler, not the root's
+    shmkv_log.addHandler(caplog.handler)
+    shmkv_log.propagate = False
+    try:
+        sched = ShmKVConnector(vc, KVConnectorRole.SCHEDULER, kv_cache_config)
+        worker = ShmKVConnector(vc, KVConnectorRole.WORKER, kv_cache_config)
+    finally:
+        shmkv_log.removeHandler(caplog.handler)
+    off = [r for r in caplog.records if "connector off for this engine" in r.getMessage()]
+    assert [r.levelname for r in off] == ["WARNING"], "one line per engine (the scheduler's; the worker's is DEBUG)"
+    assert "KV-cache group 1 is MambaSpec (layers model.layers.1.mixer)" in off[0].getMessage()
+    assert not os.path.exists(f"/dev/shm/{cache_name}"), "no segment is created for an engine that is off"
+
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(600)), num_prompt_tokens=600)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, None, 0)
+    so = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})
+    meta = sched.build_connector_meta(so)
+    assert isinstance(meta, ShmKVMetadata) and not meta.loads and not meta.stores
+    assert sched.request_finished_all_groups(request, ([1, 2], [3])) == (False, None)
+    assert sched.reset_cache() is None
+
+    worker.register_kv_caches({"model.layers.0.attn": torch.zeros(4, 2, bs, 128, dtype=torch.bfloat16)})
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_layer_load("model.layers.0.attn")
+    worker.wait_for_save()
+    assert worker.get_finished({"r"}) == (None, None)
+    assert worker.get_block_ids_with_load_errors() == set()
+    for c in (worker, sched):
+        c.shutdown()
