@@ -33,14 +33,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shmkv.chunking import Chunker, Unit
 from shmkv.config import ShmkvConfig
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import ConfigError, LockTimeoutError, RequestError
-from shmkv.integration.vllm.planner import Planner, Unit
-from shmkv.maintainer import Maintainer, MaintainerRole, promote
+from shmkv.maintainer import Maintainer, MaintainerRole
 from shmkv.namespaces import known, namespace_from_dict
 from shmkv.stats import render_prometheus, snapshot
 from shmkv.store import Store
+from shmkv.tiers import TierChain
 
 log = logging.getLogger("shmkv.controller")
 
@@ -56,8 +57,7 @@ class _Resolved:
 
     def __init__(self, root: bytes, chunk_size: int, block_size: int | None) -> None:
         self.root = root
-        self.planner = Planner([root], block_size or chunk_size, store_tail=block_size is not None,
-                               chunk_size=chunk_size)
+        self.chunker = Chunker([root], chunk_size, block_size)
 
 
 class Controller:
@@ -67,6 +67,7 @@ class Controller:
         self.store = store
         self.disk = disk
         self.remote = remote
+        self.chain = TierChain(store, [disk, remote])
         self.role = role
         self.maintainer = role.maintainer if role is not None else Maintainer(
             store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead, remote=remote)
@@ -159,19 +160,18 @@ class Controller:
         _allow(args, "namespace", "chunk_size", "block_size")
         root = self._namespace(args).root if "namespace" in args else None
         with self._mutate:
-            shm = self.store.clear(namespace=root)
-            disk = self.disk.clear(root) if self.disk else 0
-            remote = self.remote.clear(root) if self.remote else 0
+            removed = {"shm": 0, "disk": 0, "remote": 0, **self.chain.clear(root)}
         log.info("shmkv: controller cleared %s: %d chunks in memory, %d on disk, %d in the remote",
-                 f"namespace {root.hex()}" if root else "everything", shm, disk, remote)
-        return {"removed": {"shm": shm, "disk": disk, "remote": remote}}
+                 f"namespace {root.hex()}" if root else "everything", removed["shm"], removed["disk"],
+                 removed["remote"])
+        return {"removed": removed}
 
     def pin(self, args: dict[str, Any]) -> dict[str, Any]:
         _allow(args, "tokens", "namespace", "chunk_size", "block_size")
         tokens, ns = _tokens(args), self._namespace(args)
         with self._mutate:
             self._promote(ns, tokens)  # a pinned chunk lives in the shared tier
-            units = self._units(ns, tokens)[0]
+            units = self._units(ns, tokens)
             pinned = []
             for u in units:
                 if not self.store.pin(u.keys[0]):
@@ -183,7 +183,7 @@ class Controller:
         _allow(args, "tokens", "namespace", "chunk_size", "block_size")
         tokens, ns = _tokens(args), self._namespace(args)
         with self._mutate:
-            units = self._units(ns, tokens)[0]
+            units = self._units(ns, tokens)
             n = sum(self.store.unpin(u.keys[0]) for u in units)
         return {"unpinned_chunks": n}
 
@@ -201,7 +201,7 @@ class Controller:
                 kept = 0
             else:
                 moved = kept = 0
-                for u in self._units(ns, tokens)[0]:
+                for u in self._units(ns, tokens):
                     key = u.keys[0]
                     self.maintainer.spill(key, ns.root)
                     if self.store.evict_spilled(key):
@@ -290,35 +290,29 @@ class Controller:
                 raise RequestError(f"chunk_size {chunk_size} is not a multiple of block_size {block_size}")
         return _Resolved(root, chunk_size, block_size)
 
-    def _units(self, ns: _Resolved, tokens: list[int], *, lower: bool = False) -> tuple[list[Unit], list[Unit]]:
-        """(cached units in prefix order, those of them not in the shared tier);
-        the disk and remote tiers are looked into only with `lower`."""
-        p = ns.planner
-        _hit, units, below = p.lookup(self.store, tokens, p.units(tokens), count=False, cap=False,
-                                      disk=self.disk if lower else None, remote=self.remote if lower else None)
-        return units, below
+    def _cached(self, ns: _Resolved, tokens: list[int], *, lower: bool) -> list[tuple[Unit, str]]:
+        """The cached prefix as (unit, tier); below the shared tier only with `lower`."""
+        return self.chain.cached_prefix(ns.chunker, tokens, ns.chunker.units(tokens), lower=lower)
+
+    def _units(self, ns: _Resolved, tokens: list[int]) -> list[Unit]:
+        """The units of the prefix cached in the shared tier."""
+        return [u for u, _ in self._cached(ns, tokens, lower=False)]
 
     def _tiers(self, ns: _Resolved, tokens: list[int]) -> dict[str, Any]:
-        units, below = self._units(ns, tokens, lower=True)
-        below_starts = {u.start for u in below}
-        on_disk_starts = ({u.start for u, d in zip(below, self.disk.contains([u.keys[0] for u in below])) if d}
-                          if self.disk else set())
-        chunks = [{"start": u.start, "end": u.end,
-                   "tier": "shm" if u.start not in below_starts else
-                   ("disk" if u.start in on_disk_starts else "remote")} for u in units]
+        cached = self._cached(ns, tokens, lower=True)
+        chunks = [{"start": u.start, "end": u.end, "tier": tier} for u, tier in cached]
         per_tier = {"shm": 0, "disk": 0, "remote": 0}
         for c in chunks:
             per_tier[c["tier"]] += c["end"] - c["start"]
-        return {"namespace": ns.root.hex(), "tokens": len(tokens), "cached_tokens": units[-1].end if units else 0,
+        return {"namespace": ns.root.hex(), "tokens": len(tokens), "cached_tokens": cached[-1][0].end if cached else 0,
                 "tiers": per_tier, "chunks": chunks}
 
     def _promote(self, ns: _Resolved, tokens: list[int]) -> int:
         """Bring the disk / remote part of the cached prefix into the shared tier."""
-        _units, below = self._units(ns, tokens, lower=True)
+        below = [u for u, tier in self._cached(ns, tokens, lower=True) if tier != self.chain.shared.name]
         if not below:
             return 0
-        return promote(self.store, self.disk, [u.keys[0] for u in below], remote=self.remote,
-                       namespaces=[ns.root] * len(below))
+        return self.chain.promote([u.keys[0] for u in below], [ns.root] * len(below))
 
 
 def _json(obj: Any) -> bytes:

@@ -23,8 +23,8 @@ second); without a daemon, the first vLLM scheduler process to get it does
 the work in a background thread, and another takes over when it exits.
 
 Promotion (disk -> shared tier) is not the maintainer's: the process that
-found a disk hit promotes it (`promote`), so a lookup never waits on another
-process.
+found a disk hit promotes it (shmkv.tiers.TierChain.promote), so a lookup
+never waits on another process.
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
 
 from shmkv.backoff import Backoff
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import LockTimeoutError, SegmentCorruptError
 from shmkv.paths import daemon_lock, maintainer_lock
-from shmkv.store import FLAG_SPILLED, PutResult, Store
+from shmkv.store import FLAG_SPILLED, Store
 
 log = logging.getLogger("shmkv.maintainer")
 
@@ -131,40 +130,6 @@ class Maintainer:
         if ok and not valid:
             self.disk.remove(key)  # the bytes may have been reused under us
         return 0
-
-
-def promote(store: Store, disk: DiskTier | None, keys: Sequence[bytes], *, remote=None,
-            namespaces: Sequence[bytes] | None = None, deadline_s: float | None = None) -> int:
-    """Read chunks from disk (or, failing that, the remote tier; `namespaces`
-    gives each key's) into the shared tier, in prefix order, stopping at the
-    first that is missing, damaged or does not fit, or when `deadline_s`
-    seconds have passed. Returns how many of `keys` are in the shared tier
-    afterwards (a prefix)."""
-    t_end = None if deadline_s is None else time.monotonic() + deadline_s
-    n = 0
-    for i, key in enumerate(keys):
-        if store.contains([key])[0]:
-            n += 1
-            continue
-        if t_end is not None and time.monotonic() > t_end:
-            break
-        got = disk.read_with_namespace(key) if disk is not None else None
-        source = "disk"
-        if got is None and remote is not None and namespaces is not None:
-            got, source = remote.read_with_namespace(key, namespaces[i]), "remote"
-        if got is None:
-            break
-        raw, ns = got
-        r = store.put(key, raw, namespace=ns)
-        if r not in (PutResult.OK, PutResult.EXISTS):
-            store.bump("promote_errors")
-            break
-        if source == "disk":
-            store.mark_spilled(key)  # a copy is on disk: evicting it loses nothing
-        store.bump("disk_hits" if source == "disk" else "remote_hits")
-        store.bump("promote_bytes", len(raw))
-        n += 1
-    return n
 
 
 class MaintainerRole:

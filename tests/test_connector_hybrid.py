@@ -19,6 +19,7 @@ from shmkv.integration.vllm.planner import GroupWindow, LoadItem, Planner, Reque
 from shmkv.integration.vllm.worker import KVWorker
 from shmkv.keys import Namespace
 from shmkv.layout import KVLayout
+from shmkv.tiers import TierChain
 
 BS, CHUNK = 128, 256
 
@@ -96,7 +97,7 @@ def test_loads_fill_a_sliding_group_from_the_window_of_the_hit_on(cache_name):
     with Store.create(cache_name, 8 << 20, alignment=64) as store:
         for u in units:
             store.put(u.keys[0], b"x" * 64)
-        hit, found, _ = p.lookup(store, t, units)
+        hit, found, _ = p.lookup(TierChain(store), t, units)
     assert hit == 896
     # vLLM pads the sliding group with null blocks below the window of token 896 (896 - 159 = 737: block 5)
     sliding = [0] * 5 + [15, 16, 17]
@@ -115,7 +116,7 @@ def test_a_hit_cut_inside_a_unit_keeps_it_only_if_its_window_covers_the_cut(cach
     with Store.create(cache_name, 8 << 20, alignment=64) as store:
         for u in units:
             store.put(u.keys[0], b"x" * 64)
-        assert p.lookup(store, t, units)[0] == hit
+        assert p.lookup(TierChain(store), t, units)[0] == hit
 
 
 # ------------------------------------------------------------ worker ---
@@ -171,6 +172,7 @@ def test_a_mamba_group_turns_the_connector_off_and_vllm_serves_as_usual(cache_na
         SimpleNamespace(layer_names=["model.layers.1.mixer"], kv_cache_spec=MambaSpec(
             block_size=bs, shapes=((2, 3),), dtypes=(torch.bfloat16,)))])
     shmkv_log = logging.getLogger("shmkv")  # the connector logs through its own handler, not the root's
+    saved = shmkv_log.propagate, shmkv_log.level
     shmkv_log.addHandler(caplog.handler)
     shmkv_log.propagate = False
     try:
@@ -178,6 +180,7 @@ def test_a_mamba_group_turns_the_connector_off_and_vllm_serves_as_usual(cache_na
         worker = ShmKVConnector(vc, KVConnectorRole.WORKER, kv_cache_config)
     finally:
         shmkv_log.removeHandler(caplog.handler)
+        shmkv_log.propagate, shmkv_log.level = saved
     off = [r for r in caplog.records if "connector off for this engine" in r.getMessage()]
     assert [r.levelname for r in off] == ["WARNING"], "one line per engine (the scheduler's; the worker's is DEBUG)"
     assert "KV-cache group 1 is MambaSpec (layers model.layers.1.mixer)" in off[0].getMessage()

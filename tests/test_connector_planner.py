@@ -9,6 +9,7 @@ import pytest
 from shmkv import Store
 from shmkv.integration.vllm.planner import GroupWindow, Planner, RequestPlan
 from shmkv.keys import Namespace
+from shmkv.tiers import TierChain
 
 BS, CHUNK = 128, 256
 
@@ -48,7 +49,7 @@ def test_lookup_hits_full_chunks_and_the_tail_piece(store):
     p = Planner([ns()], BS)
     t = tokens(3000)
     put_units(store, p.units(t))
-    hit, units, _ = p.lookup(store, t, p.units(t))
+    hit, units, _ = p.lookup(TierChain(store), t, p.units(t))
     assert hit == 2944 and units[-1].end == 2944
 
 
@@ -56,7 +57,7 @@ def test_lookup_never_returns_the_whole_prompt(store):
     p = Planner([ns()], BS)
     t = tokens(2944)  # 11 chunks + 1 block: everything cacheable
     put_units(store, p.units(t))
-    hit, _, _ = p.lookup(store, t, p.units(t))
+    hit, _, _ = p.lookup(TierChain(store), t, p.units(t))
     assert hit == 2816, "one block is left for vLLM to compute"
 
 
@@ -65,7 +66,7 @@ def test_longer_prompt_reuses_the_stored_tail_piece(store):
     first = tokens(3000)
     put_units(store, p.units(first))
     longer = np.concatenate([first, tokens(500, seed=1)])
-    hit, units, _ = p.lookup(store, longer, p.units(longer))
+    hit, units, _ = p.lookup(TierChain(store), longer, p.units(longer))
     assert hit == 2944, "the piece stored for the shorter prompt extends the hit"
     plan = RequestPlan("r", len(longer), p.units(longer), hit_tokens=hit, hit_units=units,
                        block_ids=[list(range(100, 130))])
@@ -79,7 +80,7 @@ def test_shared_prefix_hits_exactly_the_shared_full_chunks(store):
     a = tokens(3000)
     put_units(store, p.units(a))
     b = np.concatenate([a[:2000], tokens(1000, seed=7)])
-    hit, _, _ = p.lookup(store, b, p.units(b))
+    hit, _, _ = p.lookup(TierChain(store), b, p.units(b))
     assert hit == 7 * 256
 
 
@@ -88,7 +89,7 @@ def test_load_window_starts_after_vllms_own_hit(store):
     t = tokens(3000)
     units = p.units(t)
     put_units(store, units)
-    hit, found, _ = p.lookup(store, t, units)
+    hit, found, _ = p.lookup(TierChain(store), t, units)
     plan = RequestPlan("r", 3000, units, local_tokens=384, hit_tokens=hit - 384, hit_units=found,
                        block_ids=[list(range(1000, 1024))])
     items = p.load_items(plan)
@@ -122,20 +123,20 @@ def test_tensor_parallel_ranks_have_their_own_keys_and_all_must_hit(store):
     assert all(u.keys[0] != u.keys[1] for u in units)
     for u in units:
         store.put(u.keys[0], b"r0" * 32)
-    assert p.lookup(store, t, units)[0] == 0, "rank 1 has nothing"
+    assert p.lookup(TierChain(store), t, units)[0] == 0, "rank 1 has nothing"
     for u in units[:2]:
         store.put(u.keys[1], b"r1" * 32)
-    assert p.lookup(store, t, units)[0] == 512
+    assert p.lookup(TierChain(store), t, units)[0] == 512
 
 
 def test_salted_requests_do_not_share(store):
     plain, salted = Planner([ns()], BS), Planner([ns(salt="tenant-a")], BS)
     t = tokens(1024)
     put_units(store, plain.units(t))
-    assert salted.lookup(store, t, salted.units(t))[0] == 0
+    assert salted.lookup(TierChain(store), t, salted.units(t))[0] == 0
     put_units(store, salted.units(t))
     other = Planner([ns(salt="tenant-b")], BS)
-    assert other.lookup(store, t, other.units(t))[0] == 0
+    assert other.lookup(TierChain(store), t, other.units(t))[0] == 0
 
 
 def test_lookup_continues_into_the_disk_tier(store, tmp_path):
@@ -149,8 +150,8 @@ def test_lookup_continues_into_the_disk_tier(store, tmp_path):
         store.put(u.keys[0], b"m" * 64)
     for u in units[3:8]:
         disk.write(u.keys[0], b"n" * 16, b"d" * 64)
-    hit, found, on_disk = p.lookup(store, t, units, disk=disk)
+    hit, found, on_disk = p.lookup(TierChain(store, [disk]), t, units)
     assert hit == 8 * 256 and [u.start for u in on_disk] == [768, 1024, 1280, 1536, 1792]
-    assert p.lookup(store, t, units)[0] == 768, "without the disk tier the prefix ends in memory"
+    assert p.lookup(TierChain(store), t, units)[0] == 768, "without the disk tier the prefix ends in memory"
     disk.write(units[-1].keys[0], b"n" * 16, b"d" * 64)  # the tail piece alone does not extend it
-    assert p.lookup(store, t, units, disk=disk)[0] == 8 * 256
+    assert p.lookup(TierChain(store, [disk]), t, units)[0] == 8 * 256

@@ -13,9 +13,9 @@ import pytest
 from conftest import http, payload_for
 
 from shmkv import Store
+from shmkv.chunking import Chunker
 from shmkv.config import load_config
 from shmkv.daemon import Daemon
-from shmkv.integration.vllm.planner import Planner
 from shmkv.keys import Namespace
 from shmkv.namespaces import namespace_to_dict, register
 
@@ -28,7 +28,7 @@ TOKENS = list(range(1000, 1112))  # 3 chunks of 32 and a tail piece of 16
 
 
 def units(ns=NS, tokens=TOKENS):
-    return Planner([ns], BLOCK).units(tokens)
+    return Chunker([ns.root_key()], ns.chunk_size, BLOCK).units(tokens)
 
 
 def start_daemon(cache_name, tmp_path, listen="127.0.0.1:0", disk=True, remote=""):

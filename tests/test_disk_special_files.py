@@ -14,7 +14,7 @@ from conftest import key, payload_for
 
 from shmkv import Store
 from shmkv.disk.tier import DiskTier
-from shmkv.maintainer import promote
+from shmkv.tiers import TierChain
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_promotion_past_a_fifo_does_not_hang(tier, cache_name):
     store = Store.create(cache_name, 8 << 20, populate=False)
     assert t.write(key(0), b"N" * 16, payload_for(key(0), 8192))
     plant(t, key(1), "fifo")
-    assert promote(store, t, [key(0), key(1)]) == 1, "stops at the FIFO, a miss"
+    assert TierChain(store, [t]).promote([key(0), key(1)], [b"N" * 16] * 2) == 1, "stops at the FIFO, a miss"
     assert store.get(key(0)) == payload_for(key(0), 8192)
 
 

@@ -48,7 +48,7 @@ def test_write_read_contains(tmp_path, counts):
     raw = os.urandom(10_000)
     assert t.write(key(1), NS, raw)
     assert t.read(key(1)) == raw
-    assert t.read_with_namespace(key(1)) == (raw, NS)
+    assert t.fetch(key(1)) == (raw, NS)
     assert t.contains([key(1), key(2)]) == [True, False]
     assert t.prefix_length([key(1), key(2), key(1)]) == 1
     assert t.read(key(2)) is None

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shmkv.chunking import Chunker
 from shmkv.integration.vllm.connector import lora_extra, prompt_tokens, request_extras
-from shmkv.integration.vllm.planner import Planner
 from shmkv.keys import ExtraInputs, MultiModalItem, Namespace, chunk_keys, piece_key
 
 CHUNK, BLOCK, N = 32, 16, 32 * 6 + 16  # six chunks and a tail piece
@@ -25,7 +25,7 @@ BASE = Namespace(model_id="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, h
 
 
 def keys_of(tokens, ns=BASE, extras=None) -> list[bytes]:
-    return [u.keys[0] for u in Planner([ns], BLOCK).units(np.asarray(tokens), extras)]
+    return [u.keys[0] for u in Chunker([ns.root_key()], ns.chunk_size, BLOCK).units(np.asarray(tokens), extras)]
 
 
 def assert_changes_from(a: list[bytes], b: list[bytes], unit: int) -> None:

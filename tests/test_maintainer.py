@@ -11,8 +11,9 @@ from conftest import key, payload_for
 
 from shmkv import PutResult, Store
 from shmkv.disk.tier import DiskTier
-from shmkv.maintainer import Maintainer, promote
+from shmkv.maintainer import Maintainer
 from shmkv.paths import maintainer_lock
+from shmkv.tiers import TierChain
 
 UNIT = 64 * 1024
 
@@ -79,7 +80,7 @@ def test_promote_brings_back_exact_bytes_in_prefix_order(setup):
     store.clear()
     keys = [key(i) for i in range(6)]
     os.unlink(disk.path(keys[4]))
-    assert promote(store, disk, keys) == 4, "stops at the first chunk not on disk"
+    assert TierChain(store, [disk]).promote(keys, [b"N" * 16] * 6) == 4, "stops at the first chunk not on disk"
     for i in range(4):
         assert store.get(key(i)) == payload_for(key(i), UNIT)
     st = store.stats()

@@ -16,8 +16,9 @@ from conftest import key, payload_for
 from shmkv import PutResult, Store
 from shmkv.disk import format as fmt
 from shmkv.disk.tier import DiskTier
-from shmkv.maintainer import Maintainer, promote
+from shmkv.maintainer import Maintainer
 from shmkv.remote.tier import RemoteTier, chunk_key
+from shmkv.tiers import TierChain
 
 NS, NS2 = b"N" * 16, b"M" * 16
 SIZE = 64 * 1024
@@ -50,8 +51,8 @@ def test_write_from_the_shared_tier_then_read_back(store, redis_server):
     assert r.contains([key(0), key(1), key(2), key(3)], [NS] * 4) == [True, True, True, False]
     assert r.contains([key(0)], [NS2]) == [False], "another namespace does not see it"
     for i in range(3):
-        assert r.read_with_namespace(key(i), NS) == (payload_for(key(i), SIZE), NS)
-    assert r.read_with_namespace(key(0), NS2) is None
+        assert r.fetch(key(i), NS) == (payload_for(key(i), SIZE), NS)
+    assert r.fetch(key(0), NS2) is None
     assert store.stats()["remote_misses"] == 3  # key 3, key 0 under NS2 twice
     r.close()
 
@@ -77,7 +78,7 @@ def test_promote_from_remote_in_prefix_order(store, redis_server, cache_name):
     for i in range(3):
         r.put_encoded(key(i), NS, fmt.encode(key(i), NS, payload_for(key(i), SIZE)))
     keys = [key(i) for i in range(5)]
-    n = promote(store, None, keys, remote=r, namespaces=[NS] * 5)
+    n = TierChain(store, [r]).promote(keys, [NS] * 5)
     assert n == 3, "chunks 0-2 from the remote; 3 is a miss and ends the prefix"
     for i in range(3):
         assert store.get(key(i)) == payload_for(key(i), SIZE)
@@ -107,10 +108,10 @@ def test_garbage_values_are_rejected_by_the_checks(store, redis_server, kind):
     r = tier(redis_server.url, store)
     client = redis_server.client()
     client.set(chunk_key(key(1), NS), GARBAGE[kind](key(1), NS))
-    assert r.read_with_namespace(key(1), NS) is None
+    assert r.fetch(key(1), NS) is None
     assert store.stats()["remote_damaged"] == 1
     assert not client.exists(chunk_key(key(1), NS)), "a damaged value is removed"
-    assert promote(store, None, [key(1)], remote=r, namespaces=[NS]) == 0
+    assert TierChain(store, [r]).promote([key(1)], [NS]) == 0
     assert not store.contains([key(1)])[0]
     r.close()
 
@@ -156,7 +157,7 @@ def test_server_killed_then_back(store, redis_server, caplog):
     st = store.stats()
     assert st["remote_errors"] == 1 and st["remote_misses"] == 1
     # while it is down, calls answer at once and count misses, not new errors
-    assert r.read_with_namespace(key(1), NS) is None
+    assert r.fetch(key(1), NS) is None
     put(store, 2)
     r.enqueue(key(2), NS)
     assert r.flush(timeout_s=30)
@@ -197,7 +198,7 @@ def test_unresponsive_server_is_bounded_by_the_timeout(store):
         r = tier(f"redis://127.0.0.1:{listener.getsockname()[1]}/0", store, timeout_s=0.2)
         t0 = time.monotonic()
         assert r.contains([key(1)], [NS]) == [False]
-        assert r.read_with_namespace(key(1), NS) is None
+        assert r.fetch(key(1), NS) is None
         elapsed = time.monotonic() - t0
         assert elapsed < 2.0, f"two calls took {elapsed:.2f} s with a 0.2 s timeout"
         assert store.stats()["remote_errors"] == 1, "the second call did not wait again"

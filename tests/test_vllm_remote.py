@@ -11,7 +11,7 @@ import pytest
 from conftest import random_prompt
 
 from shmkv import Store
-from shmkv.integration.vllm.planner import Planner
+from shmkv.chunking import Chunker
 from shmkv.namespaces import known
 from shmkv.remote.tier import chunk_key
 
@@ -49,7 +49,7 @@ def test_two_hosts_share_through_redis(cache_name, second_cache, start_engine, r
     # garbage under the keys of prompt g: rejected by the checks, computed instead
     (root,) = known(second_cache)
     client = redis_server.client()
-    for u in Planner([bytes.fromhex(root)], 128, chunk_size=256).units(g):
+    for u in Chunker([bytes.fromhex(root)], 256, 128).units(g):
         client.set(chunk_key(u.keys[0], bytes.fromhex(root)), b"\x00garbage" * 100)
     r = b.generate([g])
     assert r["num_cached_tokens"] == [0] and r["outputs"][0] == reference.output(g, 0)

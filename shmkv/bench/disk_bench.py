@@ -23,7 +23,7 @@ import xxhash
 from shmkv import Store
 from shmkv.disk import format as fmt
 from shmkv.disk.tier import DiskTier
-from shmkv.maintainer import promote
+from shmkv.tiers import TierChain
 
 MiB = 1 << 20
 
@@ -47,7 +47,7 @@ def _throughput(chunks: list[bytes], workdir: str, level: int) -> tuple[float, f
             assert disk.write(k, b"n" * 16, c)
         spill = sum(map(len, chunks)) / (time.perf_counter() - t0) / 1e9
         t0 = time.perf_counter()
-        assert promote(store, disk, keys) == len(keys)
+        assert TierChain(store, [disk]).promote(keys, [b"n" * 16] * len(keys)) == len(keys)
         prom = sum(map(len, chunks)) / (time.perf_counter() - t0) / 1e9
         assert store.get(keys[-1]) == chunks[-1]
         return spill, prom

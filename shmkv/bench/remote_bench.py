@@ -24,9 +24,9 @@ import xxhash
 
 from shmkv import Store
 from shmkv.disk import format as fmt
-from shmkv.maintainer import promote
 from shmkv.remote.server import PrivateRedis
 from shmkv.remote.tier import RemoteTier, chunk_key
+from shmkv.tiers import TierChain
 
 MiB = 1 << 20
 NS = b"bench-namespace!"
@@ -74,7 +74,7 @@ def run(argv: list[str]) -> dict:
 
             store.clear()
             t0 = time.perf_counter()
-            assert promote(store, None, keys, remote=tier, namespaces=[NS] * len(keys)) == len(keys)
+            assert TierChain(store, [tier]).promote(keys, [NS] * len(keys)) == len(keys)
             keep("get_gbps", raw, time.perf_counter() - t0)
             assert store.get(keys[-1]) == chunks[-1]
 

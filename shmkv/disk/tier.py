@@ -53,6 +53,10 @@ def _read_exact(fd: int, n: int, offset: int) -> bytes:
 
 
 class DiskTier:
+    """The disk tier (a shmkv.tiers.Tier): one file per chunk."""
+
+    name = "disk"
+
     def __init__(self, directory: str, *, capacity_bytes: int, level: int = 1, element_size: int = 2,
                  counter: Callable[[str, int], None] | None = None) -> None:
         self._d = open_private_dir(directory)
@@ -75,7 +79,8 @@ class DiskTier:
         return self._d.join(_name(key))
 
     # ----------------------------------------------------------- lookups --
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    def contains(self, keys: Sequence[bytes], namespaces: Sequence[bytes] | None = None) -> list[bool]:
+        """Whether each key's file is here (files are named by key alone: `namespaces` is not needed)."""
         return [self._has(k) for k in keys]
 
     def prefix_length(self, keys: Sequence[bytes]) -> int:
@@ -157,10 +162,10 @@ class DiskTier:
 
     def read(self, key: bytes) -> bytes | None:
         """The checked raw payload, or None (missing or damaged: then removed)."""
-        got = self.read_with_namespace(key)
+        got = self.fetch(key)
         return None if got is None else got[0]
 
-    def read_with_namespace(self, key: bytes) -> tuple[bytes, bytes] | None:
+    def fetch(self, key: bytes, namespace: bytes | None = None) -> tuple[bytes, bytes] | None:
         """(raw payload, namespace digest), or None (missing, or damaged and removed)."""
         data = self.read_file(key)
         if data is None:
@@ -205,7 +210,7 @@ class DiskTier:
         self._count("spill_bytes", len(raw))
         return True
 
-    def remove(self, key: bytes) -> bool:
+    def remove(self, key: bytes, namespace: bytes | None = None) -> bool:
         return self._unlink(_name(key), key)
 
     def clear(self, namespace: bytes | None = None) -> int:

@@ -12,7 +12,7 @@ tier, and SETs it (with the TTL, and the budget applied atomically by a Lua
 script that drops the least recently written chunks). A chunk gone from both
 by then is dropped with a counter; so is one that finds the queue full.
 
-Reads (`contains`, `read_with_namespace`) check the header, key, namespace
+Reads (`contains`, `fetch`) check the header, key, namespace
 and payload checksum exactly like the disk tier: garbage is a miss, a counter
 and an UNLINK.
 
@@ -77,6 +77,10 @@ def chunk_key(key: bytes, namespace: bytes) -> bytes:
 
 
 class RemoteTier:
+    """The remote tier (a shmkv.tiers.Tier) on Redis / Valkey."""
+
+    name = "remote"
+
     def __init__(self, url: str, *, timeout_s: float = 0.5, ttl_s: int = 0, capacity_bytes: int = 0,
                  counter: Callable[[str, int], None] | None = None, store=None, disk=None,
                  element_size: int = 2, level: int = 1, max_queue: int = 1024) -> None:
@@ -140,7 +144,7 @@ class RemoteTier:
             self._count("remote_misses", 1)  # one per lookup that did not find all it asked for
         return flags
 
-    def read_with_namespace(self, key: bytes, namespace: bytes) -> tuple[bytes, bytes] | None:
+    def fetch(self, key: bytes, namespace: bytes) -> tuple[bytes, bytes] | None:
         """(raw payload, namespace) of a checked chunk, or None (missing, damaged, down)."""
         rkey = chunk_key(key, namespace)
         ok, data = self._call("get", lambda: self._client.get(rkey))
@@ -174,6 +178,15 @@ class RemoteTier:
                 self._writer.start()
             self._cv.notify()
         return True
+
+    def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview) -> bool:
+        """Encode one chunk's payload and write it now (queued writes: enqueue)."""
+        data = fmt.encode(key, namespace, raw, element_size=self.element_size, level=self.level)
+        return self.put_encoded(key, namespace, data)
+
+    def remove(self, key: bytes, namespace: bytes) -> bool:
+        ok, n = self._call("remove", lambda: self._drop([chunk_key(key, namespace)]))
+        return bool(ok and n)
 
     def put_encoded(self, key: bytes, namespace: bytes, data: bytes) -> bool:
         """Write one encoded chunk now (the writer thread's step; also for benchmarks)."""

@@ -51,10 +51,10 @@ from shmkv.config import ShmkvConfig, load_config
 from shmkv.errors import ConfigError
 from shmkv.integration.vllm.planner import NULL_BLOCK, LoadItem, Planner, RequestPlan, StoreItem
 from shmkv.keys import ExtraInputs, MultiModalItem, Namespace
-from shmkv.maintainer import promote
 from shmkv.namespaces import register
 from shmkv.remote import open_remote
 from shmkv.store import open_store
+from shmkv.tiers import TierChain
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -335,7 +335,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("shmkv: disk tier at %s (cap %.1f GiB, zstd level %d)", self.disk.dir,
                      self.cfg.disk_capacity / 2**30, self.cfg.disk_level)
         self.remote = open_remote(self.cfg, store=self.store, disk=self.disk, element_size=self._dtype_bytes())
-        if self.disk is not None or self.remote is not None:
+        self.chain = TierChain(self.store, [self.disk, self.remote])
+        if self.chain.lower:
             # NOTE: promotion reads and decompresses off the scheduler's thread
             self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
         # NOTE: not `_role`: KVConnectorBase_V1 keeps vLLM's KVConnectorRole there.
@@ -371,17 +372,16 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
                 return 0, False
             first = request.request_id not in self._asked
             self._asked.add(request.request_id)
-            disk, remote = self._lower_tiers(request.request_id)
-            hit, units, lower = planner.lookup(self.store, tokens, plan.units, count=first, disk=disk,
-                                               remote=remote, extras=plan.extras)
+            hit, units, lower = planner.lookup(self.chain, tokens, plan.units, count=first,
+                                               lower=self._look_lower(request.request_id), extras=plan.extras)
             if lower:
                 # Promote from disk / remote in the background; vLLM asks again next step.
                 keys = [k for u in lower for k in u.keys]
                 roots = [r for _ in lower for r in planner.roots]
                 assert self._promoter is not None
                 self._promotions[request.request_id] = self._promoter.submit(
-                    promote, self.store, disk, keys, remote=remote, namespaces=roots,
-                    deadline_s=max(2.0, 4 * self.cfg.remote_timeout) if remote is not None else None)
+                    self.chain.promote, keys, roots,
+                    deadline_s=max(2.0, 4 * self.cfg.remote_timeout) if self.remote is not None else None)
                 log.info("shmkv: request %s: %d tokens found on disk or remote, promoting", request.request_id,
                          sum(u.tokens for u in lower))
                 return None, False
@@ -406,13 +406,13 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
                 plan.hit_tokens, plan.hit_units = 0, []
             return 0, False
 
-    def _lower_tiers(self, req_id: str) -> tuple[Any, Any]:
-        """(disk, remote) tiers for this lookup, or (None, None) after a
+    def _look_lower(self, req_id: str) -> bool:
+        """Whether this lookup looks below the shared tier: not after a
         promotion for the request (its outcome is final: what did not promote
         is a miss); raises _AskAgain while one runs."""
         fut = self._promotions.get(req_id)
         if fut is None:
-            return (None, None) if req_id in self._promoted else (self.disk, self.remote)
+            return req_id not in self._promoted
         if not fut.done():
             raise _AskAgain()
         self._promotions.pop(req_id)
@@ -421,7 +421,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception:
             log.exception("shmkv: promotion for request %s failed; it runs with what is in memory", req_id)
         self._promoted.add(req_id)
-        return None, None
+        return False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.off_reason is not None:
@@ -545,9 +545,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         removed = {"shm": 0, "disk": 0, "remote": 0}
         try:
             for root in sorted(roots):
-                removed["shm"] += self.store.clear(namespace=root)
-                removed["disk"] += self.disk.clear(root) if self.disk is not None else 0
-                removed["remote"] += self.remote.clear(root) if self.remote is not None else 0
+                for tier, n in self.chain.clear(root).items():
+                    removed[tier] += n
         except LockTimeoutError as e:
             log.warning("shmkv: reset_cache could not finish: %s", e)
             return False

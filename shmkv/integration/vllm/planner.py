@@ -1,20 +1,16 @@
-"""Scheduler-side planning of the vLLM connector, free of vLLM types.
-
-A prompt is cut into *units*: full chunks of `chunk_size` tokens, chained by
-prefix keys (shmkv.keys), and — when `store_tail` — one *piece*: the
-block-aligned part of the last, incomplete chunk. Pieces give hits as fine as
-vLLM's own prefix cache at the prompt's tail (a 3,000-token prompt with
-128-token blocks hits 2,944 tokens, not 2,816).
+"""Scheduler-side planning of the vLLM connector, free of vLLM types: request
+and block bookkeeping over the engine-neutral core (prompts are cut into
+units by shmkv.chunking, with vLLM's block size as the tail piece's
+granularity when `store_tail`; the tier chain, shmkv.tiers, finds what is
+cached).
 
 The planner answers three questions:
-  * lookup: how many prompt tokens can shmkv supply (one batched lookup, and
-    one `contains` for the candidate pieces), never the whole prompt;
+  * lookup: how many prompt tokens can shmkv supply (the chain's prefix
+    walk, capped by vLLM's rules), never the whole prompt;
   * load plan: which stored unit fills which of the request's blocks, as a
     window of the unit's payload (vLLM's own prefix hit may end mid-chunk);
   * store plan: which units became fully computed this step and are not
     cached yet (chunked prefill stores chunk by chunk; decode is ignored).
-
-Keys are computed per tensor-parallel rank (each rank stores its own shard).
 
 Hybrid models (vLLM's hybrid KV-cache manager): the KV cache is split into
 *groups* of layers, each with its own block table (`RequestPlan.block_ids`
@@ -38,21 +34,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shmkv.keys import ExtraInputs, Namespace, chunk_keys, piece_key
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A stored unit of a prompt: a full chunk or the tail piece."""
-
-    start: int
-    end: int
-    keys: tuple[bytes, ...]  # one per TP rank
-
-    @property
-    def tokens(self) -> int:
-        return self.end - self.start
-
+from shmkv.chunking import Chunker, Unit
+from shmkv.keys import ExtraInputs, Namespace
+from shmkv.tiers import TierChain
 
 NULL_BLOCK = 0  # vLLM's null block (the block pool's first): a freed or skipped position
 
@@ -141,99 +125,31 @@ class Planner:
         self.windows = tuple(int(w) for w in windows)
         if self.chunk_size % block_size:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of block_size {block_size}")
+        self.chunker = Chunker(self.roots, self.chunk_size, block_size if store_tail else None)
 
     # ------------------------------------------------------------- units --
     def units(self, tokens: Sequence[int] | np.ndarray, extras: ExtraInputs | None = None) -> list[Unit]:
         """Full chunks, then the tail piece (if any full block remains)."""
-        per_rank = [chunk_keys(root, tokens, self.chunk_size, extras) for root in self.roots]
-        units = [Unit(s, e, tuple(r[i][2] for r in per_rank)) for i, (s, e, _) in enumerate(per_rank[0])]
-        if self.store_tail:
-            start = len(units) * self.chunk_size
-            blocks = (len(tokens) - start) // self.block_size
-            if blocks > 0:
-                end = start + blocks * self.block_size
-                prev = units[-1].keys if units else self.roots
-                ex = extras.for_range(start, end) if extras is not None else b""
-                keys = tuple(piece_key(p, tokens[start:end], ex) for p in prev)
-                units.append(Unit(start, end, keys))
-        return units
-
-    def piece_candidates(self, tokens: Sequence[int] | np.ndarray, full_hit: int,
-                         prev: tuple[bytes, ...], extras: ExtraInputs | None = None) -> list[Unit]:
-        """Pieces that could extend a hit of `full_hit` chunks' tokens, longest first."""
-        out = []
-        start = full_hit
-        for m in range(self.chunk_size // self.block_size - 1, 0, -1):
-            end = start + m * self.block_size
-            if end <= len(tokens):
-                ex = extras.for_range(start, end) if extras is not None else b""
-                out.append(Unit(start, end, tuple(piece_key(p, tokens[start:end], ex) for p in prev)))
-        return out
+        return self.chunker.units(tokens, extras)
 
     def max_loadable(self, prompt_len: int) -> int:
         """vLLM must compute at least one prompt token: whole blocks below len-1."""
         return max(0, (prompt_len - 1) // self.block_size * self.block_size)
 
     # ------------------------------------------------------------ lookup --
-    def lookup(self, store, tokens: Sequence[int] | np.ndarray, units: list[Unit], count: bool = True,
-               disk=None, cap: bool = True, remote=None, extras: ExtraInputs | None = None
-               ) -> tuple[int, list[Unit], list[Unit]]:
-        """(tokens every rank has cached, the units that hold them, those of
-        them not in the shared tier). The prefix continues into the disk tier
-        where the shared tier's ends, then into the remote tier (one round
-        trip); with `cap` the count leaves at least one token to compute
-        (vLLM's rule)."""
-        full = [u for u in units if u.tokens == self.chunk_size]
-        ranks = range(len(self.roots))
-        n = len(full)
-        for r in ranks:
-            if n == 0:
-                break
-            n = min(n, store.lookup_prefix([u.keys[r] for u in full[:n]], count_lookup=count and r == 0))
-        found, lower = full[:n], []
-        if disk is not None:
-            for u in full[n:]:
-                if not all(disk.contains([u.keys[r] for r in ranks])):
-                    break
-                found.append(u)
-                lower.append(u)
-        if remote is not None and len(found) < len(full):
-            rest = full[len(found):]
-            flags = self._in_remote(remote, rest)
-            for u, ok in zip(rest, flags):
-                if not ok:
-                    break
-                found.append(u)
-                lower.append(u)
-        if self.store_tail and self.chunk_size > self.block_size:
-            prev = found[-1].keys if found else self.roots
-            cands = self.piece_candidates(tokens, len(found) * self.chunk_size, prev, extras)
-            if cands:
-                flags = [store.contains([c.keys[r] for c in cands]) for r in ranks]
-                piece = next((c for i, c in enumerate(cands) if all(f[i] for f in flags)), None)
-                if piece is not None:
-                    found.append(piece)
-                else:  # the longest piece a lower tier holds, promoted like its chunks
-                    if disk is not None:
-                        piece = next((c for c in cands if all(disk.contains([c.keys[r] for r in ranks]))), None)
-                    if piece is None and remote is not None:
-                        piece = next((c for c, ok in zip(cands, self._in_remote(remote, cands)) if ok), None)
-                    if piece is not None:
-                        found.append(piece)
-                        lower.append(piece)
-        hit = found[-1].end if found else 0
-        if cap:
-            hit = min(hit, self.max_loadable(len(tokens)))
-        if found and found[-1].start < hit < found[-1].end and not self._windows_cover(found[-1], hit):
-            hit = found[-1].start
-        keep = [u for u in found if u.start < hit]
-        return hit, keep, [u for u in lower if u.start < hit]
-
-    def _in_remote(self, remote, units: list[Unit]) -> list[bool]:
-        """Whether every rank's chunk of each unit is in the remote tier (one call)."""
-        nr = len(self.roots)
-        flags = remote.contains([k for u in units for k in u.keys], [root for _ in units for root in self.roots])
-        return [all(flags[i * nr:(i + 1) * nr]) for i in range(len(units))]
+    def lookup(self, chain: TierChain, tokens: Sequence[int] | np.ndarray, units: list[Unit], count: bool = True,
+               lower: bool = True, extras: ExtraInputs | None = None) -> tuple[int, list[Unit], list[Unit]]:
+        """(tokens shmkv can supply, the units that hold them, those of them
+        below the shared tier, to promote first). The cached prefix is the
+        chain's walk (shared tier, then disk and remote with `lower`); the
+        count leaves at least one token to compute (vLLM's rule) and is cut
+        back to a unit start where a sliding window would not cover it."""
+        found = chain.cached_prefix(self.chunker, tokens, units, count=count, lower=lower, extras=extras)
+        hit = min(found[-1][0].end if found else 0, self.max_loadable(len(tokens)))
+        if found and found[-1][0].start < hit < found[-1][0].end and not self._windows_cover(found[-1][0], hit):
+            hit = found[-1][0].start
+        keep = [(u, tier) for u, tier in found if u.start < hit]
+        return hit, [u for u, _ in keep], [u for u, tier in keep if tier != chain.shared.name]
 
     # ----------------------------------------------------- group windows --
     def stored_blocks(self, u: Unit, group: int) -> tuple[int, int]:

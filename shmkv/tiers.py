@@ -1,0 +1,194 @@
+"""The tier chain: shared memory -> disk -> remote, walked as one.
+
+Every tier implements `Tier` with one signature; the chain owns the two
+walks that cross tiers, so the vLLM connector, the controller and the
+benchmarks never call a tier in a shape of its own:
+
+  * the prefix walk (`cached_prefix`): the longest prefix of a prompt's
+    units that some tier holds, in prefix order: units 0..a from the shared
+    tier, a..b from disk, b..c from remote; the first unit no tier holds ends
+    it (later units are useless without it). A unit is held by a tier when
+    that tier holds the key of every TP rank. After the full chunks, the
+    longest tail piece (shmkv.chunking) any tier holds may extend it.
+  * promotion (`promote`): units found below the shared tier are read from
+    the first lower tier that has them and put into the shared tier, in
+    prefix order, stopping at the first that cannot be (missing, damaged,
+    no room) or at a deadline.
+
+Invariants: the shared tier is always first (loads come only from it); a
+lower tier's miss, error or damage is a miss and a counter, never an
+exception to the caller; nothing here holds the table lock across tiers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from shmkv.chunking import Chunker, Unit
+from shmkv.keys import ExtraInputs
+from shmkv.store import PutResult, Store
+
+
+class Tier(Protocol):
+    """One level of the cache. `name` labels its counters ("<name>_hits")."""
+
+    name: str
+
+    def contains(self, keys: Sequence[bytes], namespaces: Sequence[bytes]) -> list[bool]:
+        """For each (key, namespace): whether this tier holds it."""
+
+    def fetch(self, key: bytes, namespace: bytes) -> tuple[bytes, bytes] | None:
+        """(payload, namespace) of a checked chunk, or None (missing, damaged, unreachable)."""
+
+    def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview) -> bool:
+        """Store one chunk's payload; False if it could not be (counted)."""
+
+    def remove(self, key: bytes, namespace: bytes) -> bool:
+        """Drop one chunk; False if it was not there."""
+
+    def clear(self, namespace: bytes | None = None) -> int:
+        """Drop every chunk (of one namespace); returns how many."""
+
+
+class SharedTier:
+    """The shared-memory segment as a Tier (plus the prefix lookup only it has)."""
+
+    name = "shm"
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def contains(self, keys: Sequence[bytes], namespaces: Sequence[bytes] | None = None) -> list[bool]:
+        return self.store.contains(keys)
+
+    def fetch(self, key: bytes, namespace: bytes) -> tuple[bytes, bytes] | None:
+        raw = self.store.get(key)
+        return None if raw is None else (raw, namespace)
+
+    def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview) -> bool:
+        return self.store.put(key, raw, namespace=namespace) in (PutResult.OK, PutResult.EXISTS)
+
+    def remove(self, key: bytes, namespace: bytes | None = None) -> bool:
+        return self.store.delete(key)
+
+    def clear(self, namespace: bytes | None = None) -> int:
+        return self.store.clear(namespace=namespace)
+
+    def prefix_length(self, units: Sequence[Unit], count: bool) -> int:
+        """How many of `units` every rank holds, as a prefix (one batched
+        lookup per rank; `count` counts rank 0's lookup in the hit stats)."""
+        n = len(units)
+        for r in range(len(units[0].keys) if units else 0):
+            if n == 0:
+                break
+            n = min(n, self.store.lookup_prefix([u.keys[r] for u in units[:n]], count_lookup=count and r == 0))
+        return n
+
+
+class TierChain:
+    """The shared tier and the tiers below it, in order."""
+
+    def __init__(self, store: Store, lower: Sequence[Tier | None] = ()) -> None:
+        self.store = store
+        self.shared = SharedTier(store)
+        self.lower: list[Tier] = [t for t in lower if t is not None]
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [self.shared, *self.lower]
+
+    # ------------------------------------------------------------ walks --
+    def cached_prefix(self, chunker: Chunker, tokens: Sequence[int] | np.ndarray, units: Sequence[Unit], *,
+                      count: bool = False, lower: bool = True, extras: ExtraInputs | None = None
+                      ) -> list[tuple[Unit, str]]:
+        """The longest cached prefix of a prompt's `units` (chunker.units of
+        `tokens`) as (unit, name of the tier holding it); the lower tiers are
+        looked into only with `lower`."""
+        full = [u for u in units if u.tokens == chunker.chunk_size]
+        found = self._full_chunks(full, chunker.roots, count, lower)
+        if chunker.piece_size and chunker.piece_size < chunker.chunk_size:
+            prev = found[-1][0].keys if found else chunker.roots
+            cands = chunker.piece_candidates(tokens, len(found) * chunker.chunk_size, prev, extras)
+            held = self.first_held(cands, chunker.roots, lower)
+            if held is not None:
+                found.append(held)
+        return found
+
+    def _full_chunks(self, full: list[Unit], roots: Sequence[bytes], count: bool, lower: bool
+                     ) -> list[tuple[Unit, str]]:
+        n = self.shared.prefix_length(full, count)
+        found = [(u, self.shared.name) for u in full[:n]]
+        rest = full[n:]
+        for tier in self.lower if lower else ():
+            if not rest:
+                break
+            flags = self._held(tier, rest, roots)
+            m = next((i for i, ok in enumerate(flags) if not ok), len(rest))
+            found += [(u, tier.name) for u in rest[:m]]
+            rest = rest[m:]
+        return found
+
+    def first_held(self, candidates: Sequence[Unit], roots: Sequence[bytes], lower: bool = True
+                   ) -> tuple[Unit, str] | None:
+        """The first of `candidates` (in the order given) that a tier holds,
+        asking each tier in chain order, with that tier's name."""
+        for tier in self.tiers if lower else [self.shared]:
+            if not candidates:
+                return None
+            for u, ok in zip(candidates, self._held(tier, candidates, roots)):
+                if ok:
+                    return u, tier.name
+        return None
+
+    @staticmethod
+    def _held(tier: Tier, units: Sequence[Unit], roots: Sequence[bytes]) -> list[bool]:
+        """Whether `tier` holds every rank's key of each unit (one call)."""
+        nr = len(roots)
+        flags = tier.contains([k for u in units for k in u.keys], [r for _ in units for r in roots])
+        return [all(flags[i * nr:(i + 1) * nr]) for i in range(len(units))]
+
+    # -------------------------------------------------------- promotion --
+    def promote(self, keys: Sequence[bytes], namespaces: Sequence[bytes], *,
+                deadline_s: float | None = None) -> int:
+        """Read chunks from the first lower tier holding them into the shared
+        tier (`namespaces[i]` is keys[i]'s), in prefix order, stopping at the
+        first that is missing, damaged or does not fit, or when `deadline_s`
+        seconds have passed. Returns how many of `keys` are in the shared
+        tier afterwards (a prefix)."""
+        store = self.store
+        t_end = None if deadline_s is None else time.monotonic() + deadline_s
+        n = 0
+        for key, ns in zip(keys, namespaces):
+            if store.contains([key])[0]:
+                n += 1
+                continue
+            if t_end is not None and time.monotonic() > t_end:
+                break
+            got, source = None, None
+            for tier in self.lower:
+                got = tier.fetch(key, ns)
+                if got is not None:
+                    source = tier.name
+                    break
+            if got is None:
+                break
+            raw, chunk_ns = got
+            r = store.put(key, raw, namespace=chunk_ns)
+            if r not in (PutResult.OK, PutResult.EXISTS):
+                store.bump("promote_errors")
+                break
+            if source == "disk":
+                store.mark_spilled(key)  # a copy is on disk: evicting it loses nothing
+            store.bump(f"{source}_hits")
+            store.bump("promote_bytes", len(raw))
+            n += 1
+        return n
+
+    # ----------------------------------------------------------- admin --
+    def clear(self, namespace: bytes | None = None) -> dict[str, int]:
+        """Drop every chunk (of one namespace) from every tier; how many per tier."""
+        return {t.name: t.clear(namespace) for t in self.tiers}
