@@ -14,7 +14,7 @@ import torch
 from kv_reference import make_cache
 
 from shmkv import Store
-from shmkv.integration.vllm.connector import KVGroup, groups_field, kv_groups_of
+from shmkv.integration.vllm.engine_inputs import KVGroup, groups_field, kv_groups_of
 from shmkv.integration.vllm.planner import GroupWindow, LoadItem, Planner, RequestPlan, StoreItem
 from shmkv.integration.vllm.worker import KVWorker
 from shmkv.keys import Namespace

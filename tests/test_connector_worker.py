@@ -85,11 +85,11 @@ def test_full_and_existing_stores_are_skipped(cache_name):
 def test_pipelined_load_signals_each_layer_then_releases(setup):
     store, a, b, src, dst = setup
     a.store([stored(b"k1" * 8, 3, 5)])
-    b.start_load([loaded(b"k1" * 8, 0, 1)], pipelined=True)
+    batch = b.start_load([loaded(b"k1" * 8, 0, 1)], pipelined=True)
     for name in b.layout.names:  # as vLLM's attention layers would, in order
-        b.wait_layer(name)
+        batch.wait_layer(name)
         i = b.layout.layer_index(name)
         assert torch.equal(src[i][3].view(torch.uint8), dst[i][0].view(torch.uint8))
-    failed, done = b.finish_load()
+    failed, done = b.finish_load(batch)
     assert failed == set() and done["q"][0] == 2 * BS
     assert store.stats()["leases_held"] == 0

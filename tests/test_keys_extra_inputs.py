@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmkv.chunking import Chunker
-from shmkv.integration.vllm.connector import lora_extra, prompt_tokens, request_extras
+from shmkv.integration.vllm.engine_inputs import lora_extra, prompt_tokens, request_extras
 from shmkv.keys import ExtraInputs, MultiModalItem, Namespace, chunk_keys, piece_key
 
 CHUNK, BLOCK, N = 32, 16, 32 * 6 + 16  # six chunks and a tail piece

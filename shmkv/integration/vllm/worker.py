@@ -67,6 +67,28 @@ class RequestTally:
     t_first: float = field(default_factory=time.perf_counter)
 
 
+class LoadBatch:
+    """One step's loads: the leased units, which layers are in place, what failed."""
+
+    def __init__(self, items: list[LoadItem], positions: dict[str, int]) -> None:
+        self.t0 = time.perf_counter()
+        self.by_request: dict[str, list[LoadItem]] = defaultdict(list)
+        for it in items:
+            self.by_request[it.req_id].append(it)
+        self.jobs: list[tuple[LoadItem, Any]] = []  # (item, its lease)
+        self.failed: set[int] = set()  # block ids vLLM must recompute
+        self.broken: set[int] = set()  # job indices whose copy failed
+        self._positions = positions  # layer name -> forward position
+        self.layer_done = [threading.Event() for _ in range(len(positions))]
+        self.loader: threading.Thread | None = None
+
+    def wait_layer(self, name: str) -> None:
+        """Block until this layer's loads are in place (no-op unless pipelined)."""
+        idx = self._positions.get(name)
+        if idx is not None and self.loader is not None:
+            self.layer_done[idx].wait()
+
+
 class KVWorker:
     """Loads and stores units for one worker (one TP rank)."""
 
@@ -102,24 +124,19 @@ class KVWorker:
             self._side_stream = torch.cuda.Stream(layout.device)
 
     # ------------------------------------------------------------ loads --
-    # A step's loads are pipelined with the forward pass on the CPU: a helper
-    # thread (moved off the cores vLLM's OpenMP pool is bound to) scatters the
-    # units layer by layer, and wait_layer(name) blocks only until that layer
-    # is in place. finish_load() joins, releases the leases and reports.
+    # A step's loads are one LoadBatch, pipelined with the forward pass on the
+    # CPU: a helper thread (moved off the cores vLLM's OpenMP pool is bound
+    # to) scatters the units layer by layer, and batch.wait_layer(name) blocks
+    # only until that layer is in place. finish_load(batch) joins, releases
+    # the leases and reports.
     def load(self, items: list[LoadItem]) -> tuple[set[int], dict[str, tuple[int, float]]]:
         """Scatter every item now; returns (block ids that failed, per request
         (tokens loaded, seconds))."""
-        self.start_load(items, pipelined=False)
-        return self.finish_load()
+        return self.finish_load(self.start_load(items, pipelined=False))
 
-    def start_load(self, items: list[LoadItem], *, pipelined: bool = True) -> None:
-        self._t0 = time.perf_counter()
-        self._failed: set[int] = set()
-        self._jobs: list[tuple[LoadItem, Any]] = []
-        self._req_items: dict[str, list[LoadItem]] = defaultdict(list)
-        for it in items:
-            self._req_items[it.req_id].append(it)
-        for req_id, its in self._req_items.items():
+    def start_load(self, items: list[LoadItem], *, pipelined: bool = True) -> LoadBatch:
+        batch = LoadBatch(items, self._position)
+        for req_id, its in batch.by_request.items():
             try:
                 leases = self.cache.acquire_prefix([it.keys[self.rank] for it in its], count_lookup=False)
             except Exception:
@@ -128,54 +145,47 @@ class KVWorker:
                 leases = []
             for i, it in enumerate(its):
                 if i < len(leases):
-                    self._jobs.append((it, leases[i]))
+                    batch.jobs.append((it, leases[i]))
                 else:
-                    self._failed.update(it.block_ids)
+                    batch.failed.update(it.block_ids)
                     self.counters["load_missing_units"] += 1
-        n = len(self._order)
-        self._layer_done = [threading.Event() for _ in range(n)]
-        self._broken: set[int] = set()  # job indices whose copy failed
-        if pipelined and not self.on_gpu and n > 1 and self._jobs:
-            self._loader = threading.Thread(target=self._load_layers, args=(True,), name="shmkv-load", daemon=True)
-            self._loader.start()
+        if pipelined and not self.on_gpu and len(self._order) > 1 and batch.jobs:
+            batch.loader = threading.Thread(target=self._load_layers, args=(batch, True), name="shmkv-load",
+                                            daemon=True)
+            batch.loader.start()
         else:
-            self._loader = None
-            self._load_layers(False)
+            self._load_layers(batch, False)
+        return batch
 
-    def _load_layers(self, move_off_omp_cores: bool) -> None:
+    def _load_layers(self, batch: LoadBatch, move_off_omp_cores: bool) -> None:
         if move_off_omp_cores:
             _avoid_cores_of_the_main_thread()
         for pos, (g, layer) in enumerate(self._order):
-            for j, (it, lease) in enumerate(self._jobs):
-                if j in self._broken:
+            for j, (it, lease) in enumerate(batch.jobs):
+                if j in batch.broken:
                     continue
                 try:
                     self._scatter(it, lease, g, (layer, layer + 1))
                 except Exception:
                     log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
-                    self._broken.add(j)
+                    batch.broken.add(j)
                     self.counters["load_errors"] += 1
-            self._layer_done[pos].set()
-        if self.on_gpu and self._jobs:
+            batch.layer_done[pos].set()
+        if self.on_gpu and batch.jobs:
             import torch
 
             torch.cuda.current_stream(self.layout.device).synchronize()
 
-    def wait_layer(self, name: str) -> None:
-        idx = self._position.get(name)
-        if idx is not None and self._loader is not None:
-            self._layer_done[idx].wait()
-
-    def finish_load(self) -> tuple[set[int], dict[str, tuple[int, float]]]:
-        if getattr(self, "_jobs", None) is None:
-            return set(), {}
-        if self._loader is not None:
-            self._loader.join()
-            self._loader = None
+    def finish_load(self, batch: LoadBatch) -> tuple[set[int], dict[str, tuple[int, float]]]:
+        """Wait for the batch, release its leases; (block ids that failed, per
+        request (tokens loaded, seconds))."""
+        if batch.loader is not None:
+            batch.loader.join()
+            batch.loader = None
         bs = self.layout.block_size
         loaded: dict[str, int] = defaultdict(int)
-        for j, (it, lease) in enumerate(self._jobs):
-            ok = j not in self._broken
+        for j, (it, lease) in enumerate(batch.jobs):
+            ok = j not in batch.broken
             if ok and self.digest_file:
                 self._digest_load(it)
             if not lease.release():  # reclaimed meanwhile: the bytes may be wrong
@@ -184,13 +194,11 @@ class KVWorker:
             if ok:
                 loaded[it.req_id] += max(len(w.block_ids) for w in it.groups) * bs
             else:
-                self._failed.update(it.block_ids)
-        seconds = time.perf_counter() - self._t0
-        done = {r: (loaded[r], seconds) for r in self._req_items}
+                batch.failed.update(it.block_ids)
+        seconds = time.perf_counter() - batch.t0
         self.counters["loaded_tokens"] += sum(loaded.values())
-        failed = self._failed
-        self._jobs = None
-        return failed, done
+        batch.jobs = []
+        return batch.failed, {r: (loaded[r], seconds) for r in batch.by_request}
 
     def _sections(self, groups: Sequence[GroupWindow]) -> list[tuple[int, int]]:
         """(byte offset, bytes) of each group's section of a unit's payload."""
@@ -355,3 +363,109 @@ class KVWorker:
         with open(self.digest_file, "a") as f:
             for g, (off, n) in enumerate(self._sections(it.groups)):
                 f.write(f"store {r.key.hex()} {g} {xxhash.xxh3_128_hexdigest(mv[off:off + n])}\n")
+
+
+class WorkerSide:
+    """The connector's worker half (one vLLM worker process, one TP rank): it
+    builds the copy layouts when vLLM registers its KV caches, runs each
+    step's loads (before the forward pass) and stores (after it), and tells
+    vLLM which blocks it must recompute. Free of vLLM imports: it sees vLLM's
+    tensors and the scheduler half's ShmKVMetadata only."""
+
+    def __init__(self, cfg: Any, store: Store, groups: Sequence[Any], tp_rank: int) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.groups = list(groups)  # engine_inputs.KVGroup per KV-cache group
+        self.tp_rank = tp_rank
+        self.worker: KVWorker | None = None
+        self._load_errors: set[int] = set()  # blocks vLLM must recompute
+        self._finished_waiting: set[str] = set()
+        self._loading: tuple[Any, LoadBatch] | None = None  # this step's metadata and loads
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        first = next(iter(kv_caches.values()))
+        if first.device.type == "cpu":
+            kind = "cpu"
+        else:
+            kind = {4: "hnd", 5: "kv_split", 3: "mla"}.get(first.dim(), "")
+        groups = [g.layer_names or tuple(kv_caches) for g in self.groups]
+        layouts = [KVLayout(kind, [kv_caches[n] for n in names], names) for names in groups]
+        remote = None
+        if self.cfg.remote_write_through:
+            from shmkv.remote import open_remote
+
+            remote = open_remote(self.cfg, store=self.store, disk=None,
+                                 element_size=self.cfg.disk_shuffle_bytes or first.element_size())
+        self.worker = KVWorker(self.store, layouts, self.tp_rank, digest_file=self.cfg.debug_digest_file,
+                               remote=remote, layer_order=list(kv_caches))
+        log.info("shmkv: registered %d KV layers in %d group(s) (%s layout, %s, %.1f KiB per token)",
+                 len(kv_caches), len(layouts), kind, str(first.dtype).replace("torch.", ""),
+                 sum(lay.bytes_per_token() for lay in layouts) / 1024)
+
+    def bind(self, meta: Any) -> None:
+        """A step's metadata arrives (before any load)."""
+        if getattr(meta, "failed_blocks", None):
+            self._load_errors |= meta.failed_blocks
+        if self.worker is not None and self.worker.on_gpu and any(g.window for g in self.groups):
+            # NOTE: vLLM frees sliding-window blocks as a request advances and may hand them
+            # to this step's forward: it must not overwrite them before last step's stores
+            # have read them (the compute stream waits on their events; the host does not).
+            self.worker.order_compute_after_stores()
+
+    def start_load(self, meta: Any) -> None:
+        if self.worker is None or not getattr(meta, "loads", None):
+            return
+        self._loading = meta, self.worker.start_load(meta.loads)
+
+    def wait_layer(self, layer_name: str) -> None:
+        if self._loading is not None:
+            self._loading[1].wait_layer(layer_name)
+
+    def _finish_load(self) -> None:
+        if self._loading is None or self.worker is None:
+            return
+        (meta, batch), self._loading = self._loading, None
+        failed, done = self.worker.finish_load(batch)
+        self._load_errors |= failed
+        for req_id, (tokens, seconds) in done.items():
+            s = meta.summaries.get(req_id)
+            log.info("shmkv: request %s: prompt %d tokens, hit %d (vLLM prefix cache %d), loaded %d in %.1f ms%s",
+                     req_id, s.prompt_tokens if s else -1, (s.local_tokens + s.hit_tokens) if s else -1,
+                     s.local_tokens if s else -1, tokens, seconds * 1e3,
+                     f", {len(failed)} blocks to recompute" if failed else "")
+
+    def wait_for_save(self, meta: Any) -> None:
+        self._finish_load()  # the forward pass is over: release this step's leases
+        if self.worker is None:
+            return
+        if getattr(meta, "stores", None):
+            self.worker.store(meta.stores)
+        self.worker.poll()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        self.worker.poll()
+        for req_id in finished_req_ids:
+            t = self.worker.finish(req_id)
+            if t and (t.stored_units or t.already_cached or t.not_stored):
+                log.info("shmkv: request %s: stored %d tokens in %d chunks (%.1f ms); %d already cached, %d not stored",
+                         req_id, t.stored_tokens, t.stored_units, t.store_s * 1e3, t.already_cached, t.not_stored)
+        if not self.worker.on_gpu:
+            return None, None
+        self._finished_waiting |= finished_req_ids
+        pending = self.worker.pending_requests()
+        done = {r for r in self._finished_waiting if r not in pending}
+        self._finished_waiting -= done
+        return (done or None), None
+
+    def load_errors(self) -> set[int]:
+        """Blocks vLLM must recompute (and forget them)."""
+        self._finish_load()
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        self._finish_load()
+        if self.worker is not None:
+            self.worker.shutdown()

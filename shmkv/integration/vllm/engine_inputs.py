@@ -1,0 +1,163 @@
+"""What shmkv reads from vLLM, and nothing else: the engine's namespace (its
+model geometry, attention layout and KV-cache groups) and each request's
+inputs that change its KV (prompt tokens, multimodal items, prompt
+embeddings, LoRA adapter). The scheduler half turns these into keys; the
+worker half into copy layouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from shmkv.config import ShmkvConfig
+from shmkv.keys import ExtraInputs, MultiModalItem, Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("shmkv.connector")
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group of the engine: its layers and sliding window (0: full attention)."""
+
+    layer_names: tuple[str, ...]
+    window: int = 0
+
+
+def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[list[KVGroup], str | None]:
+    """The engine's KV-cache groups, or the reason shmkv cannot copy them exactly."""
+    if kv_cache_config is None:
+        return [KVGroup(())], None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    groups = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        kind = type(spec).__name__
+        if getattr(g, "is_eagle_group", False):
+            return [], f"KV-cache group {i} holds speculative-decoding (EAGLE) draft layers"
+        if not getattr(g, "enable_kv_transfer", True):
+            return [], f"KV-cache group {i} is rebuilt by vLLM after a transfer (not transferable state)"
+        if spec.block_size != block_size:
+            return [], f"KV-cache group {i} ({kind}) has block size {spec.block_size}, not {block_size}"
+        if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            groups.append(KVGroup(tuple(g.layer_names)))
+        elif type(spec) is SlidingWindowSpec and not spec.extra_retained_tokens:
+            groups.append(KVGroup(tuple(g.layer_names), int(spec.sliding_window)))
+        else:
+            return [], (f"KV-cache group {i} is {kind} (layers {', '.join(g.layer_names[:3])}"
+                        f"{', ...' if len(g.layer_names) > 3 else ''}): shmkv copies attention KV only, and "
+                        "this state cannot be restored exactly from chunks")
+    return groups, None
+
+
+def groups_field(groups: list[KVGroup]) -> tuple[tuple[str, str], ...]:
+    """Namespace field of a hybrid engine's groups (none for one full-attention group, so
+    plain models keep their keys): the payload's sections follow them."""
+    if len(groups) == 1 and not groups[0].window:
+        return ()
+    return (("kv_groups", ";".join(f"{g.window}:{','.join(g.layer_names)}" for g in groups)),)
+
+
+def namespace_for(vllm_config: VllmConfig, cfg: ShmkvConfig, tp_rank: int) -> Namespace:
+    """Everything that makes KV bytes of this engine incompatible with another's."""
+    from vllm.platforms import current_platform
+
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    dtype = str(mc.dtype).replace("torch.", "")
+    cache_dtype = cc.cache_dtype if cc.cache_dtype != "auto" else dtype
+    block_size = cc.block_size
+    on_cpu = current_platform.is_cpu()
+    isa = ""
+    if on_cpu:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(mc.dtype, block_size, mc.get_head_size(),
+                            cc.cache_dtype if cc.cache_dtype != "auto" else None)
+    return Namespace(
+        model_id=str(mc.model),
+        dtype=cache_dtype,
+        num_layers=mc.get_num_layers(pc),
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_size=mc.get_head_size(),
+        chunk_size=cfg.chunk_size,
+        mla=bool(mc.use_mla),
+        tp_size=pc.tensor_parallel_size,
+        tp_rank=tp_rank,
+        payload="blocks" if on_cpu else "tokens",
+        attention_layout="cpu:LBHNC" if on_cpu else ("cuda:mla" if mc.use_mla else "cuda:paged"),
+        block_size=block_size,
+        isa=isa,
+    )
+
+
+def prompt_tokens(request: Request) -> np.ndarray:
+    """The prompt's token ids as vLLM computes with them: positions given as
+    embeddings hold 0 (their content is in request_extras)."""
+    n = int(request.num_prompt_tokens)
+    if request.prompt_token_ids is not None and getattr(request, "prompt_is_token_ids", None) is None:
+        return np.asarray(request.prompt_token_ids, dtype=np.int64)
+    return np.asarray(request.all_token_ids[:n], dtype=np.int64)
+
+
+def request_extras(request: Request) -> ExtraInputs | None:
+    """The multimodal items and prompt embeddings of a request (None: it has neither)."""
+    mm = tuple(MultiModalItem(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+               for f in (getattr(request, "mm_features", None) or ()))
+    embeds = getattr(request, "prompt_embeds", None)
+    mask = getattr(request, "prompt_is_token_ids", None)
+    if not mm and embeds is None:
+        return None
+    arr = None
+    if embeds is not None:
+        t = embeds.detach().to("cpu").contiguous()
+        arr = t.view(torch.uint8).numpy().reshape(t.shape[0], -1)  # raw bytes per position (bf16 has no numpy dtype)
+    return ExtraInputs(mm=mm, embeds=arr, token_mask=None if mask is None else np.asarray(mask, dtype=bool))
+
+
+_LORA_DIGESTS: dict[tuple, str] = {}
+
+
+def lora_extra(request: Request) -> tuple[tuple[str, str], ...]:
+    """Namespace fields of the request's LoRA adapter: its name and a digest
+    of its files (cached by path, size, mtime and inode, so an adapter
+    replaced under the same name gets a new digest)."""
+    lr = getattr(request, "lora_request", None)
+    if not lr:
+        return ()
+    return (("lora_name", str(lr.lora_name)), ("lora_digest", lora_digest(str(lr.lora_path or ""))))
+
+
+def lora_digest(path: str) -> str:
+    """xxh3-128 over the adapter directory's regular files (names and bytes)."""
+    import xxhash
+
+    try:
+        names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
+        stats = tuple((n, st.st_size, st.st_mtime_ns, st.st_ino)
+                      for n in names for st in [os.stat(os.path.join(path, n))])
+    except OSError:
+        log.warning("shmkv: LoRA adapter path %r is not a readable directory: its keys name the path only "
+                    "(a different adapter at the same path would share them)", path)
+        return "path:" + path
+    key = (path, stats)
+    d = _LORA_DIGESTS.get(key)
+    if d is None:
+        h = xxhash.xxh3_128()
+        for n in names:
+            h.update(n.encode() + b"\x00")
+            with open(os.path.join(path, n), "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        d = _LORA_DIGESTS[key] = h.hexdigest()
+    return d

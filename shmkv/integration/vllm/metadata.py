@@ -1,0 +1,28 @@
+"""What the scheduler half ships to the workers each step (pickled by vLLM
+with the SchedulerOutput): the step's loads and stores, and per request what
+the logs say about it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from shmkv.integration.vllm.planner import LoadItem, StoreItem
+
+
+@dataclass
+class RequestSummary:
+    req_id: str
+    prompt_tokens: int
+    local_tokens: int
+    hit_tokens: int
+
+
+@dataclass
+class ShmKVMetadata(KVConnectorMetadata):
+    loads: list[LoadItem] = field(default_factory=list)
+    stores: list[StoreItem] = field(default_factory=list)
+    summaries: dict[str, RequestSummary] = field(default_factory=dict)
+    # blocks promised to vLLM whose loads could not be planned: the worker reports them as load errors
+    failed_blocks: set[int] = field(default_factory=set)

@@ -1,0 +1,307 @@
+"""The connector's scheduler half (vLLM's EngineCore process): turns each
+request into units and keys, asks the tier chain for the longest cached
+prefix, promotes what lies below the shared tier in the background, tells vLLM
+how many tokens it can load, and each step ships the loads and stores of the
+admitted and running requests to the workers (ShmKVMetadata).
+
+Everything here is per engine and free of tensors; the planner
+(planner.py) does the request and block bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shmkv.config import ShmkvConfig
+from shmkv.integration.vllm.engine_inputs import KVGroup, groups_field, lora_extra, prompt_tokens, request_extras
+from shmkv.integration.vllm.metadata import RequestSummary, ShmKVMetadata
+from shmkv.integration.vllm.planner import NULL_BLOCK, Planner, RequestPlan
+from shmkv.keys import Namespace
+from shmkv.namespaces import register
+from shmkv.remote import open_remote
+from shmkv.store import Store
+from shmkv.tiers import TierChain
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("shmkv.connector")
+
+
+class _AskAgain(Exception):
+    """A promotion for the request is still running."""
+
+
+class SchedulerSide:
+    """One engine's scheduler half over one store."""
+
+    def __init__(self, vllm_config: VllmConfig, cfg: ShmkvConfig, store: Store, namespaces: list[Namespace],
+                 groups: list[KVGroup], *, loads: bool, stores: bool, ktc: Any) -> None:
+        self._vllm_config = vllm_config
+        self.cfg = cfg
+        self.store = store
+        self.block_size = vllm_config.cache_config.block_size
+        self.loads_enabled, self.stores_enabled = loads, stores
+        self._base_ns = namespaces
+        self._groups = groups
+        self._planners: dict[tuple, Planner] = {}
+        self._maintainer_role = None
+        self._plans: dict[str, RequestPlan] = {}
+        self._pending_loads: dict[str, RequestPlan] = {}
+        self._asked: set[str] = set()
+        self._promotions: dict[str, Future] = {}
+        self._promoted: set[str] = set()  # promotion done: look up in memory only
+        self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0}
+        self.disk = None
+        self._promoter: ThreadPoolExecutor | None = None
+        if groups_field(self._groups):
+            log.info("shmkv: hybrid KV cache, %d groups: %s", len(self._groups), "; ".join(
+                f"{len(g.layer_names)} layers with " + (f"a {g.window}-token sliding window" if g.window
+                                                       else "full attention") for g in self._groups))
+        for rank, ns in enumerate(self._base_ns):
+            # operators name a namespace by this root in the controller API (lookup, clear, pin...)
+            log.info("shmkv: namespace of TP rank %d: root %s (model %s, %s, %d layers)", rank,
+                     register(self.cfg.cache_name, ns), ns.model_id, ns.dtype, ns.num_layers)
+        if self.cfg.disk_dir:
+            from shmkv.disk.tier import DiskTier
+
+            self.disk = DiskTier(os.path.join(self.cfg.disk_dir, self.cfg.cache_name),
+                                 capacity_bytes=self.cfg.disk_capacity, level=self.cfg.disk_level,
+                                 element_size=self._dtype_bytes(),
+                                 counter=self.store.bump)
+            log.info("shmkv: disk tier at %s (cap %.1f GiB, zstd level %d)", self.disk.dir,
+                     self.cfg.disk_capacity / 2**30, self.cfg.disk_level)
+        self.remote = open_remote(self.cfg, store=self.store, disk=self.disk, element_size=self._dtype_bytes())
+        self.chain = TierChain(self.store, [self.disk, self.remote])
+        if self.chain.lower:
+            # NOTE: promotion reads and decompresses off the scheduler's thread
+            self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
+        if self.cfg.maintainer:
+            from shmkv.maintainer import MaintainerRole
+
+            self._maintainer_role = MaintainerRole(self.cfg, self.store, self.disk, remote=self.remote)
+            self._maintainer_role.start()
+        if self.cfg.load_failure_policy == "recompute" and ktc.kv_load_failure_policy != "recompute":
+            # A chunk evicted between lookup and load must mean "recompute it",
+            # never a failed request. vLLM reads this after building us.
+            ktc.kv_load_failure_policy = "recompute"
+            log.info("shmkv: set kv_load_failure_policy=recompute (a cache miss at load time is recomputed)")
+
+    def _planner(self, salt: str | None, lora: tuple[tuple[str, str], ...] = ()) -> Planner:
+        """The planner of one namespace: the engine's, with the request's cache
+        salt and LoRA adapter (`lora`: namespace extra fields, lora_extra())."""
+        p = self._planners.get((salt, lora))
+        if p is None:
+            ns = [dataclasses.replace(n.with_salt(salt), extra=n.extra + lora) for n in self._base_ns]
+            p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail,
+                        windows=[g.window for g in self._groups])
+            self._planners[(salt, lora)] = p
+        return p
+
+    def _dtype_bytes(self) -> int:
+        """Element size of the byte-plane shuffle of stored chunks."""
+        return self.cfg.disk_shuffle_bytes or torch.empty(
+            (), dtype=self._vllm_config.model_config.dtype).element_size()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        try:
+            tokens = prompt_tokens(request)
+            # the request's cache salt and LoRA adapter are in every key it reads or writes,
+            # its multimodal items and prompt embeddings in the keys of the chunks they cover
+            # (computed once per request: vLLM may ask again every step until it admits it)
+            plan = self._plans.get(request.request_id)
+            if plan is None or plan.prompt_len != len(tokens):
+                planner = self._planner(getattr(request, "cache_salt", None), lora_extra(request))
+                extras = request_extras(request)
+                plan = RequestPlan(request.request_id, len(tokens), planner.units(tokens, extras), roots=planner.roots)
+                plan.extras, plan.planner = extras, planner
+                self._plans[request.request_id] = plan
+            planner = plan.planner
+            plan.local_tokens = num_computed_tokens
+            if not self.loads_enabled:
+                return 0, False
+            first = request.request_id not in self._asked
+            self._asked.add(request.request_id)
+            hit, units, lower = planner.lookup(self.chain, tokens, plan.units, count=first,
+                                               lower=self._look_lower(request.request_id), extras=plan.extras)
+            if lower:
+                # Promote from disk / remote in the background; vLLM asks again next step.
+                keys = [k for u in lower for k in u.keys]
+                roots = [r for _ in lower for r in planner.roots]
+                assert self._promoter is not None
+                self._promotions[request.request_id] = self._promoter.submit(
+                    self.chain.promote, keys, roots,
+                    deadline_s=max(2.0, 4 * self.cfg.remote_timeout) if self.remote is not None else None)
+                log.info("shmkv: request %s: %d tokens found on disk or remote, promoting", request.request_id,
+                         sum(u.tokens for u in lower))
+                return None, False
+            extra = max(0, hit - num_computed_tokens)
+            extra -= extra % self.block_size  # whole blocks past vLLM's own (aligned) hit
+            plan.hit_tokens = extra
+            plan.hit_units = units if extra else []
+            if first:
+                self.counters["requests"] += 1
+                self.counters["hit_requests"] += extra > 0
+                log.info("shmkv: request %s: prompt %d tokens, vLLM prefix cache %d, shmkv hit %d",
+                         request.request_id, len(tokens), num_computed_tokens, extra)
+            return extra, False
+        except _AskAgain:
+            return None, False
+        except Exception:
+            self.counters["lookup_errors"] += 1
+            log.exception("shmkv: lookup for request %s failed; it runs without the cache",
+                          getattr(request, "request_id", "?"))
+            plan = self._plans.get(getattr(request, "request_id", None))
+            if plan is not None:
+                plan.hit_tokens, plan.hit_units = 0, []
+            return 0, False
+
+    def _look_lower(self, req_id: str) -> bool:
+        """Whether this lookup looks below the shared tier: not after a
+        promotion for the request (its outcome is final: what did not promote
+        is a miss); raises _AskAgain while one runs."""
+        fut = self._promotions.get(req_id)
+        if fut is None:
+            return req_id not in self._promoted
+        if not fut.done():
+            raise _AskAgain()
+        self._promotions.pop(req_id)
+        try:
+            fut.result()
+        except Exception:
+            log.exception("shmkv: promotion for request %s failed; it runs with what is in memory", req_id)
+        self._promoted.add(req_id)
+        return False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
+        try:
+            plan.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        except Exception:
+            log.exception("shmkv: cannot read block ids of request %s", request.request_id)
+            num_external_tokens = 0
+        if num_external_tokens != plan.hit_tokens:
+            plan.hit_tokens = num_external_tokens
+            if not num_external_tokens:
+                plan.hit_units = []
+        if num_external_tokens > 0:
+            self._pending_loads[request.request_id] = plan
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ShmKVMetadata:
+        meta = ShmKVMetadata()
+        try:
+            self._plan_loads(meta)
+        finally:
+            self._pending_loads.clear()
+        try:
+            self._build(scheduler_output, meta)
+        except Exception:
+            log.exception("shmkv: planning the stores of this step failed; they are skipped")
+            meta.stores = []
+        return meta
+
+    def _plan_loads(self, meta: ShmKVMetadata) -> None:
+        """Load items of the requests admitted with a hit. A request whose loads
+        cannot be planned has its promised blocks reported as load errors, so
+        vLLM recomputes them (never runs on blocks nobody filled)."""
+        planner = self._planner(None)  # units carry their own keys: any planner of this geometry
+        bs = self.block_size
+        for req_id, plan in self._pending_loads.items():
+            try:
+                meta.loads.extend(planner.load_items(plan))
+            except Exception:
+                self.counters["lookup_errors"] += 1
+                log.exception("shmkv: planning the load of request %s failed; vLLM recomputes it", req_id)
+                lo, hi = plan.local_tokens // bs, (plan.local_tokens + plan.hit_tokens) // bs
+                meta.failed_blocks.update(b for ids in plan.block_ids for b in ids[lo:hi] if b != NULL_BLOCK)
+                continue
+            meta.summaries[req_id] = RequestSummary(req_id, plan.prompt_len, plan.local_tokens, plan.hit_tokens)
+
+    def _build(self, so: SchedulerOutput, meta: ShmKVMetadata) -> None:
+        planner = self._planner(None)
+        # Admitted now: vLLM asks again only if it preempts the request, and
+        # that new admission is counted and logged like a first one.
+        for new in so.scheduled_new_reqs:
+            self._asked.discard(new.req_id)
+        for req_id in so.scheduled_cached_reqs.resumed_req_ids:
+            self._asked.discard(req_id)
+        if not self.stores_enabled:
+            return
+        for new in so.scheduled_new_reqs:
+            plan = self._plans.get(new.req_id)
+            if plan is None:  # never seen by get_num_new_matched_tokens: its salt is unknown
+                continue
+            plan.block_ids = [list(ids) for ids in new.block_ids]
+            done = new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)
+            meta.stores.extend(planner.store_items(plan, done))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            plan = self._plans.get(req_id)
+            if plan is None or plan.next_store >= len(plan.units):
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                plan.block_ids = [list(ids) for ids in new_ids] if new_ids else [[] for _ in self._groups]
+            elif new_ids:
+                for mine, ids in zip(plan.block_ids, new_ids):
+                    mine.extend(ids)
+            done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
+            meta.stores.extend(planner.store_items(plan, done))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        plan = self._plans.pop(request.request_id, None)
+        if plan is not None and plan.window_skipped:
+            log.debug("shmkv: request %s: %d chunks not stored (their sliding window held vLLM's null block)",
+                      request.request_id, plan.window_skipped)
+        self._asked.discard(request.request_id)
+        self._promotions.pop(request.request_id, None)
+        self._promoted.discard(request.request_id)
+        self._pending_loads.pop(request.request_id, None)
+        # GPU stores complete asynchronously: keep the blocks until the worker
+        # reports the request in finished_sending.
+        from vllm.platforms import current_platform
+
+        delay = bool(plan and plan.stored_any and not current_platform.is_cpu())
+        return delay, None
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset_prefix_cache(reset_connector=True) (and the server's
+        /reset_prefix_cache?reset_external=true): remove this engine's chunks
+        (every namespace it used: its own, salted and LoRA ones) from every
+        tier; other engines' chunks stay. False when the table lock could not
+        be had."""
+        from shmkv.errors import LockTimeoutError
+
+        roots = {r for p in self._planners.values() for r in p.roots}
+        roots |= {ns.root_key() for ns in self._base_ns}
+        removed = {"shm": 0, "disk": 0, "remote": 0}
+        try:
+            for root in sorted(roots):
+                for tier, n in self.chain.clear(root).items():
+                    removed[tier] += n
+        except LockTimeoutError as e:
+            log.warning("shmkv: reset_cache could not finish: %s", e)
+            return False
+        log.info("shmkv: reset_cache removed this engine's chunks (%d namespaces): %d in memory, %d on disk, "
+                 "%d in the remote", len(roots), removed["shm"], removed["disk"], removed["remote"])
+        return True
+
+    def shutdown(self) -> None:
+        if self._maintainer_role is not None:
+            self._maintainer_role.stop()
+        if self._promoter is not None:
+            self._promoter.shutdown(wait=True)
+        if self.remote is not None:
+            self.remote.flush(timeout_s=10)
+            self.remote.close()
