@@ -27,7 +27,7 @@ if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null
 fi
-# Coverage-guided fuzzing (tests/test_fuzz_atheris.py); optional: skipped where it does not install.
+# Coverage-guided fuzzing (tests/e2e/test_fuzz_atheris.py); optional: skipped where it does not install.
 pipi atheris 2>/dev/null || echo "setup: atheris did not install; its fuzz runs will be skipped"
 pipi --no-build-isolation -e .
 "$PY" -c "import shmkv, torch, vllm; print('shmkv', shmkv.__version__, '| torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -1,77 +1,17 @@
 """Shared fixtures: unique cache names (segments are always unlinked after the
-test), key helpers, and a child-process runner for crash tests."""
+test), child processes, daemons, a private redis-server, and the vLLM
+engines of the end-to-end tests. Plain helpers live in helpers.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-import uuid
 from collections.abc import Iterator
 
 import pytest
-import xxhash
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def key(i: int | str) -> bytes:
-    """A deterministic 16-byte key."""
-    return xxhash.xxh3_128_digest(f"test-key-{i}".encode())
-
-
-def payload_for(k: bytes, n: int) -> bytes:
-    """n bytes derived from the key alone, so any reader can check them."""
-    block = xxhash.xxh3_128_digest(k) * 4  # 64 bytes
-    return (block * (n // 64 + 1))[:n]
-
-
-def fresh_cache_name() -> Iterator[str]:
-    """A unique cache name; its segment and runtime files go afterwards."""
-    from shmkv import Store
-    from shmkv.paths import runtime_dir
-
-    name = f"shmkv-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    Store.unlink(name)
-    rt = runtime_dir()
-    for entry in rt.scandir():  # lock, registry and log files of this cache
-        if entry.name.startswith(name + "."):
-            rt.unlink(entry.name)
-
+from helpers import Child, DaemonProcess, Reference, fresh_cache_name
 
 cache_name = pytest.fixture(fresh_cache_name, name="cache_name")
+
 second_cache = pytest.fixture(fresh_cache_name, name="second_cache")
-
-
-class Child:
-    """A Python child process running `code`; it talks through stdout lines."""
-
-    def __init__(self, code: str) -> None:
-        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=env, cwd=REPO,
-        )
-
-    def expect(self, word: str) -> str:
-        line = self.proc.stdout.readline().strip()
-        if line != word and not line.startswith(word + " "):
-            err = self.proc.stderr.read() if self.proc.poll() is not None else ""
-            raise AssertionError(f"child said {line!r}, expected {word!r}; stderr: {err}")
-        return line
-
-    def kill9(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=10)
-
-    def finish(self, timeout: float = 60) -> str:
-        out, err = self.proc.communicate(timeout=timeout)
-        assert self.proc.returncode == 0, f"child failed ({self.proc.returncode}): {err}"
-        return out
-
 
 @pytest.fixture
 def child() -> Iterator[type[Child]]:
@@ -89,40 +29,6 @@ def child() -> Iterator[type[Child]]:
 
 
 # --------------------------------------------------------------- daemon ---
-class DaemonProcess:
-    """`scripts/start_shm_daemon.sh ARGS` in the foreground; `url` once it serves."""
-
-    def __init__(self, cache: str, *args: str, log_path: str) -> None:
-        self.log_path = log_path
-        self.log = open(log_path, "ab")
-        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PYTHON=sys.executable)
-        self.proc = subprocess.Popen(
-            ["bash", os.path.join(REPO, "scripts", "start_shm_daemon.sh"), "--cache", cache, *args],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO)
-        self.url = ""
-
-    def wait_ready(self, timeout: float = 60) -> str:
-        import select
-
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if "shmkv daemon ready" not in line:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"daemon did not start: {line!r}; log:\n{open(self.log_path).read()}")
-        self.url = line.rsplit(" ", 1)[-1].strip()
-        return self.url
-
-    def stop(self, timeout: float = 30) -> int:
-        import signal
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout=timeout)
-        self.log.close()
-        return rc
-
 
 @pytest.fixture
 def daemon(tmp_path) -> Iterator:
@@ -142,35 +48,6 @@ def daemon(tmp_path) -> Iterator:
             d.proc.kill()
             d.proc.wait()
 
-
-def http(url: str, method: str, path: str, body=None, *, raw: bytes | None = None,
-         headers: dict | None = None) -> tuple[int, object]:
-    """One controller request (http://host:port or unix:/path); (status, JSON or text)."""
-    import http.client
-    import json
-    import socket
-
-    if url.startswith("unix:"):
-        class UnixConnection(http.client.HTTPConnection):
-            def connect(self) -> None:
-                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self.sock.settimeout(60)
-                self.sock.connect(url[5:])
-
-        conn: http.client.HTTPConnection = UnixConnection("localhost", timeout=60)
-    else:
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=60)
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(method, path, body=data, headers=headers or {})
-    resp = conn.getresponse()
-    text = resp.read().decode()
-    conn.close()
-    ctype = resp.getheader("Content-Type") or ""
-    return resp.status, (json.loads(text) if ctype.startswith("application/json") else text)
-
-
-# ---------------------------------------------------------------- redis ---
 @pytest.fixture
 def redis_server(tmp_path) -> Iterator:
     """A private redis-server on a loopback port (shmkv.remote.server.PrivateRedis)."""
@@ -190,47 +67,15 @@ def redis_server(tmp_path) -> Iterator:
 # prompt at a given split point (the split vLLM's own prefix cache would use:
 # notes/vllm_connector_api.md §9).
 
-E2E_TOKENS = 16
-
-
-def random_prompt(n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(3, 4000) for _ in range(n)]
-
-
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     from shmkv.models import write_llama
 
     return write_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
-
 @pytest.fixture(scope="session")
 def engine_logs(tmp_path_factory):
     return tmp_path_factory.mktemp("engine-logs")
-
-
-class Reference:
-    """Greedy outputs of an engine without shmkv, at a chosen split point."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self._memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    def output(self, prompt: list[int], split: int) -> list[int]:
-        key = (tuple(prompt), split)
-        if key not in self._memo:
-            e = self.engine
-            e.reset_prefix_cache()
-            if split:
-                e.generate([prompt[: split + 1]], max_tokens=1)  # caches split // 128 blocks
-            r = e.generate([prompt], max_tokens=E2E_TOKENS)
-            assert r["num_cached_tokens"][0] == split, (r["num_cached_tokens"], split)
-            self._memo[key] = r["outputs"][0]
-        return self._memo[key]
-
 
 @pytest.fixture(scope="session")
 def reference(model_dir, engine_logs):
@@ -239,7 +84,6 @@ def reference(model_dir, engine_logs):
     engine = EngineProcess(EngineSpec(model_dir, shmkv=None, prefix_caching=True), str(engine_logs / "ref.log"))
     yield Reference(engine)
     engine.close()
-
 
 @pytest.fixture
 def start_engine(model_dir, engine_logs):
@@ -256,24 +100,3 @@ def start_engine(model_dir, engine_logs):
     yield start
     for e in made:
         e.close()
-
-
-def read_digests(path: str) -> list[tuple[str, ...]]:
-    import os
-
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [tuple(line.split()) for line in f if line.strip()]
-
-
-def check_loaded_bytes_equal_stored(digest_file: str) -> int:
-    """Every KV-cache group's section loaded whole (debug_digest_file lines
-    "load KEY GROUP FIRST N TOTAL DIGEST") must digest like that section as
-    stored ("store KEY GROUP DIGEST"). Returns how many were compared."""
-    rows = read_digests(digest_file)
-    stored = {(r[1], r[2]): r[3] for r in rows if r[0] == "store"}
-    whole = [r for r in rows if r[0] == "load" and r[3] == "0" and r[4] == r[5]]
-    for _, key, group, _, _, _, digest in whole:
-        assert stored[(key, group)] == digest, f"unit {key} group {group}: loaded bytes differ from the stored ones"
-    return len(whole)

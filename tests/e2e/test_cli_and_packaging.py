@@ -1,0 +1,43 @@
+"""The `shmkv` command dispatches to the same tools as `python -m`, and the
+optional dependencies stay optional: nothing imports redis unless a remote
+tier is configured."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO
+
+from shmkv.cli import main
+from shmkv.config import load_config
+from shmkv.errors import ConfigError
+
+
+def test_help_lists_the_subcommands(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("daemon", "stats", "bench"))
+    assert main(["frobnicate"]) == 2
+
+
+def test_stats_subcommand_is_python_m_shmkv_stats(cache_name, capsys):
+    assert main(["stats", "--cache", cache_name]) == 1  # no such cache: the same message and status
+    assert f"no cache named '{cache_name}'" in capsys.readouterr().err
+
+
+def test_daemon_and_connector_modules_do_not_import_redis():
+    code = ("import sys; import shmkv.daemon, shmkv.controller, shmkv.maintainer, shmkv.stats; "
+            "assert 'redis' not in sys.modules, 'redis imported without a remote tier'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_remote_url_without_redis_names_the_extra(monkeypatch):
+    from shmkv.remote import open_remote
+
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if redis-py were not installed
+    monkeypatch.delitem(sys.modules, "shmkv.remote.tier", raising=False)
+    with pytest.raises(ConfigError, match=r"shmkv\[remote\]"):
+        open_remote(load_config({"remote_url": "redis://127.0.0.1:1"}, env={}))

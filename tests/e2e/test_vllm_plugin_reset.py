@@ -1,0 +1,29 @@
+"""The connector loads by its name alone (the `vllm.general_plugins` entry
+point registers it), and vLLM's reset_prefix_cache(reset_connector=True)
+removes this engine's chunks from shmkv, not another engine's."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import random_prompt
+
+from shmkv.models import TinyLlama, write_llama
+
+pytestmark = pytest.mark.slow
+
+P = random_prompt(700, seed=31)
+
+
+def test_plugin_name_and_reset_cache(cache_name, start_engine, tmp_path):
+    cfg = {"cache_name": cache_name, "capacity": "256MiB"}
+    a = start_engine("plugin-a", shmkv=cfg, module_path=None)  # kv_connector="ShmKVConnector" only
+    assert a.generate([P])["num_cached_tokens"] == [0]
+    other = write_llama(str(tmp_path / "other-model"), TinyLlama(seed=7))
+    b = start_engine("plugin-b", shmkv=cfg, module_path=None, model_dir=other)
+    assert b.generate([P])["num_cached_tokens"] == [0], "another model: another namespace"
+    a.reset_prefix_cache()
+    assert a.generate([P])["num_cached_tokens"] == [640], "shmkv still has it"
+    assert a.reset_prefix_cache(connector=True) is True
+    assert a.generate([P])["num_cached_tokens"] == [0], "this engine's chunks are gone"
+    b.reset_prefix_cache()
+    assert b.generate([P])["num_cached_tokens"] == [640], "the other engine's chunks stay"

@@ -1,0 +1,38 @@
+"""Preemption and resumption, and a request aborted mid-prefill, with chunked
+prefill (512-token steps) and a KV cache of only 40 blocks."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import check_loaded_bytes_equal_stored, random_prompt
+
+from shmkv import Store
+
+pytestmark = pytest.mark.slow
+
+
+def test_resumed_request_reloads_its_own_chunks_and_abort_leaves_only_good_chunks(
+        cache_name, start_engine, reference, tmp_path):
+    digests = str(tmp_path / "digests.txt")
+    e = start_engine("preempt", shmkv={"cache_name": cache_name, "capacity": "256MiB",
+                                       "debug_digest_file": digests},
+                     max_num_batched_tokens=512, llm_kwargs={"num_gpu_blocks_override": 40, "disable_log_stats": False})
+    store = Store.attach(cache_name)
+
+    # 4 x 10 blocks of prompt fill the cache; decoding past 1,280 tokens needs
+    # more blocks, so vLLM preempts a request and later resumes it.
+    prompts = [random_prompt(1200, seed=s) for s in range(51, 55)]
+    r = e.generate(prompts, max_tokens=700)
+    assert all(len(o) == 700 for o in r["outputs"])
+    assert e.metrics().get("vllm:num_preemptions", 0) >= 1
+    assert store.stats()["hits"] > 0, "the resumed request loaded its prefix from shmkv"
+    assert check_loaded_bytes_equal_stored(digests), "the resumed request's units were loaded whole"
+
+    # abort a request after two 512-token steps of its prefill
+    prompt = prompts[0][:700] + random_prompt(1000, seed=56)
+    assert e.abort_after_steps(prompt, steps=2)["aborted"]
+    # what it stored before the abort (chunks up to token 1,536) is correct
+    r = e.generate([prompt])
+    assert r["num_cached_tokens"] == [1536]
+    assert r["outputs"][0] == reference.output(prompt, 1536)
+    store.close()
