@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "chunk_table.h"
+#include "counters.h"
 #include "segment.h"
 #include "status.h"
 
@@ -328,10 +329,23 @@ PYBIND11_MODULE(_C, m) {
     m.attr("LAYOUT_OFFSETS") = off;
   }
 
-  py::dict codes;
-  for (int i : {0, 1, 2, 3, 4, 5, 6, 16, 17, 18, 19, 20, 21, 22, 23, 24})
-    codes[py::int_(i)] = status_name(static_cast<Status>(i));
-  m.attr("STATUS_NAMES") = codes;
+  {
+    // cpp/status.h, the one list of result codes; the methods below return them as ints.
+    py::enum_<Status> status(m, "Status", py::arithmetic(), "Result codes of the core (cpp/status.h)");
+    py::list errors;
+    for (Status s : kAllStatuses) {
+      status.value(status_name(s), s);
+      if (is_error(s)) errors.append(int(s));
+    }
+    m.attr("ERROR_CODES") = py::frozenset(errors);
+  }
+  {
+    // cpp/counters.h, the one list of statistics: (name, help, kind, tier, bumpable).
+    py::list counters;
+    for (const CounterInfo& c : kCounters)
+      counters.append(py::make_tuple(c.name, c.help, c.kind, c.tier, c.bumpable));
+    m.attr("COUNTERS") = py::tuple(counters);
+  }
 
   m.def("open_table", &open_table, py::arg("name"), py::arg("mode"), py::arg("capacity_bytes"),
         py::arg("max_payload_bytes"), py::arg("alignment"), py::arg("max_entries"),

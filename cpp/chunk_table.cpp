@@ -3,6 +3,7 @@
 // its fields first and its `state` word last (release), so do_rebuild_locked
 // can always reconstruct the derived structures from the records alone.
 #include "chunk_table.h"
+#include "counters.h"
 
 #include <signal.h>
 #include <time.h>
@@ -81,65 +82,6 @@ struct LivenessCache {
     known.emplace(pid, a);
     return a;
   }
-};
-
-// Every counter of the segment by name: stats() lists them all; bump() may
-// change only those marked as the tiers' (Python-side events).
-struct NamedCounter {
-  const char* name;
-  std::atomic<uint64_t> Counters::*member;
-  bool tier;
-};
-
-constexpr NamedCounter kCounters[] = {
-    {"lookups", &Counters::lookups, false},
-    {"hits", &Counters::hits, false},
-    {"misses", &Counters::misses, false},
-    {"puts", &Counters::puts, false},
-    {"put_full", &Counters::put_full, false},
-    {"put_exists", &Counters::put_exists, false},
-    {"put_busy", &Counters::put_busy, false},
-    {"put_too_large", &Counters::put_too_large, false},
-    {"evictions", &Counters::evictions, false},
-    {"evicted_bytes", &Counters::evicted_bytes, false},
-    {"evicted_unspilled", &Counters::evicted_unspilled, false},
-    {"writes_aborted", &Counters::writes_aborted, false},
-    {"writes_reclaimed", &Counters::writes_reclaimed, false},
-    {"leases_reclaimed", &Counters::leases_reclaimed, false},
-    {"lease_table_full", &Counters::lease_table_full, false},
-    {"entry_table_full", &Counters::entry_table_full, false},
-    {"stale_handles", &Counters::stale_handles, false},
-    {"deletes", &Counters::deletes, false},
-    {"pins", &Counters::pins, false},
-    {"lock_recoveries", &Counters::lock_recoveries, false},
-    {"segment_resets", &Counters::segment_resets, false},
-    {"index_rehashes", &Counters::index_rehashes, false},
-    {"procs_table_full", &Counters::procs_table_full, false},
-    {"lock_timeouts", &Counters::lock_timeouts, false},
-    {"deferred_ops", &Counters::deferred_ops, false},
-    {"metadata_repairs", &Counters::metadata_repairs, false},
-    {"segment_truncated", &Counters::segment_truncated, false},
-    {"bytes_used", &Counters::bytes_used, false},
-    {"entries", &Counters::entries, false},
-    {"ready_entries", &Counters::ready_entries, false},
-    {"pinned_entries", &Counters::pinned_entries, false},
-    {"spills", &Counters::spills, true},
-    {"spill_bytes", &Counters::spill_bytes, true},
-    {"spill_errors", &Counters::spill_errors, true},
-    {"disk_hits", &Counters::disk_hits, true},
-    {"promote_bytes", &Counters::promote_bytes, true},
-    {"disk_damaged", &Counters::disk_damaged, true},
-    {"disk_removed", &Counters::disk_removed, true},
-    {"promote_errors", &Counters::promote_errors, true},
-    {"remote_puts", &Counters::remote_puts, true},
-    {"remote_put_bytes", &Counters::remote_put_bytes, true},
-    {"remote_put_errors", &Counters::remote_put_errors, true},
-    {"remote_dropped", &Counters::remote_dropped, true},
-    {"remote_hits", &Counters::remote_hits, true},
-    {"remote_get_bytes", &Counters::remote_get_bytes, true},
-    {"remote_misses", &Counters::remote_misses, true},
-    {"remote_errors", &Counters::remote_errors, true},
-    {"remote_damaged", &Counters::remote_damaged, true},
 };
 
 }  // namespace
@@ -1116,8 +1058,8 @@ Status ChunkTable::evict_spilled(const Key& key) {
 }
 
 bool ChunkTable::bump(const std::string& name, uint64_t n) {
-  for (const NamedCounter& nc : kCounters) {
-    if (nc.tier && name == nc.name) {
+  for (const CounterInfo& nc : kCounters) {
+    if (nc.bumpable && name == nc.name) {
       (c().*nc.member).fetch_add(n, std::memory_order_relaxed);
       return true;
     }
@@ -1448,7 +1390,8 @@ std::map<std::string, uint64_t> ChunkTable::stats() {
   Header* hd = h();
   const Geometry& g = geo();
   Counters& k = c();
-  for (const NamedCounter& nc : kCounters) m[nc.name] = (k.*nc.member).load(std::memory_order_relaxed);
+  for (const CounterInfo& nc : kCounters)
+    if (nc.member != nullptr) m[nc.name] = (k.*nc.member).load(std::memory_order_relaxed);
   m["capacity_bytes"] = g.capacity_bytes;
   m["arena_bytes"] = g.arena_bytes;
   m["max_payload_bytes"] = g.max_payload_bytes;

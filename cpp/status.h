@@ -4,7 +4,9 @@
 // and "busy" are ordinary outcomes of a cache, not failures: callers branch on
 // them. Only the codes from kInvalidArgument on describe something wrong with
 // the call, the segment or the system, and the Python layer maps exactly those
-// to its exception hierarchy (shmkv/errors.py). Keep the two lists in sync.
+// to its exception hierarchy (shmkv/errors.py, by name). This file is the one
+// list: bindings.cpp exports it as shmkv._C.Status, and shmkv.store checks at
+// import that every error code has its exception class.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +33,14 @@ enum class Status : int32_t {
   kPermission = 22,       // segment owned by someone else / not accessible
   kCorrupt = 23,          // segment damaged beyond recovery
   kSystem = 24,           // an OS call failed (errno in the message)
+};
+
+// Every code, for the bindings (export) and the tests.
+inline constexpr Status kAllStatuses[] = {
+    Status::kOk,       Status::kMiss,          Status::kFull,      Status::kExists,   Status::kBusy,
+    Status::kStale,    Status::kTimedOut,      Status::kInvalidArgument, Status::kTooLarge,
+    Status::kNoSpace,  Status::kNotFound,      Status::kAlreadyExists, Status::kMismatch,
+    Status::kPermission, Status::kCorrupt,     Status::kSystem,
 };
 
 inline const char* status_name(Status s) {

@@ -18,7 +18,7 @@ fi
 # Their CPU builds do not exist and the CUDA ones break CPU torch at import.
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
-pipi "scikit-build-core>=0.10" "pybind11>=2.12" numpy xxhash zstandard PyYAML \
+pipi "scikit-build-core>=0.10" "pybind11==3.1.0" "pybind11-stubgen==3.0.0" numpy xxhash zstandard PyYAML \
      safetensors prometheus_client "redis>=5" pytest hypothesis
 
 # The remote tier's tests and benchmark run a real redis-server (Debian's package).

@@ -1,8 +1,9 @@
 """The shmkv exception hierarchy.
 
 "Miss", "full", "exists" and "busy" are ordinary results and never raise. The
-exceptions below map the error codes of the C++ core (cpp/status.h) one to one,
-plus configuration errors found in Python.
+exceptions below map the error codes of the C++ core (cpp/status.h, exported
+as shmkv._C.Status) one to one, by name, plus configuration errors found in
+Python. shmkv.store checks at import that every error code has its class.
 
     ShmkvError
     ├── ConfigError            a bad configuration value (names key, value, what is accepted)
@@ -91,23 +92,24 @@ class LockTimeoutError(ShmkvError, TimeoutError):
     raise this: they answer "miss" and "busy"."""
 
 
-# status code (cpp/status.h) -> exception class, for error codes only
-_BY_CODE: dict[int, type[ShmkvError]] = {
-    5: StaleHandleError,
-    6: LockTimeoutError,
-    16: InvalidArgumentError,
-    17: PayloadTooLargeError,
-    18: NoSpaceError,
-    19: SegmentNotFoundError,
-    20: SegmentExistsError,
-    21: SegmentMismatchError,
-    22: PermissionDeniedError,
-    23: SegmentCorruptError,
-    24: SystemCallError,
+# status name (shmkv._C.Status) -> exception class: the error codes, and the
+# two ordinary outcomes that raise where a caller cannot go on (a reclaimed
+# handle, a whole-table operation that could not get the lock)
+BY_STATUS: dict[str, type[ShmkvError]] = {
+    "STALE": StaleHandleError,
+    "TIMED_OUT": LockTimeoutError,
+    "INVALID_ARGUMENT": InvalidArgumentError,
+    "TOO_LARGE": PayloadTooLargeError,
+    "NO_SPACE": NoSpaceError,
+    "NOT_FOUND": SegmentNotFoundError,
+    "ALREADY_EXISTS": SegmentExistsError,
+    "MISMATCH": SegmentMismatchError,
+    "PERMISSION": PermissionDeniedError,
+    "CORRUPT": SegmentCorruptError,
+    "SYSTEM": SystemCallError,
 }
 
 
-def error_for(code: int, message: str) -> ShmkvError:
-    """The exception for a C++ status code (which must be an error code)."""
-    cls = _BY_CODE.get(code, ShmkvError)
-    return cls(message)
+def error_for(status: str, message: str) -> ShmkvError:
+    """The exception for a C++ status, by name (which must be an error's)."""
+    return BY_STATUS.get(status, ShmkvError)(message)

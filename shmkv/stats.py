@@ -19,62 +19,20 @@ import sys
 import time
 from typing import Any
 
+from shmkv import _C
 from shmkv.errors import SegmentNotFoundError, ShmkvError
 from shmkv.store import Store, default_cache_name
 
-# (metric, help, kind) for the Prometheus view; kind "counter" gets _total
-_SHM_METRICS = [
-    ("lookups", "Keys looked up in the shared tier", "counter"),
-    ("hits", "Keys found in the shared tier", "counter"),
-    ("misses", "Lookups that ended a cached prefix", "counter"),
-    ("puts", "Chunks committed to the shared tier", "counter"),
-    ("put_full", "Puts refused because nothing could be evicted", "counter"),
-    ("put_exists", "Puts of chunks already cached", "counter"),
-    ("put_busy", "Puts of chunks another process was writing", "counter"),
-    ("evictions", "Chunks evicted from the shared tier", "counter"),
-    ("evicted_unspilled", "Evictions of chunks that were not on disk", "counter"),
-    ("leases_reclaimed", "Read leases of dead processes released", "counter"),
-    ("writes_reclaimed", "Unfinished writes of dead processes freed", "counter"),
-    ("writes_aborted", "Writes aborted by their writer", "counter"),
-    ("lock_recoveries", "Table rebuilds after a process died holding the lock", "counter"),
-    ("segment_resets", "Segments emptied because they could not be rebuilt", "counter"),
-    ("lock_timeouts", "Waits for the table lock that hit the bound (answered miss/busy)", "counter"),
-    ("deferred_ops", "Commits/releases queued behind a table lock held too long", "counter"),
-    ("metadata_repairs", "Damaged derived metadata found and rebuilt", "counter"),
-    ("segment_truncated", "Times the segment file was found truncated (and restored)", "counter"),
-    ("lock_holder_pid", "Process holding the table lock now (0: none)", "gauge"),
-    ("lock_held_ms", "How long the current holder has held the table lock", "gauge"),
-    ("bytes_used", "Payload bytes in use", "gauge"),
-    ("arena_bytes", "Payload byte cap", "gauge"),
-    ("capacity_bytes", "Size of the shared segment", "gauge"),
-    ("entries", "Chunks held (any state)", "gauge"),
-    ("pinned_entries", "Chunks pinned", "gauge"),
-    ("leases_held", "Read leases held now", "gauge"),
-    ("processes_attached", "Processes attached to the segment", "gauge"),
-]
-_DISK_METRICS = [
-    ("spills", "Chunks written to the disk tier", "counter"),
-    ("spill_bytes", "Raw bytes written to the disk tier", "counter"),
-    ("spill_errors", "Spills that failed (disk full, I/O error)", "counter"),
-    ("disk_hits", "Chunks promoted from disk into the shared tier", "counter"),
-    ("promote_bytes", "Raw bytes promoted from disk", "counter"),
-    ("promote_errors", "Promotions that failed", "counter"),
-    ("disk_damaged", "Damaged disk chunks found and removed", "counter"),
-    ("disk_removed", "Disk chunks removed by the byte cap", "counter"),
-]
+
+# (metric, help, kind) per tier, from the core's one list (cpp/counters.h);
+# kind "counter" gets _total in Prometheus, "info" entries are not exported.
+def _tier_metrics(tier: str) -> list[tuple[str, str, str]]:
+    return [(name, help_text, kind) for name, help_text, kind, t, _ in _C.COUNTERS if t == tier and kind != "info"]
 
 
-_REMOTE_METRICS = [
-    ("remote_puts", "Chunks written to the remote tier", "counter"),
-    ("remote_put_bytes", "Encoded bytes written to the remote tier", "counter"),
-    ("remote_put_errors", "Remote writes that failed (down, timeout)", "counter"),
-    ("remote_dropped", "Remote writes dropped (queue full, chunk gone)", "counter"),
-    ("remote_hits", "Chunks promoted from the remote tier", "counter"),
-    ("remote_get_bytes", "Encoded bytes read from the remote tier", "counter"),
-    ("remote_misses", "Remote lookups that did not find every chunk asked for (or got no answer)", "counter"),
-    ("remote_errors", "Remote calls that failed or timed out", "counter"),
-    ("remote_damaged", "Remote values rejected by the chunk checks", "counter"),
-]
+_SHM_METRICS = _tier_metrics("shm")
+_DISK_METRICS = _tier_metrics("disk")
+_REMOTE_METRICS = _tier_metrics("remote")
 CONTROLLER_METRICS = [
     ("requests", "Requests the controller answered", "counter"),
     ("bad_requests", "Requests refused with a 4xx (malformed or out of range)", "counter"),

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from shmkv import _C
 from shmkv.errors import (
+    BY_STATUS,
     InvalidArgumentError,
     PayloadTooLargeError,
     SegmentCorruptError,
@@ -51,19 +52,24 @@ Keys = Sequence[bytes] | bytes | bytearray | memoryview
 
 _MODE_CREATE, _MODE_ATTACH, _MODE_OPEN_OR_CREATE = 0, 1, 2
 DEFAULT_LOCK_TIMEOUT_S = 0.3
-_STATUS_NOT_FOUND, _STATUS_TIMED_OUT = 19, 6
 FLAG_SPILLED = int(_C.FLAG_SPILLED)  # Entry flag: a copy is in the disk tier
+
+# The core's result codes (cpp/status.h, exported as _C.Status), as ints.
+Status = enum.IntEnum("Status", {name: int(v) for name, v in _C.Status.__members__.items()})
+_missing = {Status(c).name for c in _C.ERROR_CODES} - set(BY_STATUS)
+if _missing:  # a code added in C++ without its exception class (shmkv/errors.py)
+    raise ImportError(f"shmkv.errors.BY_STATUS lacks the C++ error codes {sorted(_missing)}")
 
 
 class PutResult(enum.Enum):
     """Outcome of a store operation that is not an error."""
 
-    OK = 0
-    FULL = 2  # no room even after evicting everything evictable
-    EXISTS = 3  # the key is already cached
-    BUSY = 4  # another live process is writing the key right now (or holds the table lock too long)
-    STALE = 5  # the reservation was reclaimed before commit; nothing stored
-    TIMED_OUT = 6  # the table lock stayed held past the bound; nothing changed
+    OK = Status.OK.value
+    FULL = Status.FULL.value  # no room even after evicting everything evictable
+    EXISTS = Status.EXISTS.value  # the key is already cached
+    BUSY = Status.BUSY.value  # another live process is writing the key right now (or holds the lock too long)
+    STALE = Status.STALE.value  # the reservation was reclaimed before commit; nothing stored
+    TIMED_OUT = Status.TIMED_OUT.value  # the table lock stayed held past the bound; nothing changed
 
 
 class OpenOutcome(enum.Enum):
@@ -94,7 +100,7 @@ class SegmentGeometry:
             self.max_entries, self.max_leases, self.max_procs,
         )
         if code:
-            raise error_for(code, msg)
+            _raise(code, msg)
         return dict(geo)
 
     def check(self) -> None:
@@ -113,10 +119,15 @@ def default_cache_name() -> str:
     return f"shmkv-{os.getuid()}"
 
 
+def _raise(code: int, message: str) -> None:
+    name = Status(code).name if code in Status._value2member_map_ else str(code)
+    raise error_for(name, message or name)
+
+
 def _raise_if_error(code: int, message: str = "") -> None:
-    """Raise for the error codes (>= 16) of cpp/status.h; ordinary outcomes pass."""
-    if code >= 16:
-        raise error_for(code, message or _C.STATUS_NAMES.get(code, str(code)))
+    """Raise for the error codes of cpp/status.h; ordinary outcomes pass."""
+    if code in _C.ERROR_CODES:
+        _raise(code, message)
 
 
 def _torch_view(buf: memoryview, dtype: torch.dtype, shape: Sequence[int] | None) -> torch.Tensor:
@@ -237,7 +248,7 @@ class Lease(_PayloadHandle):
         self._drop_views()
         code = self._c.release(cold)
         _raise_if_error(code)
-        return code == 0
+        return code == Status.OK
 
     @property
     def is_open(self) -> bool:
@@ -278,7 +289,7 @@ class Store:
             g.max_entries, g.max_leases, g.max_procs, populate, float(lock_timeout_s),
         )
         if code:
-            raise error_for(code, msg)
+            _raise(code, msg)
         store = cls(table, OpenOutcome(outcome))
         st = table.stats()
         log.debug(
@@ -320,10 +331,10 @@ class Store:
     def unlink(name: str, *, missing_ok: bool = True) -> bool:
         """Remove the segment's name. Attached processes keep their mapping."""
         code, msg = _C.unlink(name)
-        if code == _STATUS_NOT_FOUND and missing_ok:
+        if code == Status.NOT_FOUND and missing_ok:
             return False
         if code:
-            raise error_for(code, msg)
+            _raise(code, msg)
         return True
 
     def close(self) -> None:
@@ -352,9 +363,9 @@ class Store:
         if nbytes <= 0:
             raise InvalidArgumentError(f"payload size must be > 0, got {nbytes}")
         code, res = self.table.reserve(key, nbytes, namespace)
-        if code == 0:
+        if code == Status.OK:
             return Reservation(res, key)
-        if code == 17:
+        if code == Status.TOO_LARGE:
             raise PayloadTooLargeError(
                 f"payload of {nbytes} bytes exceeds max_payload_bytes "
                 f"{self.table.stats()['max_payload_bytes']} of segment '{self.name}'"
@@ -365,9 +376,9 @@ class Store:
     def put(self, key: Key, data: Any, *, namespace: bytes | None = None) -> PutResult:
         """reserve + copy + commit of a C-contiguous buffer (bytes, numpy...)."""
         code = self.table.put(key, data, namespace)
-        if code == 17:
+        if code == Status.TOO_LARGE:
             raise PayloadTooLargeError(f"payload exceeds max_payload_bytes of segment '{self.name}'")
-        if code == 16:
+        if code == Status.INVALID_ARGUMENT:
             raise InvalidArgumentError("payload must be non-empty")
         _raise_if_error(code)
         return PutResult(code)
@@ -408,10 +419,10 @@ class Store:
     # --------------------------------------------------------- management --
     def pin(self, key: Key) -> bool:
         """Never evict `key` until unpin(); False on a miss. Pins nest."""
-        return self.table.pin(key) == 0
+        return self.table.pin(key) == Status.OK
 
     def unpin(self, key: Key) -> bool:
-        return self.table.unpin(key) == 0
+        return self.table.unpin(key) == Status.OK
 
     def delete(self, key: Key) -> bool:
         """Remove `key`; True if it was cached. A leased chunk disappears now
@@ -432,11 +443,11 @@ class Store:
         return self.table.coldest(max_n)
 
     def mark_spilled(self, key: Key) -> bool:
-        return self.table.set_flags(key, FLAG_SPILLED) == 0
+        return self.table.set_flags(key, FLAG_SPILLED) == Status.OK
 
     def evict_spilled(self, key: Key) -> bool:
         """Evict `key` if it is spilled and nobody leases or pins it."""
-        return self.table.evict_spilled(key) == 0
+        return self.table.evict_spilled(key) == Status.OK
 
     def bump(self, counter: str, n: int = 1) -> None:
         """Add to a shared tier counter (spills, disk_hits, disk_damaged...)."""

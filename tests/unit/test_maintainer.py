@@ -13,6 +13,7 @@ from shmkv import PutResult, Store
 from shmkv.disk.tier import DiskTier
 from shmkv.maintainer import Maintainer
 from shmkv.paths import maintainer_lock
+from shmkv.store import FLAG_SPILLED
 from shmkv.tiers import TierChain
 
 UNIT = 64 * 1024
@@ -41,7 +42,7 @@ def test_spill_ahead_writes_the_coldest_without_reordering(setup):
     assert did["spilled"] == (units * 25 // 100 * UNIT + UNIT - 1) // UNIT or did["spilled"] > 0
     assert did["evicted"] == 0, "plenty of free space: nothing evicted"
     assert [k for k, *_ in store.coldest(units)] == cold_before, "spill reads are not uses"
-    spilled = [k for k, _, flags, _ in store.coldest(units) if flags & 1]
+    spilled = [k for k, _, flags, _ in store.coldest(units) if flags & FLAG_SPILLED]
     assert spilled == cold_before[: len(spilled)], "the coldest are spilled first"
     for k in spilled:
         assert disk.read(k) is not None
@@ -85,7 +86,7 @@ def test_promote_brings_back_exact_bytes_in_prefix_order(setup):
         assert store.get(key(i)) == payload_for(key(i), UNIT)
     st = store.stats()
     assert st["disk_hits"] == 4 and st["promote_bytes"] == 4 * UNIT
-    assert all(flags & 1 for _, _, flags, _ in store.coldest(units)), "promoted chunks are known spilled"
+    assert all(flags & FLAG_SPILLED for _, _, flags, _ in store.coldest(units)), "promoted chunks are known spilled"
 
 
 def test_pinned_chunks_are_neither_spilled_nor_evicted(setup):
