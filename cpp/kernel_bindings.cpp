@@ -10,6 +10,7 @@
 
 #include "byte_shuffle.h"
 #include "copy_kernels.h"
+#include "paged_layout_py.h"
 
 namespace py = pybind11;
 using namespace shmkv;
@@ -99,37 +100,19 @@ void register_kernels(py::module_& m) {
   m.def("byte_unshuffle", [](py::buffer src, size_t es) { return shuffle_impl(src, es, false); },
         py::arg("data"), py::arg("element_size"), "Inverse of byte_shuffle.");
   py::class_<PyPagedLayout>(m, "PagedLayout")
-      .def(py::init([](std::vector<uint64_t> layer_bases, int64_t num_blocks, int64_t block_stride,
-                       int64_t block_bytes, int64_t block_size, bool token_mode, int64_t token_stride,
-                       int64_t runs_i, int64_t stride_i, int64_t runs_j, int64_t stride_j,
-                       int64_t run_bytes) {
+      .def(py::init([](std::vector<uint64_t> layer_bases, py::handle geometry) {
              auto* p = new PyPagedLayout();
              p->bases = std::move(layer_bases);
-             PagedLayout& L = p->L;
-             L.num_layers = int64_t(p->bases.size());
-             L.layer_base = p->bases.data();
-             L.num_blocks = num_blocks;
-             L.block_stride = block_stride;
-             L.block_bytes = block_bytes;
-             L.block_size = block_size;
-             L.token_stride = token_stride;
-             L.runs_i = runs_i;
-             L.stride_i = stride_i;
-             L.runs_j = runs_j;
-             L.stride_j = stride_j;
-             L.run_bytes = run_bytes;
-             p->token_mode = token_mode;
+             p->L = paged_layout_from(geometry, p->bases, &p->token_mode);
              std::string err;
-             if (validate_layout(L, token_mode, &err) != Status::kOk) {
+             if (validate_layout(p->L, p->token_mode, &err) != Status::kOk) {
                delete p;
                throw py::value_error(err);
              }
              return p;
            }),
-           py::arg("layer_bases"), py::arg("num_blocks"), py::arg("block_stride"),
-           py::arg("block_bytes"), py::arg("block_size"), py::arg("token_mode"),
-           py::arg("token_stride") = 0, py::arg("runs_i") = 1, py::arg("stride_i") = 0,
-           py::arg("runs_j") = 1, py::arg("stride_j") = 0, py::arg("run_bytes") = 0)
+           py::arg("layer_bases"), py::arg("geometry"),
+           "One KV-cache group: its layers' base addresses and its geometry (shmkv.layout.LayoutGeometry).")
       .def_property_readonly("num_layers", [](const PyPagedLayout& p) { return p.L.num_layers; })
       .def_property_readonly("token_mode", [](const PyPagedLayout& p) { return p.token_mode; })
       .def_property_readonly("token_payload_bytes", [](const PyPagedLayout& p) { return p.L.token_payload_bytes(); })

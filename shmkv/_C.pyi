@@ -228,8 +228,10 @@ class Table:
     def name(self) -> str:
         ...
 class PagedLayout:
-    def __init__(self, layer_bases: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], num_blocks: typing.SupportsInt | typing.SupportsIndex, block_stride: typing.SupportsInt | typing.SupportsIndex, block_bytes: typing.SupportsInt | typing.SupportsIndex, block_size: typing.SupportsInt | typing.SupportsIndex, token_mode: bool, token_stride: typing.SupportsInt | typing.SupportsIndex = 0, runs_i: typing.SupportsInt | typing.SupportsIndex = 1, stride_i: typing.SupportsInt | typing.SupportsIndex = 0, runs_j: typing.SupportsInt | typing.SupportsIndex = 1, stride_j: typing.SupportsInt | typing.SupportsIndex = 0, run_bytes: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
-        ...
+    def __init__(self, layer_bases: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], geometry: typing.Any) -> None:
+        """
+        One KV-cache group: its layers' base addresses and its geometry (shmkv.layout.LayoutGeometry).
+        """
     def gather_blocks(self, block_ids: typing_extensions.Buffer, payload: typing_extensions.Buffer, payload_first: typing.SupportsInt | typing.SupportsIndex = 0, payload_blocks: typing.SupportsInt | typing.SupportsIndex = -1, layer_begin: typing.SupportsInt | typing.SupportsIndex = 0, layer_end: typing.SupportsInt | typing.SupportsIndex = -1) -> None:
         ...
     def gather_tokens(self, slot_mapping: typing_extensions.Buffer, payload: typing_extensions.Buffer, layer_begin: typing.SupportsInt | typing.SupportsIndex = 0, layer_end: typing.SupportsInt | typing.SupportsIndex = -1) -> None:

@@ -1,5 +1,7 @@
 """KV-cache layout descriptor: one description of a vLLM KV-cache group, built
-once from the per-layer tensors, and the gather/scatter copies over it.
+once from the per-layer tensors: its byte geometry, and the copy backend
+(shmkv.copy_backends, chosen once by the device) that gathers and scatters
+over it.
 
 Supported layouts (`kind`), each per layer, any element size (fp32, bf16,
 fp16, fp8):
@@ -29,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shmkv import _C
+from shmkv.copy_backends import as_index, backend_for
 from shmkv.errors import InvalidArgumentError
 
 KINDS = ("cpu", "nhd", "hnd", "kv_split", "mla")
@@ -102,41 +104,6 @@ def _geometry(kind: str, t: torch.Tensor) -> LayoutGeometry:
     raise InvalidArgumentError(f"unknown layout kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 
-def _as_index(x: Any, what: str) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        if x.dtype.is_floating_point or x.dtype == torch.bool:
-            raise InvalidArgumentError(f"{what} must hold integers, got {x.dtype}")
-        x = x.detach().to("cpu", torch.int64).numpy()
-    arr = np.asarray(x)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidArgumentError(f"{what} must hold integers, got {arr.dtype}")
-    arr = np.ascontiguousarray(arr, dtype=np.int64)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(f"{what} must be 1-D, got shape {arr.shape}")
-    return arr
-
-
-def _as_payload(x: Any, part: tuple[int, int] | None = None) -> Any:
-    """A buffer-protocol object for a payload: shmkv leases/reservations,
-    numpy arrays, bytearrays, or CPU torch tensors (viewed as bytes);
-    `part` = (offset, bytes) narrows it to that byte range."""
-    if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            raise InvalidArgumentError("a tensor payload must live in CPU memory")
-        if not x.is_contiguous():
-            raise InvalidArgumentError("a tensor payload must be contiguous")
-        buf = x.detach().view(torch.uint8).reshape(-1).numpy()
-    else:
-        buf = getattr(x, "_c", x)  # shmkv.store Lease/Reservation -> their C++ buffer
-    if part is None:
-        return buf
-    off, n = part
-    mv = memoryview(buf).cast("B")
-    if off < 0 or n < 0 or off + n > len(mv):
-        raise InvalidArgumentError(f"payload part [{off}, {off + n}) is outside the {len(mv)}-byte payload")
-    return mv[off:off + n]
-
-
 class KVLayout:
     """One vLLM KV-cache group: per-layer tensors of one `kind` and shape.
 
@@ -166,12 +133,8 @@ class KVLayout:
         self.geometry = _geometry(kind, first)
         self.layers = list(layers)  # keeps the storage alive
         self._index_of = {n: i for i, n in enumerate(self.names)}
-        g = self.geometry
-        self._bases = [int(t.data_ptr()) for t in layers]
-        self._c = _C.PagedLayout(
-            self._bases, g.num_blocks, g.block_stride, g.block_bytes, g.block_size, g.token_mode,
-            g.token_stride, g.runs_i, g.stride_i, g.runs_j, g.stride_j, g.run_bytes,
-        )
+        # NOTE: the copy backend is chosen here, once, by the device the cache lives on.
+        self.copier = backend_for(self.device, [int(t.data_ptr()) for t in layers], self.geometry)
 
     @classmethod
     def from_tensors(cls, kv_caches: Mapping[str, torch.Tensor], kind: str) -> KVLayout:
@@ -230,27 +193,17 @@ class KVLayout:
 
     def _copy(self, index: Any, payload: Any, gather: bool, stream: Any, first: int, blocks: int,
               layers: tuple[int, int] | None, part: tuple[int, int] | None = None) -> None:
-        what = "slot_mapping" if self.token_mode else "block_ids"
-        idx = _as_index(index, what)
-        l0, l1 = layers if layers is not None else (0, -1)
-        if self.device.type == "cuda":
-            from shmkv import gpu
+        idx = as_index(index, "slot_mapping" if self.token_mode else "block_ids")
+        self.copier.copy(idx, payload, gather, stream=stream, first=first, blocks=blocks, layers=layers, part=part)
 
-            if first or blocks >= 0 or layers is not None:
-                raise InvalidArgumentError("block windows and layer ranges are CPU-only")
-            gpu.paged_copy(self, idx, payload, gather, stream, part)
-            return
-        buf = _as_payload(payload, part)
-        if self.token_mode:
-            if first or blocks >= 0:
-                raise InvalidArgumentError("payload_first/payload_blocks apply to block layouts only")
-            (self._c.gather_tokens if gather else self._c.scatter_tokens)(idx, buf, l0, l1)
-        else:
-            (self._c.gather_blocks if gather else self._c.scatter_blocks)(idx, buf, first, blocks, l0, l1)
+    @property
+    def on_gpu(self) -> bool:
+        """Whether copies run on a CUDA device (asynchronous, on a stream)."""
+        return self.copier.on_gpu
 
     def slots_for_blocks(self, block_ids: Sequence[int], num_tokens: int) -> np.ndarray:
         """Slot mapping of the first `num_tokens` tokens held in `block_ids`."""
-        ids = _as_index(block_ids, "block_ids")
+        ids = as_index(block_ids, "block_ids")
         bs = self.block_size
         if num_tokens > len(ids) * bs:
             raise InvalidArgumentError(f"{num_tokens} tokens do not fit in {len(ids)} blocks of {bs}")

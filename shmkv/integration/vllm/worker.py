@@ -112,7 +112,7 @@ class KVWorker:
         self.counters: Counter[str] = Counter()
         self.tallies: dict[str, RequestTally] = defaultdict(RequestTally)
         self.digest_file = digest_file
-        self.on_gpu = layout.device.type == "cuda"
+        self.on_gpu = layout.on_gpu  # the copy backend chosen with the layout
         self._pending: list[_PendingStore] = []
         self._side_stream = None
         if self.on_gpu:
