@@ -243,6 +243,7 @@ class ChunkTable {
   Status do_release_locked(const LeaseHandle& h, bool cold);
   // recovery
   ReclaimResult do_reclaim_locked(bool full_scan);
+  std::vector<std::string> do_check_consistency_locked();
   void do_rebuild_locked(const char* why);
   void do_reset_locked(const std::string& why);
   void log_event(const std::string& msg, bool warning = true);
