@@ -1,14 +1,20 @@
 // table_recovery.cpp — crash recovery (layout.h, "Crash model" and "Damage
 // model"). The entry and lease records are authoritative; everything else is
 // derived. do_rebuild_locked makes the derived state again in passes:
-//   1. normalise the records: impossible states become FREE, leases whose
-//      entry is gone are dropped, refcounts are recounted from the leases;
-//   2. rebuild the free lists of entries and leases;
-//   3. rebuild the index from the live entries;
-//   4. rebuild the extent allocator from the live entries' payload extents
-//      (overlapping or out-of-range extents mean the records are impossible);
-//   5. rebuild the LRU from the evictable entries in last-use order, and the
-//      gauges (bytes used, entries, leases held, evictable bytes).
+//   1. check every non-FREE entry record (state, alignment, size, extent
+//      inside the arena) and that no two extents overlap: any failure means
+//      the records are impossible, and the segment is reset instead;
+//   2. leases: keep those that point at a live READY/DOOMED entry of the
+//      same generation, free the others (any impossible state word too),
+//      recount every entry's refcount and leases_held from the kept ones;
+//   3. entries: DOOMED ones nobody reads any more are freed; a key present
+//      twice (only if a death interrupted a reserve) keeps its READY record,
+//      the other is doomed if leased, else freed (its commit answers STALE);
+//   4. from the kept entries, in offset order: the free extents (the gaps),
+//      the gauges (bytes used, entries, ready, pinned), the free-entry list;
+//   5. the LRU from the READY, unleased, unpinned entries in last-use order
+//      (and evictable_bytes, the use clock);
+//   6. the index from the READY and WRITING entries.
 // When the records themselves are impossible, do_reset_locked empties the
 // segment (segment_resets) instead: the cache is disposable, a wrong byte is
 // not. Both expect the table lock.
