@@ -291,7 +291,7 @@ py::tuple open_table(const std::string& name, int mode, uint64_t capacity, uint6
 
 }  // namespace
 
-void register_kernels(py::module_& m);  // copy_kernels_bindings.cpp
+void register_kernels(py::module_& m);  // kernel_bindings.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "shmkv C++ core: shared-memory chunk table and paged-KV copy kernels";

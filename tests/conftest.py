@@ -64,8 +64,9 @@ def redis_server(tmp_path) -> Iterator:
 # ---------------------------------------------------------------- vLLM ----
 # Shared by the end-to-end tests: one small random-weight Llama, and one
 # reference engine WITHOUT the connector that produces the greedy output of a
-# prompt at a given split point (the split vLLM's own prefix cache would use:
-# notes/vllm_connector_api.md §9).
+# prompt at a given split point: the split vLLM's own prefix cache would use,
+# since recomputing a different number of tail tokens alone can flip a greedy
+# token (rounding), even with exact KV.
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:

@@ -5,7 +5,7 @@ Load it with
                         "kv_connector_module_path": "shmkv.integration.vllm",
                         "kv_role": "kv_both", "kv_connector_extra_config": {...}}
 
-vLLM builds this class twice (notes/vllm_connector_api.md §1):
+vLLM builds this class twice, once per role (vllm/distributed/kv_transfer/kv_connector/v1/base.py):
   * SCHEDULER role (EngineCore process): hashes prompts into unit keys, asks
     the segment for the longest cached prefix (one batched lookup), tells vLLM
     how many tokens it can load, and each step ships the load/store plan to the
