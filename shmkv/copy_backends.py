@@ -58,13 +58,21 @@ def as_payload(x: Any, part: tuple[int, int] | None = None) -> Any:
     return mv[off:off + n]
 
 
+def checked_layout(bases: list[int], geometry: Any) -> Any:
+    """The C++ layout of a geometry, or InvalidArgumentError saying why shmkv cannot copy it."""
+    try:
+        return _C.PagedLayout(bases, geometry)
+    except ValueError as e:
+        raise InvalidArgumentError(f"shmkv cannot copy this KV-cache layout: {e}") from e
+
+
 class CpuCopy:
     """Copies of a KV cache in host memory."""
 
     on_gpu = False
 
     def __init__(self, bases: list[int], geometry: Any) -> None:
-        self._c = _C.PagedLayout(bases, geometry)
+        self._c = checked_layout(bases, geometry)
         self.token_mode = bool(geometry.token_mode)
 
     def copy(self, idx: np.ndarray, payload: Any, gather: bool, *, stream: Any = None, first: int = 0,
@@ -87,7 +95,7 @@ class CudaCopy:
     def __init__(self, bases: list[int], geometry: Any, device: torch.device) -> None:
         from shmkv import gpu
 
-        _C.PagedLayout(bases, geometry)  # the same geometry checks as on the CPU
+        checked_layout(bases, geometry)  # the same geometry checks as on the CPU
         self._c = gpu.extension().PagedLayout(bases, geometry)
         self.device = device
 

@@ -10,7 +10,11 @@ fp16, fp8):
                 opaque inside a block (K transposed or VNNI-packed by ISA):
                 copied as whole blocks; payload [layer][block][block bytes]
     "nhd"       CUDA flash-attention, token-major [num_blocks, block_size, kv_heads, 2*head]
-    "hnd"       head-major variant [num_blocks, kv_heads, block_size, 2*head]
+    "hnd"       vLLM 0.32's logical view of every CUDA attention cache,
+                [num_blocks, kv_heads, block_size, content] with any physical
+                order of the blocks, heads and tokens (vllm/v1/kv_cache_layout.py:
+                LBHNC, LBNHC, BLHNC, ...; MLA: one head of the latent): the
+                geometry is read from the strides; the content must be contiguous
     "kv_split"  older separate K/V [2, num_blocks, block_size, kv_heads, head]
     "mla"       [num_blocks, block_size, latent_dim]
 
@@ -112,7 +116,12 @@ class KVLayout:
     >>> layout.scatter(block_ids, lease)        # payload -> paged cache
     """
 
-    def __init__(self, kind: str, layers: Sequence[torch.Tensor], names: Sequence[str] | None = None):
+    def __init__(self, kind: str, layers: Sequence[torch.Tensor], names: Sequence[str] | None = None, *,
+                 block_size: int | None = None):
+        """`block_size`: tokens per block of vLLM's block tables (the KV-cache
+        manager's), when the tensors are viewed in smaller kernel blocks
+        (vLLM splits a manager block into dense kernel blocks for some
+        backends); token layouts only. Default: the tensors' own."""
         if kind not in KINDS:
             raise InvalidArgumentError(f"unknown layout kind {kind!r}; expected one of {', '.join(KINDS)}")
         if not layers:
@@ -133,6 +142,12 @@ class KVLayout:
         self.geometry = _geometry(kind, first)
         self.layers = list(layers)  # keeps the storage alive
         self._index_of = {n: i for i, n in enumerate(self.names)}
+        n = self.geometry.block_size
+        self._block_size = block_size or n
+        if self._block_size != n and (not self.geometry.token_mode or self._block_size % n):
+            raise InvalidArgumentError(
+                f"vLLM's blocks of {self._block_size} tokens cannot be copied over {n}-token kernel blocks "
+                f"with layout {kind!r}")
         # NOTE: the copy backend is chosen here, once, by the device the cache lives on.
         self.copier = backend_for(self.device, [int(t.data_ptr()) for t in layers], self.geometry)
 
@@ -155,7 +170,8 @@ class KVLayout:
 
     @property
     def block_size(self) -> int:
-        return self.geometry.block_size
+        """Tokens per block of vLLM's block tables (block ids index these)."""
+        return self._block_size
 
     def bytes_per_token(self) -> int:
         """Payload bytes per token over all layers."""

@@ -93,3 +93,29 @@ def test_pipelined_load_signals_each_layer_then_releases(setup):
     failed, done = b.finish_load(batch)
     assert failed == set() and done["q"][0] == 2 * BS
     assert store.stats()["leases_held"] == 0
+
+
+def test_a_kv_cache_shmkv_cannot_copy_turns_the_worker_half_off(cache_name):
+    """vLLM keeps serving: registration logs why, every promised load is
+    reported for recompute, stores are skipped, nothing raises."""
+    from types import SimpleNamespace
+
+    from shmkv.config import load_config
+    from shmkv.integration.vllm.engine_inputs import KVGroup
+    from shmkv.integration.vllm.worker import WorkerSide
+
+    store = Store.create(cache_name, 8 << 20, alignment=256)
+    side = WorkerSide(load_config({"cache_name": cache_name}), store, [KVGroup(())], 0, BS)
+    bad = torch.zeros(2, 4, BS, 2, 8, dtype=torch.bfloat16)  # 5-D: not a vLLM 0.32 view
+    side.register_kv_caches({"layer.0": bad})
+    assert side.worker is None and "5-D KV cache tensor" in side.off_reason
+    meta = SimpleNamespace(loads=[loaded(b"k1" * 8, 3, 4)], stores=[stored(b"k2" * 8, 5)], summaries={},
+                           failed_blocks=set())
+    side.bind(meta)
+    side.start_load(meta)
+    side.wait_layer("layer.0")
+    side.wait_for_save(meta)
+    assert side.load_errors() == {3, 4}
+    assert store.stats()["puts"] == 0
+    assert side.get_finished({"q"}) == (None, None)
+    store.close()

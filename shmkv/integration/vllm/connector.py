@@ -84,6 +84,24 @@ def _tp_rank() -> int:
         return 0
 
 
+def _require_cuda_kernels_if_on_cuda() -> None:
+    """On a CUDA platform the KV cache is copied by shmkv._C_cuda: without it,
+    stop now (before vLLM loads the model), naming the fix."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return
+    from shmkv import gpu
+    from shmkv.errors import InvalidArgumentError
+
+    try:
+        gpu.extension()
+    except InvalidArgumentError as e:
+        raise ConfigError(f"{e}. Rebuild shmkv where nvcc is found (pip install --no-build-isolation -e . with "
+                          "CUDA_HOME or nvcc on PATH; README 'GPU hosts'), or run this engine without the shmkv "
+                          "connector") from e
+
+
 class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
@@ -108,6 +126,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
             (log.warning if role == KVConnectorRole.SCHEDULER else log.debug)(
                 "shmkv: connector off for this engine: %s; vLLM serves without the shared cache", self.off_reason)
             return
+        _require_cuda_kernels_if_on_cuda()
         self.store = open_store(self.cfg)
         if role == KVConnectorRole.SCHEDULER:
             from shmkv.integration.vllm.scheduler import SchedulerSide
@@ -120,7 +139,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from shmkv.integration.vllm.worker import WorkerSide
 
-            self._work = WorkerSide(self.cfg, self.store, groups, _tp_rank())
+            self._work = WorkerSide(self.cfg, self.store, groups, _tp_rank(), block_size)
         log.info("shmkv: %s connector ready (role %s, chunk %d tokens, block %d, loads %s, stores %s)",
                  self._kv_role_name, ktc.kv_role, self.cfg.chunk_size, block_size,
                  "on" if ktc.is_kv_consumer else "off", "on" if ktc.is_kv_producer else "off")

@@ -29,6 +29,7 @@ from typing import Any
 
 import xxhash
 
+from shmkv.errors import InvalidArgumentError
 from shmkv.integration.vllm.planner import GroupWindow, LoadItem, StoreItem
 from shmkv.layout import KVLayout
 from shmkv.store import PutResult, Reservation, Store
@@ -372,24 +373,37 @@ class WorkerSide:
     vLLM which blocks it must recompute. Free of vLLM imports: it sees vLLM's
     tensors and the scheduler half's ShmKVMetadata only."""
 
-    def __init__(self, cfg: Any, store: Store, groups: Sequence[Any], tp_rank: int) -> None:
+    def __init__(self, cfg: Any, store: Store, groups: Sequence[Any], tp_rank: int, block_size: int) -> None:
         self.cfg = cfg
         self.store = store
         self.groups = list(groups)  # engine_inputs.KVGroup per KV-cache group
         self.tp_rank = tp_rank
+        self.block_size = block_size  # of vLLM's block tables
         self.worker: KVWorker | None = None
+        self.off_reason: str | None = None  # the KV caches could not be copied: every load is recomputed
         self._load_errors: set[int] = set()  # blocks vLLM must recompute
         self._finished_waiting: set[str] = set()
         self._loading: tuple[Any, LoadBatch] | None = None  # this step's metadata and loads
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         first = next(iter(kv_caches.values()))
-        if first.device.type == "cpu":
-            kind = "cpu"
-        else:
-            kind = {4: "hnd", 5: "kv_split", 3: "mla"}.get(first.dim(), "")
+        # vLLM 0.32 views every layer's cache as [blocks, heads, block tokens, content]
+        # (vllm/v1/kv_cache_interface.py create_kv_cache_views), in the physical order
+        # of the engine's KVCacheLayout: the strides say which. On the CPU backend the
+        # content of a block is ISA-packed: whole blocks are copied.
+        kind = "cpu" if first.device.type == "cpu" else "hnd"
         groups = [g.layer_names or tuple(kv_caches) for g in self.groups]
-        layouts = [KVLayout(kind, [kv_caches[n] for n in names], names) for names in groups]
+        try:
+            if first.dim() != 4:
+                raise InvalidArgumentError(f"a {first.dim()}-D KV cache tensor of shape {tuple(first.shape)} "
+                                           "(vLLM 0.32 gives [blocks, heads, block tokens, content])")
+            layouts = [KVLayout(kind, [kv_caches[n] for n in names], names, block_size=self.block_size)
+                       for names in groups]
+        except InvalidArgumentError as e:
+            self.off_reason = str(e)
+            log.error("shmkv: cannot copy this engine's KV cache (%s); the connector stores nothing and every "
+                      "hit is recomputed by vLLM", e)
+            return
         remote = None
         if self.cfg.remote_write_through:
             from shmkv.remote import open_remote
@@ -413,6 +427,10 @@ class WorkerSide:
             self.worker.order_compute_after_stores()
 
     def start_load(self, meta: Any) -> None:
+        if self.worker is None and self.off_reason is not None:
+            for it in getattr(meta, "loads", ()):
+                self._load_errors.update(it.block_ids)  # never run on blocks nobody filled
+            return
         if self.worker is None or not getattr(meta, "loads", None):
             return
         self._loading = meta, self.worker.start_load(meta.loads)
