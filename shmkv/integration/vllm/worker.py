@@ -161,6 +161,9 @@ class KVWorker:
     def _load_layers(self, batch: LoadBatch, move_off_omp_cores: bool) -> None:
         if move_off_omp_cores:
             _avoid_cores_of_the_main_thread()
+        if self.on_gpu:
+            self._load_all_layers(batch)
+            return
         for pos, (g, layer) in enumerate(self._order):
             for j, (it, lease) in enumerate(batch.jobs):
                 if j in batch.broken:
@@ -172,10 +175,24 @@ class KVWorker:
                     batch.broken.add(j)
                     self.counters["load_errors"] += 1
             batch.layer_done[pos].set()
-        if self.on_gpu and batch.jobs:
-            import torch
 
+    def _load_all_layers(self, batch: LoadBatch) -> None:
+        """GPU: one scatter per unit and group, all layers at once (the CUDA
+        kernels take no layer range), then wait for the stream."""
+        import torch
+
+        for j, (it, lease) in enumerate(batch.jobs):
+            try:
+                self._scatter(it, lease)
+            except Exception:
+                log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
+                batch.broken.add(j)
+                self.counters["load_errors"] += 1
+        if batch.jobs:
+            # NOTE: a host sync: the leases are released only once the copies are done.
             torch.cuda.current_stream(self.layout.device).synchronize()
+        for ev in batch.layer_done:
+            ev.set()
 
     def finish_load(self, batch: LoadBatch) -> tuple[set[int], dict[str, tuple[int, float]]]:
         """Wait for the batch, release its leases; (block ids that failed, per
@@ -222,8 +239,7 @@ class KVWorker:
                 lay.scatter(list(w.block_ids), lease, payload_first=w.payload_first,
                             payload_blocks=w.payload_blocks, layers=layers, part=sections[g])
                 continue
-            lay.scatter(self._window_slots(lay, w), lease, layers=None if self.on_gpu else layers,
-                        part=sections[g])
+            lay.scatter(self._window_slots(lay, w), lease, layers=layers, part=sections[g])
 
     @staticmethod
     def _window_slots(lay: KVLayout, w: GroupWindow):
