@@ -127,6 +127,7 @@ class ShmkvConfig:
     spill_ahead: float = 0.20  # keep this fraction of the coldest chunks already on disk
     maintainer: bool = True  # without a daemon, a vLLM scheduler process maintains the cache
     log_level: str = "info"
+    log_summary_s: float = 60.0  # one INFO line of activity per this many seconds (requests: DEBUG); 0: none
     listen: str = "127.0.0.1:7470"  # daemon controller: loopback HOST:PORT or unix:/path (socket 0600)
     debug_digest_file: str = ""  # append per-chunk KV digests (tests prove byte equality)
     config_file: str = ""
@@ -144,6 +145,7 @@ class ShmkvConfig:
             "lock_timeout": lambda k, v: _parse_float(k, v, lambda x: 0.001 <= x <= 60, "seconds in [0.001, 60]"),
             "load_failure_policy": lambda k, v: _parse_choice(k, v, ("recompute", "fail")),
             "log_level": lambda k, v: _parse_choice(k, v, ("debug", "info", "warning", "error")),
+            "log_summary_s": lambda k, v: _parse_float(k, v, lambda x: 0 <= x <= 86400, "seconds in [0, 86400]"),
             "disk_dir": lambda k, v: os.path.expanduser(str(v)),
             "disk_capacity": parse_size,
             "disk_level": lambda k, v: _parse_int(k, v, 1, 22),

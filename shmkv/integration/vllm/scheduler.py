@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shmkv.activity import ActivitySummary
 from shmkv.config import ShmkvConfig
 from shmkv.integration.vllm.engine_inputs import KVGroup, groups_field, lora_extra, prompt_tokens, request_extras
 from shmkv.integration.vllm.metadata import RequestSummary, ShmKVMetadata
@@ -41,6 +42,15 @@ class _AskAgain(Exception):
     """A promotion for the request is still running."""
 
 
+def _render(c: dict, seconds: float) -> str:
+    prompt = c.get("prompt_tokens", 0)
+    pct = f"{100 * c.get('hit_tokens', 0) / prompt:.1f}%" if prompt else "-"
+    return (f"shmkv: last {seconds:.0f} s: {c.get('requests', 0)} requests ({c.get('hit_requests', 0)} with a shmkv "
+            f"hit), {c.get('hit_tokens', 0)} of {prompt} prompt tokens from shmkv ({pct}), "
+            f"{c.get('local_tokens', 0)} from vLLM's prefix cache, {c.get('promotions', 0)} promotions from "
+            f"disk/remote ({c.get('promoted_tokens', 0)} tokens)")
+
+
 class SchedulerSide:
     """One engine's scheduler half over one store."""
 
@@ -55,6 +65,7 @@ class SchedulerSide:
         self._groups = groups
         self._planners: dict[tuple, Planner] = {}
         self._maintainer_role = None
+        self.activity = ActivitySummary(log, cfg.log_summary_s, _render)
         self._plans: dict[str, RequestPlan] = {}
         self._pending_loads: dict[str, RequestPlan] = {}
         self._asked: set[str] = set()
@@ -141,8 +152,9 @@ class SchedulerSide:
                 self._promotions[request.request_id] = self._promoter.submit(
                     self.chain.promote, keys, roots,
                     deadline_s=max(2.0, 4 * self.cfg.remote_timeout) if self.remote is not None else None)
-                log.info("shmkv: request %s: %d tokens found on disk or remote, promoting", request.request_id,
-                         sum(u.tokens for u in lower))
+                log.debug("shmkv: request %s: %d tokens found on disk or remote, promoting", request.request_id,
+                          sum(u.tokens for u in lower))
+                self.activity.add(promotions=1, promoted_tokens=sum(u.tokens for u in lower))
                 return None, False
             extra = max(0, hit - num_computed_tokens)
             extra -= extra % self.block_size  # whole blocks past vLLM's own (aligned) hit
@@ -151,8 +163,10 @@ class SchedulerSide:
             if first:
                 self.counters["requests"] += 1
                 self.counters["hit_requests"] += extra > 0
-                log.info("shmkv: request %s: prompt %d tokens, vLLM prefix cache %d, shmkv hit %d",
-                         request.request_id, len(tokens), num_computed_tokens, extra)
+                log.debug("shmkv: request %s: prompt %d tokens, vLLM prefix cache %d, shmkv hit %d",
+                          request.request_id, len(tokens), num_computed_tokens, extra)
+                self.activity.add(requests=1, hit_requests=int(extra > 0), prompt_tokens=len(tokens),
+                                  hit_tokens=extra, local_tokens=num_computed_tokens)
             return extra, False
         except _AskAgain:
             return None, False

@@ -29,6 +29,7 @@ from typing import Any
 
 import xxhash
 
+from shmkv.activity import ActivitySummary
 from shmkv.errors import InvalidArgumentError
 from shmkv.integration.vllm.planner import GroupWindow, LoadItem, StoreItem
 from shmkv.layout import KVLayout
@@ -382,6 +383,14 @@ class KVWorker:
                 f.write(f"store {r.key.hex()} {g} {xxhash.xxh3_128_hexdigest(mv[off:off + n])}\n")
 
 
+def _render(c: dict, seconds: float) -> str:
+    return (f"shmkv: last {seconds:.0f} s: loaded {c.get('loaded_tokens', 0)} tokens in "
+            f"{c.get('load_ms', 0):.0f} ms ({c.get('load_failed_blocks', 0)} blocks left to vLLM), stored "
+            f"{c.get('stored_tokens', 0)} tokens in {c.get('stored_chunks', 0)} chunks in "
+            f"{c.get('store_ms', 0):.0f} ms ({c.get('already_cached', 0)} already cached, "
+            f"{c.get('not_stored', 0)} not stored)")
+
+
 class WorkerSide:
     """The connector's worker half (one vLLM worker process, one TP rank): it
     builds the copy layouts when vLLM registers its KV caches, runs each
@@ -397,6 +406,7 @@ class WorkerSide:
         self.block_size = block_size  # of vLLM's block tables
         self.worker: KVWorker | None = None
         self.off_reason: str | None = None  # the KV caches could not be copied: every load is recomputed
+        self.activity = ActivitySummary(log, cfg.log_summary_s, _render)
         self._load_errors: set[int] = set()  # blocks vLLM must recompute
         self._finished_waiting: set[str] = set()
         self._loading: tuple[Any, LoadBatch] | None = None  # this step's metadata and loads
@@ -461,9 +471,12 @@ class WorkerSide:
         (meta, batch), self._loading = self._loading, None
         failed, done = self.worker.finish_load(batch)
         self._load_errors |= failed
+        seconds = max((sec for _, sec in done.values()), default=0.0)
+        self.activity.add(loaded_tokens=sum(t for t, _ in done.values()), load_ms=seconds * 1e3,
+                          load_failed_blocks=len(failed))
         for req_id, (tokens, seconds) in done.items():
             s = meta.summaries.get(req_id)
-            log.info("shmkv: request %s: prompt %d tokens, hit %d (vLLM prefix cache %d), loaded %d in %.1f ms%s",
+            log.debug("shmkv: request %s: prompt %d tokens, hit %d (vLLM prefix cache %d), loaded %d in %.1f ms%s",
                      req_id, s.prompt_tokens if s else -1, (s.local_tokens + s.hit_tokens) if s else -1,
                      s.local_tokens if s else -1, tokens, seconds * 1e3,
                      f", {len(failed)} blocks to recompute" if failed else "")
@@ -483,8 +496,11 @@ class WorkerSide:
         for req_id in finished_req_ids:
             t = self.worker.finish(req_id)
             if t and (t.stored_units or t.already_cached or t.not_stored):
-                log.info("shmkv: request %s: stored %d tokens in %d chunks (%.1f ms); %d already cached, %d not stored",
-                         req_id, t.stored_tokens, t.stored_units, t.store_s * 1e3, t.already_cached, t.not_stored)
+                log.debug("shmkv: request %s: stored %d tokens in %d chunks (%.1f ms); %d already cached, %d not "
+                          "stored", req_id, t.stored_tokens, t.stored_units, t.store_s * 1e3, t.already_cached,
+                          t.not_stored)
+                self.activity.add(stored_tokens=t.stored_tokens, stored_chunks=t.stored_units,
+                                  store_ms=t.store_s * 1e3, already_cached=t.already_cached, not_stored=t.not_stored)
         if not self.worker.on_gpu:
             return None, None
         self._finished_waiting |= finished_req_ids
