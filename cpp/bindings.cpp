@@ -340,11 +340,14 @@ PYBIND11_MODULE(_C, m) {
     m.attr("ERROR_CODES") = py::frozenset(errors);
   }
   {
-    // cpp/counters.h, the one list of statistics: (name, help, kind, tier, bumpable).
+    // cpp/counters.h, the one list of statistics: (name, help, kind, tier, bumpable, family).
     py::list counters;
     for (const CounterInfo& c : kCounters)
-      counters.append(py::make_tuple(c.name, c.help, c.kind, c.tier, c.bumpable));
+      counters.append(py::make_tuple(c.name, c.help, c.kind, c.tier, c.bumpable, c.family ? c.family : c.name));
     m.attr("COUNTERS") = py::tuple(counters);
+    py::dict families;
+    for (const FamilyInfo& f : kFamilies) families[f.name] = f.help;
+    m.attr("METRIC_FAMILIES") = families;
   }
 
   m.def("open_table", &open_table, py::arg("name"), py::arg("mode"), py::arg("capacity_bytes"),

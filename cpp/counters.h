@@ -11,6 +11,9 @@
 //        "info"     configuration or identity: shown by stats, not exported
 //   member          the field of Counters (layout.h) that holds it; nullptr
 //                   for values stats() computes at read time
+//   family          the Prometheus family it is one tier's sample of (one
+//                   metric per quantity, the tier a label: shmkv_hits_total
+//                   {tier="shm|disk|remote"}); nullptr: its own name
 #pragma once
 
 #include <atomic>
@@ -27,14 +30,30 @@ struct CounterInfo {
   const char* tier;  // "shm" | "disk" | "remote"
   bool bumpable;     // events of the Python tiers (ChunkTable::bump)
   const char* help;
+  const char* family = nullptr;
+};
+
+// Help text of the families several tiers share.
+struct FamilyInfo {
+  const char* name;
+  const char* help;
+};
+
+inline constexpr FamilyInfo kFamilies[] = {
+    {"hits", "Chunks found per tier (shm: lookups that hit; disk, remote: chunks promoted into memory)"},
+    {"misses", "Lookups that ended a cached prefix in the tier"},
+    {"puts", "Chunks written to the tier (shm: committed; disk: spilled; remote: written)"},
+    {"put_bytes", "Bytes written to the tier (disk: raw; remote: encoded)"},
+    {"put_errors", "Writes to the tier that failed (disk full, I/O error, remote down or timed out)"},
+    {"damaged", "Damaged chunks found in the tier and removed"},
 };
 
 inline constexpr CounterInfo kCounters[] = {
     // --- shared tier: events ----------------------------------------------------
     {"lookups", &Counters::lookups, "counter", "shm", false, "Keys looked up in the shared tier"},
-    {"hits", &Counters::hits, "counter", "shm", false, "Keys found in the shared tier"},
-    {"misses", &Counters::misses, "counter", "shm", false, "Lookups that ended a cached prefix"},
-    {"puts", &Counters::puts, "counter", "shm", false, "Chunks committed to the shared tier"},
+    {"hits", &Counters::hits, "counter", "shm", false, "Keys found in the shared tier", "hits"},
+    {"misses", &Counters::misses, "counter", "shm", false, "Lookups that ended a cached prefix", "misses"},
+    {"puts", &Counters::puts, "counter", "shm", false, "Chunks committed to the shared tier", "puts"},
     {"put_full", &Counters::put_full, "counter", "shm", false, "Puts refused because nothing could be evicted"},
     {"put_exists", &Counters::put_exists, "counter", "shm", false, "Puts of chunks already cached"},
     {"put_busy", &Counters::put_busy, "counter", "shm", false, "Puts of chunks another process was writing"},
@@ -94,30 +113,30 @@ inline constexpr CounterInfo kCounters[] = {
     {"lock_timeout_ms", nullptr, "info", "shm", false, "Bound of a wait for the table lock (this process)"},
     {"file_bytes", nullptr, "info", "shm", false, "Size of the segment file now"},
     // --- disk tier (bumped by shmkv/disk/tier.py and the tier chain) ---------------
-    {"spills", &Counters::spills, "counter", "disk", true, "Chunks written to the disk tier"},
-    {"spill_bytes", &Counters::spill_bytes, "counter", "disk", true, "Raw bytes written to the disk tier"},
-    {"spill_errors", &Counters::spill_errors, "counter", "disk", true, "Spills that failed (disk full, I/O error)"},
-    {"disk_hits", &Counters::disk_hits, "counter", "disk", true, "Chunks promoted from disk into the shared tier"},
+    {"spills", &Counters::spills, "counter", "disk", true, "Chunks written to the disk tier", "puts"},
+    {"spill_bytes", &Counters::spill_bytes, "counter", "disk", true, "Raw bytes written to the disk tier", "put_bytes"},
+    {"spill_errors", &Counters::spill_errors, "counter", "disk", true, "Spills that failed (disk full, I/O error)", "put_errors"},
+    {"disk_hits", &Counters::disk_hits, "counter", "disk", true, "Chunks promoted from disk into the shared tier", "hits"},
     {"promote_bytes", &Counters::promote_bytes, "counter", "disk", true, "Raw bytes promoted from a lower tier"},
     {"promote_errors", &Counters::promote_errors, "counter", "disk", true, "Promotions that failed"},
-    {"disk_damaged", &Counters::disk_damaged, "counter", "disk", true, "Damaged disk chunks found and removed"},
+    {"disk_damaged", &Counters::disk_damaged, "counter", "disk", true, "Damaged disk chunks found and removed", "damaged"},
     {"disk_removed", &Counters::disk_removed, "counter", "disk", true, "Disk chunks removed by the byte cap"},
     // --- remote tier (bumped by shmkv/remote/tier.py and the tier chain) -----------
-    {"remote_puts", &Counters::remote_puts, "counter", "remote", true, "Chunks written to the remote tier"},
+    {"remote_puts", &Counters::remote_puts, "counter", "remote", true, "Chunks written to the remote tier", "puts"},
     {"remote_put_bytes", &Counters::remote_put_bytes, "counter", "remote", true,
-     "Encoded bytes written to the remote tier"},
+     "Encoded bytes written to the remote tier", "put_bytes"},
     {"remote_put_errors", &Counters::remote_put_errors, "counter", "remote", true,
-     "Remote writes that failed (down, timeout)"},
+     "Remote writes that failed (down, timeout)", "put_errors"},
     {"remote_dropped", &Counters::remote_dropped, "counter", "remote", true,
      "Remote writes dropped (queue full, chunk gone)"},
-    {"remote_hits", &Counters::remote_hits, "counter", "remote", true, "Chunks promoted from the remote tier"},
+    {"remote_hits", &Counters::remote_hits, "counter", "remote", true, "Chunks promoted from the remote tier", "hits"},
     {"remote_get_bytes", &Counters::remote_get_bytes, "counter", "remote", true,
      "Encoded bytes read from the remote tier"},
     {"remote_misses", &Counters::remote_misses, "counter", "remote", true,
-     "Remote lookups that did not find every chunk asked for (or got no answer)"},
+     "Remote lookups that did not find every chunk asked for (or got no answer)", "misses"},
     {"remote_errors", &Counters::remote_errors, "counter", "remote", true, "Remote calls that failed or timed out"},
     {"remote_damaged", &Counters::remote_damaged, "counter", "remote", true,
-     "Remote values rejected by the chunk checks"},
+     "Remote values rejected by the chunk checks", "damaged"},
 };
 
 }  // namespace shmkv

@@ -27,7 +27,20 @@ from shmkv.store import Store, default_cache_name
 # (metric, help, kind) per tier, from the core's one list (cpp/counters.h);
 # kind "counter" gets _total in Prometheus, "info" entries are not exported.
 def _tier_metrics(tier: str) -> list[tuple[str, str, str]]:
-    return [(name, help_text, kind) for name, help_text, kind, t, _ in _C.COUNTERS if t == tier and kind != "info"]
+    return [(name, help_text, kind) for name, help_text, kind, t, _, _ in _C.COUNTERS if t == tier and kind != "info"]
+
+
+def _families() -> dict[str, tuple[str, str, list[tuple[str, str]]]]:
+    """Prometheus family -> (help, kind, [(tier, statistic)]): one metric per
+    quantity, the tier a label (cpp/counters.h `family`)."""
+    out: dict[str, tuple[str, str, list[tuple[str, str]]]] = {}
+    for name, help_text, kind, tier, _, family in _C.COUNTERS:
+        if kind == "info":
+            continue
+        if family not in out:
+            out[family] = (_C.METRIC_FAMILIES.get(family, help_text), kind, [])
+        out[family][2].append((tier, name))
+    return out
 
 
 _SHM_METRICS = _tier_metrics("shm")
@@ -123,8 +136,9 @@ def render_table(snap: dict[str, Any]) -> str:
 
 
 def render_prometheus(snap: dict[str, Any]) -> str:
-    """Prometheus text: shmkv_<name>{cache, tier} per tier, and the daemon's
-    controller counters (shmkv_controller_<name>{cache}) when present."""
+    """Prometheus text: one family per quantity, shmkv_<family>{cache, tier}
+    with a sample per tier that has it (shmkv_hits_total{tier="shm|disk|remote"}),
+    and the daemon's controller counters (shmkv_controller_<name>{cache})."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -133,12 +147,11 @@ def render_prometheus(snap: dict[str, Any]) -> str:
 
     class Collector:
         def collect(self):  # noqa: ANN202 - prometheus_client protocol
-            for tier, metrics in (("shm", _SHM_METRICS), ("disk", _DISK_METRICS), ("remote", _REMOTE_METRICS)):
-                values = snap[tier]
-                for name, help_text, kind in metrics:
-                    f = family(f"shmkv_{name}", help_text, kind, ["cache", "tier"])
-                    f.add_metric([snap["cache"], tier], values[name])
-                    yield f
+            for fam, (help_text, kind, samples) in _families().items():
+                f = family(f"shmkv_{fam}", help_text, kind, ["cache", "tier"])
+                for tier, name in samples:
+                    f.add_metric([snap["cache"], tier], snap[tier][name])
+                yield f
             for name, help_text, kind in CONTROLLER_METRICS if "controller" in snap else ():
                 f = family(f"shmkv_controller_{name}", help_text, kind, ["cache"])
                 f.add_metric([snap["cache"]], snap["controller"][name])

@@ -74,9 +74,9 @@ def test_health_stats_metrics_namespaces(served):
     assert body["disk"]["files"] == 0 and body["controller"]["requests"] >= 1
     st, text = http(served.url, "GET", "/metrics")
     assert st == 200
-    assert "# HELP shmkv_puts_total Chunks committed to the shared tier" in text
+    assert "# HELP shmkv_puts_total Chunks written to the tier (shm: committed; disk: spilled; remote: written)" in text
     assert f'shmkv_puts_total{{cache="{served.store.name}",tier="shm"}} 2.0' in text
-    assert f'shmkv_spills_total{{cache="{served.store.name}",tier="disk"}} 0.0' in text
+    assert f'shmkv_puts_total{{cache="{served.store.name}",tier="disk"}} 0.0' in text
     assert "shmkv_controller_requests_total" in text
     st, body = http(served.url, "GET", "/namespaces")
     assert st == 200 and body["namespaces"] == [{"root": NS.root_key().hex(), **namespace_to_dict(NS)}]

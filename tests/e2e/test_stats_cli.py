@@ -58,11 +58,11 @@ def test_prometheus(busy_store, cache_name):
     r = stats("--cache", cache_name, "--prometheus")
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "# HELP shmkv_hits_total Keys found in the shared tier" in out
+    assert "# HELP shmkv_hits_total Chunks found per tier" in out
     assert "# TYPE shmkv_hits_total counter" in out
     assert f'shmkv_hits_total{{cache="{cache_name}",tier="shm"}} 1.0' in out
     assert f'shmkv_bytes_used{{cache="{cache_name}",tier="shm"}} 5120.0' in out
-    assert f'shmkv_spills_total{{cache="{cache_name}",tier="disk"}} 0.0' in out
+    assert f'shmkv_puts_total{{cache="{cache_name}",tier="disk"}} 0.0' in out
 
 
 def test_watch_repeats(busy_store, cache_name):

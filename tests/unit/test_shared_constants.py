@@ -44,7 +44,7 @@ def test_the_counter_list_is_exactly_what_stats_returns(store):
 
 
 def test_only_the_tiers_counters_can_be_bumped(store):
-    for name, _help, _kind, tier, bumpable in _C.COUNTERS:
+    for name, _help, _kind, tier, bumpable, _family in _C.COUNTERS:
         if bumpable:
             before = store.stats()[name]
             store.bump(name, 3)
@@ -55,15 +55,18 @@ def test_only_the_tiers_counters_can_be_bumped(store):
                 store.bump(name)
 
 
-def test_prometheus_shows_every_exported_statistic_with_its_help(store):
+def test_prometheus_has_one_family_per_quantity_with_the_tier_as_label(store):
     text = render_prometheus(snapshot(store))
-    for name, help_text, kind, tier, _ in _C.COUNTERS:
-        sample = f"shmkv_{name}_total" if kind == "counter" else f"shmkv_{name}"
+    for name, help_text, kind, tier, _, family in _C.COUNTERS:
+        sample = f"shmkv_{family}_total" if kind == "counter" else f"shmkv_{family}"
         if kind == "info":
             assert f"# HELP shmkv_{name}" not in text
             continue
-        assert f"# HELP {sample} {help_text}\n" in text
+        assert f"# HELP {sample} {_C.METRIC_FAMILIES.get(family, help_text)}\n" in text
+        assert text.count(f"# HELP {sample} ") == 1, "one family, however many tiers"
         assert f'{sample}{{cache="{store.name}",tier="{tier}"}}' in text
+    for tier in ("shm", "disk", "remote"):
+        assert f'shmkv_hits_total{{cache="{store.name}",tier="{tier}"}}' in text
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pybind11_stubgen") is None,
