@@ -98,7 +98,9 @@ class EngineProcess:
         return self.call(cmd="abort_after_steps", prompt=prompt, steps=steps)
 
     def metrics(self) -> dict[str, float]:
-        """vLLM's counters and gauges (e.g. vllm:num_preemptions)."""
+        """vLLM's counters and gauges (e.g. vllm:num_preemptions), summed over
+        their labels, and per extra label set ("name{source=host}"); a
+        histogram as its count ("name_count")."""
         return self.call(cmd="metrics")["metrics"]
 
     def reset_prefix_cache(self, connector: bool = False) -> bool:
@@ -194,8 +196,16 @@ def _serve(spec: EngineSpec) -> None:
                 vals: dict[str, float] = {}
                 for m in llm.get_metrics():
                     v = getattr(m, "value", None)
+                    if v is None and hasattr(m, "count"):  # a histogram: its count of observations
+                        name, v = m.name + "_count", m.count
+                    else:
+                        name = m.name
                     if isinstance(v, (int, float)):
-                        vals[m.name] = vals.get(m.name, 0) + v
+                        vals[name] = vals.get(name, 0) + v  # summed over every label set
+                        extra = {k: x for k, x in m.labels.items() if k not in ("model_name", "engine")}
+                        if extra:  # and per label set beyond vLLM's own, e.g. name{source=host}
+                            key = name + "{" + ",".join(f"{k}={x}" for k, x in sorted(extra.items())) + "}"
+                            vals[key] = vals.get(key, 0) + v
                 say({"metrics": vals})
             except Exception as e:
                 say({"error": f"{type(e).__name__}: {e}"})

@@ -38,7 +38,9 @@ def test_hits_from_disk_and_after_a_restart(cache_name, start_engine, reference,
     # every process gone, the segment too: only the disk tier remains
     assert Store.unlink(cache_name)
     assert any(n.endswith(".kv") for n in os.listdir(os.path.join(disk_dir, cache_name)))
-    e2 = start_engine("disk-after-restart", shmkv=cfg)
+    e2 = start_engine("disk-after-restart", shmkv=cfg, llm_kwargs={"disable_log_stats": False})
     r = e2.generate([prompts[1]])
     assert r["num_cached_tokens"] == [2560]
     assert r["outputs"][0] == reference.output(prompts[1], 2560)
+    # vLLM's own metric says where the hit came from
+    assert e2.metrics().get("vllm:prompt_tokens_cached_by_source{source=disk}") == 2560

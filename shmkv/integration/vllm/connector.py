@@ -44,11 +44,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from shmkv.config import load_config
 from shmkv.errors import ConfigError
 from shmkv.integration.vllm.engine_inputs import groups_field, kv_groups_of, namespace_for
 from shmkv.integration.vllm.metadata import ShmKVMetadata
+from shmkv.integration.vllm.metrics import HIT_SOURCES, ShmKVPromMetrics, ShmKVStats
 from shmkv.store import open_store
 
 if TYPE_CHECKING:
@@ -178,9 +180,33 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         every tier (scheduler.py); other engines' stay."""
         return None if self._sched is None else self._sched.reset_cache()
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's vllm:prompt_tokens_cached_by_source: shmkv's hit tokens by the
+        tier they came from (metrics.py)."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if self._sched is None or not num_external_tokens:
+            return {}
+        return {CacheHitSource(HIT_SOURCES[tier]): n
+                for tier, n in self._sched.hit_tokens_by_tier(request, num_external_tokens).items()}
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None
+
+    # ============================================================== metrics
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self._work.take_transfer_stats() if self._work is not None else None
+        return ShmKVStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return ShmKVStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return ShmKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # =============================================================== worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

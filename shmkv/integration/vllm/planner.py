@@ -102,6 +102,7 @@ class RequestPlan:
     window_skipped: int = 0  # units not stored: a sliding window held vLLM's null block
     roots: tuple[bytes, ...] = ()  # namespace root key per rank (the request's cache salt included)
     extras: ExtraInputs | None = None  # multimodal items / prompt embeddings (in the keys of the chunks they cover)
+    tiers: dict[int, str] = field(default_factory=dict)  # unit start -> the tier it was first found in
     planner: Planner | None = None  # of the request's namespace (its salt and LoRA adapter)
 
 
@@ -138,17 +139,23 @@ class Planner:
 
     # ------------------------------------------------------------ lookup --
     def lookup(self, chain: TierChain, tokens: Sequence[int] | np.ndarray, units: list[Unit], count: bool = True,
-               lower: bool = True, extras: ExtraInputs | None = None) -> tuple[int, list[Unit], list[Unit]]:
+               lower: bool = True, extras: ExtraInputs | None = None, tiers: dict[int, str] | None = None
+               ) -> tuple[int, list[Unit], list[Unit]]:
         """(tokens shmkv can supply, the units that hold them, those of them
         below the shared tier, to promote first). The cached prefix is the
         chain's walk (shared tier, then disk and remote with `lower`); the
         count leaves at least one token to compute (vLLM's rule) and is cut
-        back to a unit start where a sliding window would not cover it."""
+        back to a unit start where a sliding window would not cover it.
+        `tiers`, if given, gets each returned unit's tier by its start (a
+        unit seen before keeps the tier it was first found in)."""
         found = chain.cached_prefix(self.chunker, tokens, units, count=count, lower=lower, extras=extras)
         hit = min(found[-1][0].end if found else 0, self.max_loadable(len(tokens)))
         if found and found[-1][0].start < hit < found[-1][0].end and not self._windows_cover(found[-1][0], hit):
             hit = found[-1][0].start
         keep = [(u, tier) for u, tier in found if u.start < hit]
+        if tiers is not None:
+            for u, tier in keep:
+                tiers.setdefault(u.start, tier)
         return hit, [u for u, _ in keep], [u for u, tier in keep if tier != chain.shared.name]
 
     # ----------------------------------------------------- group windows --

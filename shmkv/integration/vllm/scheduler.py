@@ -143,7 +143,8 @@ class SchedulerSide:
             first = request.request_id not in self._asked
             self._asked.add(request.request_id)
             hit, units, lower = planner.lookup(self.chain, tokens, plan.units, count=first,
-                                               lower=self._look_lower(request.request_id), extras=plan.extras)
+                                               lower=self._look_lower(request.request_id), extras=plan.extras,
+                                               tiers=plan.tiers)
             if lower:
                 # Promote from disk / remote in the background; vLLM asks again next step.
                 keys = [k for u in lower for k in u.keys]
@@ -178,6 +179,24 @@ class SchedulerSide:
             if plan is not None:
                 plan.hit_tokens, plan.hit_units = 0, []
             return 0, False
+
+    def hit_tokens_by_tier(self, request: Request, num_external_tokens: int) -> dict[str, int]:
+        """The request's external tokens [local, local + n) by the tier each
+        unit was first found in (a unit promoted from disk counts as disk)."""
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return {"shm": num_external_tokens}
+        lo, hi = plan.local_tokens, plan.local_tokens + num_external_tokens
+        out: dict[str, int] = {}
+        for u in plan.hit_units:
+            n = min(u.end, hi) - max(u.start, lo)
+            if n > 0:
+                tier = plan.tiers.get(u.start, "shm")
+                out[tier] = out.get(tier, 0) + n
+        rest = num_external_tokens - sum(out.values())
+        if rest:
+            out["shm"] = out.get("shm", 0) + rest  # never happens; vLLM wants the counts to add up
+        return {t: n for t, n in out.items() if n}
 
     def _look_lower(self, req_id: str) -> bool:
         """Whether this lookup looks below the shared tier: not after a

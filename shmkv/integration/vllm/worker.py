@@ -284,6 +284,7 @@ class KVWorker:
                 tally.stored_units += 1
                 tally.stored_tokens += it.tokens
                 self.counters["stored_units"] += 1
+                self.counters["stored_tokens"] += it.tokens
             except Exception:
                 log.exception("shmkv: storing a chunk of request %s failed; continuing without it", it.req_id)
                 self.counters["store_errors"] += 1
@@ -383,6 +384,16 @@ class KVWorker:
                 f.write(f"store {r.key.hex()} {g} {xxhash.xxh3_128_hexdigest(mv[off:off + n])}\n")
 
 
+def _new_transfer_stats() -> dict[str, Any]:
+    return {"counters": {}, "observations": {}}
+
+
+def _count(stats: dict[str, Any], **counts: int) -> None:
+    for k, n in counts.items():
+        if n:
+            stats["counters"][k] = stats["counters"].get(k, 0) + n
+
+
 def _render(c: dict, seconds: float) -> str:
     return (f"shmkv: last {seconds:.0f} s: loaded {c.get('loaded_tokens', 0)} tokens in "
             f"{c.get('load_ms', 0):.0f} ms ({c.get('load_failed_blocks', 0)} blocks left to vLLM), stored "
@@ -407,6 +418,7 @@ class WorkerSide:
         self.worker: KVWorker | None = None
         self.off_reason: str | None = None  # the KV caches could not be copied: every load is recomputed
         self.activity = ActivitySummary(log, cfg.log_summary_s, _render)
+        self._transfer = _new_transfer_stats()  # since vLLM last asked (get_kv_connector_stats)
         self._load_errors: set[int] = set()  # blocks vLLM must recompute
         self._finished_waiting: set[str] = set()
         self._loading: tuple[Any, LoadBatch] | None = None  # this step's metadata and loads
@@ -472,8 +484,10 @@ class WorkerSide:
         failed, done = self.worker.finish_load(batch)
         self._load_errors |= failed
         seconds = max((sec for _, sec in done.values()), default=0.0)
-        self.activity.add(loaded_tokens=sum(t for t, _ in done.values()), load_ms=seconds * 1e3,
-                          load_failed_blocks=len(failed))
+        loaded = sum(t for t, _ in done.values())
+        self.activity.add(loaded_tokens=loaded, load_ms=seconds * 1e3, load_failed_blocks=len(failed))
+        _count(self._transfer, loaded_tokens=loaded, load_failed_blocks=len(failed))
+        self._transfer["observations"].setdefault("load_seconds", []).append(seconds)
         for req_id, (tokens, seconds) in done.items():
             s = meta.summaries.get(req_id)
             log.debug("shmkv: request %s: prompt %d tokens, hit %d (vLLM prefix cache %d), loaded %d in %.1f ms%s",
@@ -486,8 +500,17 @@ class WorkerSide:
         if self.worker is None:
             return
         if getattr(meta, "stores", None):
+            before = self.worker.counters["stored_tokens"]
+            t0 = time.perf_counter()
             self.worker.store(meta.stores)
+            _count(self._transfer, stored_tokens=self.worker.counters["stored_tokens"] - before)
+            self._transfer["observations"].setdefault("store_seconds", []).append(time.perf_counter() - t0)
         self.worker.poll()
+
+    def take_transfer_stats(self) -> dict[str, Any] | None:
+        """What this worker moved since the last call ({"counters", "observations"}), or None."""
+        out, self._transfer = self._transfer, _new_transfer_stats()
+        return out if out["counters"] or any(out["observations"].values()) else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
