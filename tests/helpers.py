@@ -175,3 +175,86 @@ def check_loaded_bytes_equal_stored(digest_file: str) -> int:
     for _, key, group, _, _, _, digest in whole:
         assert stored[(key, group)] == digest, f"unit {key} group {group}: loaded bytes differ from the stored ones"
     return len(whole)
+
+
+# ----------------------------------------------------------- vllm serve ---
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
+    what `vllm serve` runs) on a loopback port, in its own process group."""
+
+    def __init__(self, model_dir: str, kv_transfer_config: dict, log_path: str, *, timeout: float = 300) -> None:
+        import json
+        import time
+        import urllib.request
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model_dir
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_SERVER_DEV_MODE="1")
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+             "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "4096",
+             "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0",
+             "--kv-transfer-config", json.dumps(kv_transfer_config)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); see {log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1)
+        self.close()
+        raise TimeoutError(f"vLLM server did not answer within {timeout}s; see {log_path}")
+
+    def post(self, path: str, body: dict | None = None) -> dict:
+        import json
+        import urllib.request
+
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            text = r.read().decode()
+        return json.loads(text) if text.strip() else {}
+
+    def complete(self, prompt: list[int], max_tokens: int = 16) -> list[int]:
+        """Greedy completion of a prompt of token ids; the output token ids."""
+        r = self.post("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                                          "temperature": 0, "return_token_ids": True})
+        return r["choices"][0]["token_ids"]
+
+    def metric(self, sample: str) -> float:
+        """The value of one sample of /metrics (name and labels as exposed), 0 if absent."""
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=60) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(sample + " "):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def close(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
