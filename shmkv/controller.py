@@ -16,7 +16,8 @@ A namespace N is either the 32-hex root key of a registered namespace
 (`/namespaces`), or an object of Namespace fields (shmkv.keys.Namespace, with
 `cache_salt` for a tenant's chunks). With an unregistered root, `chunk_size`
 (default: the daemon's) and `block_size` (tail pieces; default none) may be
-given.
+given. With exactly one namespace registered, the token endpoints may leave
+it out.
 
 Invariant: a request is fully validated before anything changes; a bad one
 is a RequestError (4xx) naming the field. Pins nest: every pin needs an unpin.
@@ -257,9 +258,13 @@ class Controller:
             raise RequestError(f"{what} needs the disk tier; start the daemon with --disk-dir DIR", 409)
 
     def _namespace(self, args: dict[str, Any]) -> _Resolved:
-        if "namespace" not in args:
-            raise RequestError("namespace: required (a root hex from /namespaces, or an object of fields)")
-        value = args["namespace"]
+        value = args.get("namespace")
+        if value is None:
+            registered = known(self.store.name)
+            if len(registered) != 1:
+                raise RequestError(f"namespace: required ({len(registered)} namespaces are registered; give a root "
+                                   "hex from /namespaces, or an object of fields)")
+            value = next(iter(registered))  # the only one: it may be left out
         chunk_size, block_size = args.get("chunk_size"), args.get("block_size")
         if isinstance(value, str):
             try:

@@ -100,6 +100,15 @@ def test_lookup_reports_each_tier_in_prefix_order(served):
     assert served.store.stats()["lookups"] == 0, "controller lookups do not count as cache traffic"
 
 
+def test_the_only_registered_namespace_may_be_left_out(served, cache_name):
+    put_units(served.store, units()[:2])
+    st, body = http(served.url, "POST", "/lookup", {"tokens": TOKENS})
+    assert st == 200 and body["namespace"] == NS.root_key().hex() and body["cached_tokens"] == 64
+    register(cache_name, OTHER)
+    st, body = http(served.url, "POST", "/lookup", {"tokens": TOKENS})
+    assert st == 400 and "namespace: required (2 namespaces are registered" in body["error"]
+
+
 def test_lookup_by_unregistered_root_uses_given_geometry(served):
     put_units(served.store, units(OTHER))
     root = OTHER.root_key().hex()
@@ -217,7 +226,6 @@ BAD = [
     ("POST", "/lookup", {"tokens": [1, 2**32], "namespace": "00" * 16}, 400, "tokens[1]"),
     ("POST", "/lookup", {"tokens": [1, 2.5], "namespace": "00" * 16}, 400, "tokens[1]"),
     ("POST", "/lookup", {"tokens": [True], "namespace": "00" * 16}, 400, "tokens[0]"),
-    ("POST", "/lookup", {"tokens": [1]}, 400, "namespace: required"),
     ("POST", "/lookup", {"tokens": [1], "namespace": "abc"}, 400, "32 hex digits"),
     ("POST", "/lookup", {"tokens": [1], "namespace": 17}, 400, "namespace"),
     ("POST", "/lookup", {"tokens": [1], "namespace": {"model_id": "m"}}, 400, "missing field"),
@@ -233,7 +241,7 @@ BAD = [
     ("POST", "/clear", {"namespace": "zz" * 16}, 400, "hex"),
     ("POST", "/clear", {"everything": True}, 400, "everything"),
     ("POST", "/pin", {"tokens": [1, None], "namespace": "00" * 16}, 400, "tokens[1]"),
-    ("POST", "/unpin", {"tokens": [1]}, 400, "namespace"),
+    ("POST", "/unpin", {"tokens": [1], "namespace": [1]}, 400, "namespace"),
     ("POST", "/move", {"tokens": TOKENS, "namespace": "00" * 16, "to": "gpu"}, 400, "to="),
     ("POST", "/move", {"tokens": TOKENS, "namespace": "00" * 16}, 400, "to="),
     ("POST", "/flush", {"now": 1}, 400, "now"),
