@@ -4,6 +4,9 @@ engines of the end-to-end tests. Plain helpers live in helpers.py."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -101,3 +104,13 @@ def start_engine(model_dir, engine_logs):
     yield start
     for e in made:
         e.close()
+
+
+@pytest.fixture
+def sticky_tmp() -> Iterator[str]:
+    """A root-owned sticky world-writable directory, like /tmp: only shmkv's
+    own modes and checks protect what is in it."""
+    d = tempfile.mkdtemp(prefix="shmkv-sticky-", dir="/tmp")
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -13,7 +13,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 
 import pytest
@@ -77,15 +76,6 @@ def as_nobody(code: str, *args: str) -> subprocess.CompletedProcess:
     pytest.skip("no Python interpreter the nobody user can execute")
 
 
-@pytest.fixture
-def open_dir():
-    """A world-writable directory: only shmkv's own modes protect what is in it."""
-    d = tempfile.mkdtemp(prefix="shmkv-open-", dir="/tmp")
-    os.chmod(d, 0o1777)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def ext_dir(workdir: str) -> str:
     """A copy of the extension module that another user can read."""
     d = os.path.join(workdir, "ext")
@@ -97,11 +87,11 @@ def ext_dir(workdir: str) -> str:
 
 
 @pytest.mark.parametrize("umask", [0o000, 0o022])
-def test_another_user_can_use_nothing(cache_name, open_dir, umask):
+def test_another_user_can_use_nothing(cache_name, sticky_tmp, umask):
     old = os.umask(umask)
     try:
         cfg = load_config({"cache_name": cache_name, "capacity": "8MiB", "populate": False,
-                           "disk_dir": os.path.join(open_dir, "disk"), "listen": f"unix:{open_dir}/ctl.sock"})
+                           "disk_dir": os.path.join(sticky_tmp, "disk"), "listen": f"unix:{sticky_tmp}/ctl.sock"})
         d = Daemon(cfg)
         assert d.lock.try_acquire()
         d.start()
@@ -114,7 +104,7 @@ def test_another_user_can_use_nothing(cache_name, open_dir, umask):
         disk = d.role.disk
         assert disk.write(key(1), b"N" * 16, b"secret prompt KV" * 100)
         paths = {"segment": f"/dev/shm/{cache_name}", "disk_file": disk.path(key(1)), "disk_dir": disk.dir,
-                 "runtime_dir": runtime_dir().path, "socket": f"{open_dir}/ctl.sock"}
+                 "runtime_dir": runtime_dir().path, "socket": f"{sticky_tmp}/ctl.sock"}
         modes = {k: stat.S_IMODE(os.stat(p).st_mode) for k, p in paths.items()}
         assert modes == {"segment": 0o600, "disk_file": 0o600, "disk_dir": 0o700, "runtime_dir": 0o700,
                          "socket": 0o600}, modes
@@ -122,7 +112,7 @@ def test_another_user_can_use_nothing(cache_name, open_dir, umask):
             if f.startswith(cache_name + "."):
                 assert stat.S_IMODE(os.stat(runtime_dir().join(f)).st_mode) == 0o600, f
 
-        r = as_nobody(PROBE, json.dumps({**paths, "cache": cache_name, "ext_dir": ext_dir(open_dir)}))
+        r = as_nobody(PROBE, json.dumps({**paths, "cache": cache_name, "ext_dir": ext_dir(sticky_tmp)}))
         assert r.returncode == 0, r.stderr
         got = json.loads(r.stdout)
         assert got["uid"] == 65534
@@ -149,8 +139,8 @@ def test_a_segment_planted_by_another_user_is_refused(cache_name):
         os.unlink(f"/dev/shm/{cache_name}")
 
 
-def test_a_disk_directory_of_another_user_is_refused(open_dir):
-    target = os.path.join(open_dir, "planted")
+def test_a_disk_directory_of_another_user_is_refused(sticky_tmp):
+    target = os.path.join(sticky_tmp, "planted")
     r = as_nobody("import os, sys; os.mkdir(sys.argv[1], 0o777); os.chmod(sys.argv[1], 0o777)", target)
     assert r.returncode == 0, r.stderr
     with pytest.raises(PermissionError, match="owned by uid 65534"):

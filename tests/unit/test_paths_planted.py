@@ -9,7 +9,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -26,15 +25,6 @@ def as_nobody(code: str, *args: str) -> None:
     r = subprocess.run([SETPRIV, "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/bin/sh", "-c", code,
                         "sh", *args], capture_output=True, text=True, timeout=60, cwd="/")
     assert r.returncode == 0, r.stderr
-
-
-@pytest.fixture
-def sticky_tmp():
-    """A root-owned sticky world-writable directory, like /tmp."""
-    d = tempfile.mkdtemp(prefix="shmkv-sticky-", dir="/tmp")
-    os.chmod(d, 0o1777)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_planted_parent_is_refused_and_left_alone(sticky_tmp):
