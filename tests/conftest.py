@@ -53,8 +53,8 @@ def daemon(tmp_path) -> Iterator:
 
 @pytest.fixture
 def redis_server(tmp_path) -> Iterator:
-    """A private redis-server on a loopback port (shmkv.remote.server.PrivateRedis)."""
-    from shmkv.remote.server import PrivateRedis
+    """A private redis-server on a loopback port (shmkv.bench.redis_server.PrivateRedis)."""
+    from shmkv.bench.redis_server import PrivateRedis
 
     try:
         server = PrivateRedis(str(tmp_path))
@@ -73,7 +73,7 @@ def redis_server(tmp_path) -> Iterator:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
-    from shmkv.models import write_llama
+    from shmkv.bench.models import write_llama
 
     return write_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 

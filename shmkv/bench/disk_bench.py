@@ -60,7 +60,7 @@ def _throughput(chunks: list[bytes], workdir: str, level: int) -> tuple[float, f
 def _vllm_kv(workdir: str) -> list[bytes]:
     """Chunk payloads vLLM computed for a 3,000-token prompt (tiny random Llama)."""
     from shmkv.bench.engines import EngineProcess, EngineSpec
-    from shmkv.models import TEST_MODEL, write_llama
+    from shmkv.bench.models import TEST_MODEL, write_llama
 
     model = write_llama(os.path.join(workdir, "model"), TEST_MODEL)
     name = f"shmkv-bench-kv-{os.getpid()}"

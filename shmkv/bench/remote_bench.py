@@ -23,8 +23,8 @@ import torch
 import xxhash
 
 from shmkv import Store
+from shmkv.bench.redis_server import PrivateRedis
 from shmkv.disk import format as fmt
-from shmkv.remote.server import PrivateRedis
 from shmkv.remote.tier import RemoteTier, chunk_key
 from shmkv.tiers import TierChain
 

@@ -24,9 +24,9 @@ import tempfile
 
 from shmkv import Store
 from shmkv.bench.engines import EngineProcess, EngineSpec
+from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, write_llama
 from shmkv.disk.tier import DiskTier
 from shmkv.maintainer import Maintainer
-from shmkv.models import TEST_MODEL, TIMING_MODEL, write_llama
 
 
 def run(argv: list[str]) -> dict:

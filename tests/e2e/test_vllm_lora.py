@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from helpers import E2E_TOKENS, random_prompt
 
-from shmkv.models import write_lora
+from shmkv.bench.models import write_lora
 
 pytestmark = pytest.mark.slow
 

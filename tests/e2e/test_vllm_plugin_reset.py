@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers import random_prompt
 
-from shmkv.models import TinyLlama, write_llama
+from shmkv.bench.models import TinyLlama, write_llama
 
 pytestmark = pytest.mark.slow
 
