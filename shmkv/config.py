@@ -126,6 +126,7 @@ class ShmkvConfig:
     low_watermark: float = 0.10  # keep this fraction of the shared tier free (spilled chunks evicted)
     spill_ahead: float = 0.20  # keep this fraction of the coldest chunks already on disk
     maintainer: bool = True  # without a daemon, a vLLM scheduler process maintains the cache
+    io_threads: int = 0  # threads encoding/decoding chunks for spill and promotion; 0: the CPUs we may use (max 8)
     log_level: str = "info"
     log_summary_s: float = 60.0  # one INFO line of activity per this many seconds (requests: DEBUG); 0: none
     listen: str = "127.0.0.1:7470"  # daemon controller: loopback HOST:PORT or unix:/path (socket 0600)
@@ -158,6 +159,7 @@ class ShmkvConfig:
             "low_watermark": lambda k, v: _parse_fraction(k, v),
             "spill_ahead": lambda k, v: _parse_fraction(k, v),
             "maintainer": _parse_bool,
+            "io_threads": lambda k, v: _parse_int(k, v, 0, 64),
             "listen": _parse_listen,
             "debug_digest_file": lambda k, v: str(v),
             "config_file": lambda k, v: str(v),
@@ -249,3 +251,15 @@ def load_config(explicit: dict[str, Any] | None = None, env: dict[str, str] | No
         for k, v in source.items():
             merged[k] = parsers[k](k, v)
     return dataclasses.replace(ShmkvConfig(), **merged)
+
+
+def io_threads(cfg: ShmkvConfig) -> int:
+    """Threads for chunk codec work: cfg.io_threads, or the CPUs this process
+    may run on (at most 8) when it is 0."""
+    if cfg.io_threads:
+        return cfg.io_threads
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))

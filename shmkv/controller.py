@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shmkv.chunking import Chunker, Unit
-from shmkv.config import ShmkvConfig
+from shmkv.config import ShmkvConfig, io_threads
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import ConfigError, LockTimeoutError, RequestError
 from shmkv.maintainer import Maintainer, MaintainerRole
@@ -68,7 +68,7 @@ class Controller:
         self.store = store
         self.disk = disk
         self.remote = remote
-        self.chain = TierChain(store, [disk, remote])
+        self.chain = TierChain(store, [disk, remote], threads=io_threads(cfg))
         self.role = role
         self.maintainer = role.maintainer if role is not None else Maintainer(
             store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead, remote=remote)

@@ -33,8 +33,10 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from shmkv.backoff import Backoff
+from shmkv.config import io_threads
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import LockTimeoutError, SegmentCorruptError
 from shmkv.paths import daemon_lock, maintainer_lock
@@ -45,8 +47,11 @@ log = logging.getLogger("shmkv.maintainer")
 
 class Maintainer:
     def __init__(self, store: Store, disk: DiskTier | None, *, low_watermark: float = 0.10,
-                 spill_ahead: float = 0.20, remote=None) -> None:
+                 spill_ahead: float = 0.20, remote=None, threads: int = 1) -> None:
+        """`threads`: chunks spilled at once (encoding runs without the GIL)."""
         self.store = store
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shmkv-spill") if self.threads > 1 else None
         self.disk = disk
         self.remote = remote  # spilled chunks are also queued for the remote tier
         arena = store.arena_bytes
@@ -68,12 +73,14 @@ class Maintainer:
         free = st["arena_bytes"] - st["bytes_used"]
         budget = self.spill_ahead_bytes + max(0, self.low_bytes - free)
         covered = 0
+        todo: list[tuple[bytes, bytes]] = []
         for key, size, flags, ns in self.store.coldest(4096):
-            if covered >= budget or not self.backoff.ready():
+            if covered >= budget:
                 break
             covered += size
             if not flags & FLAG_SPILLED:
-                did["spilled"] += self.spill(key, ns)
+                todo.append((key, ns))
+        did["spilled"] += self._spill_many(todo, respect_backoff=True)
         # evict spilled chunks from the cold end until above the low watermark
         while free < self.low_bytes:
             progressed = False
@@ -97,8 +104,26 @@ class Maintainer:
             return [e for e in self.store.entries()
                     if e["state"] == "ready" and not e["pins"] and not e["flags"] & FLAG_SPILLED]
 
-        n = sum(self.spill(e["key"], e["namespace"]) for e in unspilled())
+        n = self._spill_many([(e["key"], e["namespace"]) for e in unspilled()], respect_backoff=False)
         return n, len(unspilled())
+
+    def _spill_many(self, items: list[tuple[bytes, bytes]], *, respect_backoff: bool) -> int:
+        """Spill (key, namespace) items, `threads` at a time, coldest first; with
+        `respect_backoff` no new wave starts while spilling is backing off."""
+        n = 0
+        for i in range(0, len(items), self.threads):
+            if respect_backoff and not self.backoff.ready():
+                break
+            wave = items[i:i + self.threads]
+            if self._pool is None or len(wave) == 1:
+                n += sum(self.spill(k, ns) for k, ns in wave)
+            else:
+                n += sum(self._pool.map(lambda kn: self.spill(*kn), wave))
+        return n
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def spill(self, key: bytes, ns: bytes) -> int:
         """Write one shared-tier chunk to disk and mark it spilled; 1 if written."""
@@ -144,7 +169,7 @@ class MaintainerRole:
         self.lock = maintainer_lock(cfg.cache_name)
         self.daemon = daemon_lock(cfg.cache_name) if yield_to_daemon else None
         self.maintainer = Maintainer(store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead,
-                                     remote=remote)
+                                     remote=remote, threads=io_threads(cfg))
         self.disk = disk
         self.interval_s = interval_s
         self.standby_s = standby_s
@@ -160,6 +185,7 @@ class MaintainerRole:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.maintainer.close()
         self.lock.release()
 
     def _daemon_runs(self) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
@@ -92,10 +93,13 @@ class SharedTier:
 class TierChain:
     """The shared tier and the tiers below it, in order."""
 
-    def __init__(self, store: Store, lower: Sequence[Tier | None] = ()) -> None:
+    def __init__(self, store: Store, lower: Sequence[Tier | None] = (), *, threads: int = 1) -> None:
+        """`threads`: chunks fetched (read and decoded, without the GIL) at once when promoting."""
         self.store = store
         self.shared = SharedTier(store)
         self.lower: list[Tier] = [t for t in lower if t is not None]
+        self.threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def tiers(self) -> list[Tier]:
@@ -162,31 +166,54 @@ class TierChain:
         store = self.store
         t_end = None if deadline_s is None else time.monotonic() + deadline_s
         n = 0
-        for key, ns in zip(keys, namespaces):
-            if store.contains([key])[0]:
-                n += 1
-                continue
+        # NOTE: `threads` chunks at a time are fetched in parallel, then put in
+        # prefix order; after a miss the rest of its wave is wasted work, no more.
+        for i in range(0, len(keys), self.threads):
             if t_end is not None and time.monotonic() > t_end:
                 break
-            got, source = None, None
-            for tier in self.lower:
-                got = tier.fetch(key, ns)
-                if got is not None:
-                    source = tier.name
-                    break
-            if got is None:
-                break
-            raw, chunk_ns = got
-            r = store.put(key, raw, namespace=chunk_ns)
-            if r not in (PutResult.OK, PutResult.EXISTS):
-                store.bump("promote_errors")
-                break
-            if source == "disk":
-                store.mark_spilled(key)  # a copy is on disk: evicting it loses nothing
-            store.bump(f"{source}_hits")
-            store.bump("promote_bytes", len(raw))
-            n += 1
+            wave = list(zip(keys[i:i + self.threads], namespaces[i:i + self.threads]))
+            held = store.contains([k for k, _ in wave])
+            need = [kn for kn, h in zip(wave, held) if not h]
+            fetched = dict(zip([k for k, _ in need], self._map(self._fetch, need)))
+            for (key, _ns), h in zip(wave, held):
+                if h:
+                    n += 1
+                    continue
+                got, source = fetched[key]
+                if got is None:
+                    return n
+                raw, chunk_ns = got
+                r = store.put(key, raw, namespace=chunk_ns)
+                if r not in (PutResult.OK, PutResult.EXISTS):
+                    store.bump("promote_errors")
+                    return n
+                if source == "disk":
+                    store.mark_spilled(key)  # a copy is on disk: evicting it loses nothing
+                store.bump(f"{source}_hits")
+                store.bump("promote_bytes", len(raw))
+                n += 1
         return n
+
+    def _fetch(self, key_ns: tuple[bytes, bytes]) -> tuple[tuple[bytes, bytes] | None, str | None]:
+        """(payload and namespace, tier name) from the first lower tier holding the chunk."""
+        key, ns = key_ns
+        for tier in self.lower:
+            got = tier.fetch(key, ns)
+            if got is not None:
+                return got, tier.name
+        return None, None
+
+    def _map(self, fn, items: list) -> list:  # noqa: ANN001
+        if self.threads == 1 or len(items) <= 1:
+            return [fn(x) for x in items]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shmkv-promote-io")
+        return list(self._pool.map(fn, items))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     # ----------------------------------------------------------- admin --
     def clear(self, namespace: bytes | None = None) -> dict[str, int]:

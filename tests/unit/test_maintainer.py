@@ -116,3 +116,16 @@ def test_one_maintainer_per_cache(cache_name, child):
     """)
     assert c2.expect("got")
     c2.finish()
+
+
+def test_parallel_spill_writes_every_chunk_once(cache_name, tmp_path):
+    store = Store.create(cache_name, 4 << 20, alignment=4096)
+    disk = DiskTier(str(tmp_path / "disk"), capacity_bytes=1 << 30, counter=store.bump)
+    m = Maintainer(store, disk, threads=3)
+    fill(store, 10)
+    assert m.spill_all() == (10, 0)
+    assert store.stats()["spills"] == 10 and sum(n.endswith(".kv") for n in os.listdir(disk.dir)) == 10
+    for i in range(10):
+        assert disk.read(key(i)) == payload_for(key(i), UNIT)
+    m.close()
+    store.close()

@@ -100,9 +100,11 @@ def test_every_rank_must_be_held_by_one_tier(store):
     assert [tier for _, tier in chain.cached_prefix(ch, t, units)] == ["disk"]
 
 
-def test_promotion_reads_from_the_first_tier_holding_each_chunk(store):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_promotion_reads_from_the_first_tier_holding_each_chunk(store, threads):
+    """Sequential, or fetched three at a time and put in prefix order."""
     disk, remote = DictTier("disk"), DictTier("remote")
-    chain = TierChain(store, [disk, remote])
+    chain = TierChain(store, [disk, remote], threads=threads)
     keys = [bytes([i]) * 16 for i in range(4)]
     disk.write(keys[0], ROOTS[0], payload_for(keys[0], 256))
     remote.write(keys[0], ROOTS[0], b"stale copy")

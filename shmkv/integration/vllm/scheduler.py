@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shmkv.activity import ActivitySummary
-from shmkv.config import ShmkvConfig
+from shmkv.config import ShmkvConfig, io_threads
 from shmkv.integration.vllm.engine_inputs import KVGroup, groups_field, lora_extra, prompt_tokens, request_extras
 from shmkv.integration.vllm.metadata import RequestSummary, ShmKVMetadata
 from shmkv.integration.vllm.planner import NULL_BLOCK, Planner, RequestPlan
@@ -92,7 +92,7 @@ class SchedulerSide:
             log.info("shmkv: disk tier at %s (cap %.1f GiB, zstd level %d)", self.disk.dir,
                      self.cfg.disk_capacity / 2**30, self.cfg.disk_level)
         self.remote = open_remote(self.cfg, store=self.store, disk=self.disk, element_size=self._dtype_bytes())
-        self.chain = TierChain(self.store, [self.disk, self.remote])
+        self.chain = TierChain(self.store, [self.disk, self.remote], threads=io_threads(cfg))
         if self.chain.lower:
             # NOTE: promotion reads and decompresses off the scheduler's thread
             self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
@@ -335,6 +335,7 @@ class SchedulerSide:
             self._maintainer_role.stop()
         if self._promoter is not None:
             self._promoter.shutdown(wait=True)
+        self.chain.close()
         if self.remote is not None:
             self.remote.flush(timeout_s=10)
             self.remote.close()
