@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from shmkv.backoff import Backoff
 from shmkv.config import io_threads
@@ -108,18 +108,21 @@ class Maintainer:
         return n, len(unspilled())
 
     def _spill_many(self, items: list[tuple[bytes, bytes]], *, respect_backoff: bool) -> int:
-        """Spill (key, namespace) items, `threads` at a time, coldest first; with
-        `respect_backoff` no new wave starts while spilling is backing off."""
+        """Spill (key, namespace) items coldest first, up to `threads` at once;
+        with `respect_backoff` no new spill starts while spilling backs off."""
         n = 0
-        for i in range(0, len(items), self.threads):
+        inflight: set[Future] = set()
+        for key, ns in items:
             if respect_backoff and not self.backoff.ready():
                 break
-            wave = items[i:i + self.threads]
-            if self._pool is None or len(wave) == 1:
-                n += sum(self.spill(k, ns) for k, ns in wave)
-            else:
-                n += sum(self._pool.map(lambda kn: self.spill(*kn), wave))
-        return n
+            if self._pool is None:
+                n += self.spill(key, ns)
+                continue
+            if len(inflight) >= self.threads:
+                done, inflight = wait(inflight, return_when=FIRST_COMPLETED)
+                n += sum(f.result() for f in done)
+            inflight.add(self._pool.submit(self.spill, key, ns))
+        return n + sum(f.result() for f in inflight)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -23,9 +23,10 @@ exception to the caller; nothing here holds the table lock across tiers.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -166,32 +167,39 @@ class TierChain:
         store = self.store
         t_end = None if deadline_s is None else time.monotonic() + deadline_s
         n = 0
-        # NOTE: `threads` chunks at a time are fetched in parallel, then put in
-        # prefix order; after a miss the rest of its wave is wasted work, no more.
-        for i in range(0, len(keys), self.threads):
-            if t_end is not None and time.monotonic() > t_end:
+        # NOTE: up to `threads` chunks ahead are fetched (read, checked, decoded)
+        # in parallel while the head is put, in prefix order; after a miss at
+        # most `threads` fetches are wasted work.
+        ahead: deque[tuple[bytes, Any]] = deque()  # (key, its fetch; None: already in the shared tier)
+        todo = iter(zip(keys, namespaces))
+        while True:
+            while len(ahead) < self.threads and (t_end is None or time.monotonic() <= t_end):
+                kn = next(todo, None)
+                if kn is None:
+                    break
+                ahead.append((kn[0], None if store.contains([kn[0]])[0] else self._submit(kn)))
+            if not ahead:
                 break
-            wave = list(zip(keys[i:i + self.threads], namespaces[i:i + self.threads]))
-            held = store.contains([k for k, _ in wave])
-            need = [kn for kn, h in zip(wave, held) if not h]
-            fetched = dict(zip([k for k, _ in need], self._map(self._fetch, need)))
-            for (key, _ns), h in zip(wave, held):
-                if h:
-                    n += 1
-                    continue
-                got, source = fetched[key]
-                if got is None:
-                    return n
-                raw, chunk_ns = got
-                r = store.put(key, raw, namespace=chunk_ns)
-                if r not in (PutResult.OK, PutResult.EXISTS):
-                    store.bump("promote_errors")
-                    return n
-                if source == "disk":
-                    store.mark_spilled(key)  # a copy is on disk: evicting it loses nothing
-                store.bump(f"{source}_hits")
-                store.bump("promote_bytes", len(raw))
+            key, fetch = ahead.popleft()
+            if fetch is None:
                 n += 1
+                continue
+            got, source = fetch.result() if isinstance(fetch, Future) else fetch
+            if got is None:
+                break
+            raw, chunk_ns = got
+            r = store.put(key, raw, namespace=chunk_ns)
+            if r not in (PutResult.OK, PutResult.EXISTS):
+                store.bump("promote_errors")
+                break
+            if source == "disk":
+                store.mark_spilled(key)  # a copy is on disk: evicting it loses nothing
+            store.bump(f"{source}_hits")
+            store.bump("promote_bytes", len(raw))
+            n += 1
+        for _key, fetch in ahead:  # the prefix ended before them
+            if isinstance(fetch, Future):
+                fetch.cancel()
         return n
 
     def _fetch(self, key_ns: tuple[bytes, bytes]) -> tuple[tuple[bytes, bytes] | None, str | None]:
@@ -203,12 +211,13 @@ class TierChain:
                 return got, tier.name
         return None, None
 
-    def _map(self, fn, items: list) -> list:  # noqa: ANN001
-        if self.threads == 1 or len(items) <= 1:
-            return [fn(x) for x in items]
+    def _submit(self, key_ns: tuple[bytes, bytes]) -> Any:
+        """A fetch: done now (one thread), or running on the pool (a Future)."""
+        if self.threads == 1:
+            return self._fetch(key_ns)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shmkv-promote-io")
-        return list(self._pool.map(fn, items))
+        return self._pool.submit(self._fetch, key_ns)
 
     def close(self) -> None:
         if self._pool is not None:
