@@ -68,10 +68,13 @@ class Controller:
         self.store = store
         self.disk = disk
         self.remote = remote
-        self.chain = TierChain(store, [disk, remote], threads=io_threads(cfg))
         self.role = role
-        self.maintainer = role.maintainer if role is not None else Maintainer(
-            store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead, remote=remote)
+        if role is not None:
+            self.maintainer = role.maintainer
+        else:
+            self.maintainer = Maintainer(TierChain(store, [disk, remote], threads=io_threads(cfg)),
+                                         low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead)
+        self.chain = self.maintainer.chain  # the one chain of this process's tiers
         self.started = time.time()
         self.counters = {"requests": 0, "bad_requests": 0, "errors": 0}
         self._count_lock = threading.Lock()

@@ -38,7 +38,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from shmkv.config import ShmkvConfig, load_config, parse_listen
+from shmkv.config import ShmkvConfig, io_threads, load_config, parse_listen
 from shmkv.controller import MAX_BODY_BYTES, Controller
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import ShmkvError
@@ -46,6 +46,7 @@ from shmkv.maintainer import MaintainerRole
 from shmkv.paths import check_trusted_dir, daemon_lock, runtime_dir
 from shmkv.remote import open_remote
 from shmkv.store import open_store
+from shmkv.tiers import TierChain
 
 log = logging.getLogger("shmkv.daemon")
 
@@ -310,7 +311,8 @@ class Daemon:
                             level=cfg.disk_level, element_size=cfg.disk_shuffle_bytes or 2,
                             counter=self.store.bump)
         self.remote = open_remote(cfg, store=self.store, disk=disk, element_size=cfg.disk_shuffle_bytes or 2)
-        self.role = MaintainerRole(cfg, self.store, disk, standby_s=0.2, yield_to_daemon=False, remote=self.remote)
+        chain = TierChain(self.store, [disk, self.remote], threads=io_threads(cfg))
+        self.role = MaintainerRole(cfg, chain, standby_s=0.2, yield_to_daemon=False)
         self.role.start()
         self.server, self.url = make_server(cfg.listen, Controller(cfg, self.store, disk, self.role, self.remote))
 

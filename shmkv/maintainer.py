@@ -40,20 +40,24 @@ from shmkv.config import io_threads
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import LockTimeoutError, SegmentCorruptError
 from shmkv.paths import daemon_lock, maintainer_lock
-from shmkv.store import FLAG_SPILLED, Store
+from shmkv.store import FLAG_SPILLED
+from shmkv.tiers import TierChain
 
 log = logging.getLogger("shmkv.maintainer")
 
 
 class Maintainer:
-    def __init__(self, store: Store, disk: DiskTier | None, *, low_watermark: float = 0.10,
-                 spill_ahead: float = 0.20, remote=None, threads: int = 1) -> None:
-        """`threads`: chunks spilled at once (encoding runs without the GIL)."""
-        self.store = store
+    def __init__(self, chain: TierChain, *, low_watermark: float = 0.10, spill_ahead: float = 0.20,
+                 threads: int = 1) -> None:
+        """The tiers are the chain's: spills go to its disk tier and are queued
+        for its remote tier. `threads`: chunks spilled at once (encoding runs
+        without the GIL)."""
+        self.chain = chain
+        self.store = store = chain.store
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shmkv-spill") if self.threads > 1 else None
-        self.disk = disk
-        self.remote = remote  # spilled chunks are also queued for the remote tier
+        self.disk: DiskTier | None = chain.tier("disk")
+        self.remote = chain.tier("remote")  # spilled chunks are also queued for the remote tier
         arena = store.arena_bytes
         self.low_bytes = int(arena * low_watermark)
         self.spill_ahead_bytes = int(arena * spill_ahead)
@@ -167,13 +171,13 @@ class MaintainerRole:
     `yield_to_daemon`) hands the role over as soon as a daemon runs for the
     cache, and stays in standby while one does."""
 
-    def __init__(self, cfg, store: Store, disk: DiskTier | None, *, interval_s: float = 0.05,
-                 standby_s: float = 1.0, yield_to_daemon: bool = True, remote=None) -> None:
+    def __init__(self, cfg, chain: TierChain, *, interval_s: float = 0.05, standby_s: float = 1.0,
+                 yield_to_daemon: bool = True) -> None:
         self.lock = maintainer_lock(cfg.cache_name)
         self.daemon = daemon_lock(cfg.cache_name) if yield_to_daemon else None
-        self.maintainer = Maintainer(store, disk, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead,
-                                     remote=remote, threads=io_threads(cfg))
-        self.disk = disk
+        self.maintainer = Maintainer(chain, low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead,
+                                     threads=io_threads(cfg))
+        self.disk = self.maintainer.disk
         self.interval_s = interval_s
         self.standby_s = standby_s
         self._stop = threading.Event()

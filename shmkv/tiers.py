@@ -106,6 +106,10 @@ class TierChain:
     def tiers(self) -> list[Tier]:
         return [self.shared, *self.lower]
 
+    def tier(self, name: str) -> Any:
+        """The lower tier of that name ("disk", "remote"), or None when the chain has none."""
+        return next((t for t in self.lower if t.name == name), None)
+
     # ------------------------------------------------------------ walks --
     def cached_prefix(self, chunker: Chunker, tokens: Sequence[int] | np.ndarray, units: Sequence[Unit], *,
                       count: bool = False, lower: bool = True, extras: ExtraInputs | None = None

@@ -48,7 +48,7 @@ def _throughput(chunks: list[bytes], workdir: str, level: int, threads: int = 1)
         keys = [xxhash.xxh3_128_digest(str(i).encode()) for i in range(len(chunks))]
         for k, c in zip(keys, chunks):
             assert store.put(k, c, namespace=b"n" * 16) is PutResult.OK
-        m = Maintainer(store, disk, threads=threads)
+        m = Maintainer(TierChain(store, [disk]), threads=threads)
         t0 = time.perf_counter()
         assert m.spill_all() == (len(chunks), 0)
         spill = sum(map(len, chunks)) / (time.perf_counter() - t0) / 1e9

@@ -27,6 +27,7 @@ from shmkv.bench.engines import EngineProcess, EngineSpec
 from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, write_llama
 from shmkv.disk.tier import DiskTier
 from shmkv.maintainer import Maintainer
+from shmkv.tiers import TierChain
 
 
 def run(argv: list[str]) -> dict:
@@ -78,7 +79,7 @@ def run(argv: list[str]) -> dict:
         disk_cfg = dict(cfg, disk_dir=os.path.join(a.workdir, "disk"))
         store = Store.attach(name)
         tier = DiskTier(os.path.join(disk_cfg["disk_dir"], name), capacity_bytes=1 << 40)
-        Maintainer(store, tier).spill_all()
+        Maintainer(TierChain(store, [tier])).spill_all()
         store.clear()
         store.close()
         with EngineProcess(EngineSpec(model, shmkv=disk_cfg), f"{logs}/shmkv-disk.log") as e:

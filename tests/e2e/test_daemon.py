@@ -117,9 +117,10 @@ def test_embedded_maintainer_hands_the_role_over(daemon, cache_name, child):
         from shmkv import Store
         from shmkv.config import load_config
         from shmkv.maintainer import MaintainerRole
+        from shmkv.tiers import TierChain
         cfg = load_config({{"cache_name": {cache_name!r}}})
         s = Store.open_or_create(cfg.cache_name, 16 << 20, populate=False)
-        role = MaintainerRole(cfg, s, None, standby_s=0.2)
+        role = MaintainerRole(cfg, TierChain(s), standby_s=0.2)
         print("started", flush=True)
         role.start()
         sys.stdin.readline()

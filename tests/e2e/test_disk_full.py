@@ -19,6 +19,7 @@ from shmkv.config import load_config
 from shmkv.controller import Controller
 from shmkv.disk.tier import DiskTier
 from shmkv.maintainer import Maintainer
+from shmkv.tiers import TierChain
 
 CHUNK = 32 << 10
 
@@ -59,7 +60,7 @@ def test_flush_reports_chunks_not_on_disk(full):
 
 def test_spill_failures_back_off_and_log_state_changes_only(full, caplog):
     store, disk = full
-    m = Maintainer(store, disk, spill_ahead=0.99, low_watermark=0.0)
+    m = Maintainer(TierChain(store, [disk]), spill_ahead=0.99, low_watermark=0.0)
     caplog.set_level(logging.INFO, logger="shmkv")
     t_end = time.monotonic() + 1.5
     passes = 0

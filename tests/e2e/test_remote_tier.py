@@ -61,7 +61,7 @@ def test_spilled_chunks_go_as_their_disk_file(store, redis_server, tmp_path):
     disk = DiskTier(str(tmp_path / "disk"), capacity_bytes=1 << 30, counter=store.bump)
     disk.rebuild_index()
     r = tier(redis_server.url, store, disk)
-    m = Maintainer(store, disk, remote=r, spill_ahead=0.0, low_watermark=0.0)
+    m = Maintainer(TierChain(store, [disk, r]), spill_ahead=0.0, low_watermark=0.0)
     for i in range(4):
         put(store, i)
     assert m.spill_all() == (4, 0)

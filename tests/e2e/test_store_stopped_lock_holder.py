@@ -18,6 +18,7 @@ from shmkv import _C, PutResult, Store
 from shmkv.config import load_config
 from shmkv.controller import Controller
 from shmkv.errors import LockTimeoutError, SegmentCorruptError
+from shmkv.tiers import TierChain
 
 BOUND = 0.2
 
@@ -125,7 +126,7 @@ def test_the_maintainer_pauses_with_one_log_line(stopped_holder, caplog):
     store, pid, _lease, _r = stopped_holder
     caplog.set_level(logging.INFO, logger="shmkv")
     cfg = load_config({"cache_name": store.name, "lock_timeout": BOUND}, env={})
-    role = MaintainerRole(cfg, store, None, interval_s=0.01, yield_to_daemon=False)
+    role = MaintainerRole(cfg, TierChain(store), interval_s=0.01, yield_to_daemon=False)
     role.start()
     try:
         deadline = time.monotonic() + 30

@@ -24,7 +24,7 @@ def setup(cache_name, tmp_path):
     store = Store.create(cache_name, 4 << 20, alignment=UNIT, max_entries=256)
     disk = DiskTier(str(tmp_path / "disk"), capacity_bytes=1 << 30, counter=store.bump)
     disk.rebuild_index()
-    yield store, disk, Maintainer(store, disk, low_watermark=0.25, spill_ahead=0.25)
+    yield store, disk, Maintainer(TierChain(store, [disk]), low_watermark=0.25, spill_ahead=0.25)
     store.close()
 
 
@@ -121,7 +121,7 @@ def test_one_maintainer_per_cache(cache_name, child):
 def test_parallel_spill_writes_every_chunk_once(cache_name, tmp_path):
     store = Store.create(cache_name, 4 << 20, alignment=4096)
     disk = DiskTier(str(tmp_path / "disk"), capacity_bytes=1 << 30, counter=store.bump)
-    m = Maintainer(store, disk, threads=3)
+    m = Maintainer(TierChain(store, [disk]), threads=3)
     fill(store, 10)
     assert m.spill_all() == (10, 0)
     assert store.stats()["spills"] == 10 and sum(n.endswith(".kv") for n in os.listdir(disk.dir)) == 10

@@ -23,6 +23,7 @@ from helpers import REPO, key, payload_for
 from shmkv import _C, PutResult, Store
 from shmkv.errors import SegmentCorruptError
 from shmkv.maintainer import Maintainer
+from shmkv.tiers import TierChain
 
 OFF = _C.LAYOUT_OFFSETS
 
@@ -119,7 +120,7 @@ def test_a_truncated_segment_is_restored_by_the_size_check(cache_name):
     os.truncate(f"/dev/shm/{cache_name}", 4096)
     with pytest.raises(SegmentCorruptError, match="truncated"):
         Store.attach(cache_name, populate=False)
-    did = Maintainer(s, None).run_once()  # checks the size before touching anything past the header
+    did = Maintainer(TierChain(s)).run_once()  # checks the size before touching anything past the header
     assert did.get("restored") == 1
     assert os.stat(f"/dev/shm/{cache_name}").st_size == s.stats()["capacity_bytes"]
     st = s.stats()

@@ -99,7 +99,7 @@ class SchedulerSide:
         if self.cfg.maintainer:
             from shmkv.maintainer import MaintainerRole
 
-            self._maintainer_role = MaintainerRole(self.cfg, self.store, self.disk, remote=self.remote)
+            self._maintainer_role = MaintainerRole(self.cfg, self.chain)
             self._maintainer_role.start()
         if self.cfg.load_failure_policy == "recompute" and ktc.kv_load_failure_policy != "recompute":
             # A chunk evicted between lookup and load must mean "recompute it",
