@@ -12,6 +12,7 @@ from helpers import random_prompt
 
 from shmkv import Store
 from shmkv.chunking import Chunker
+from shmkv.config import io_threads, load_config
 from shmkv.namespaces import known
 from shmkv.remote.tier import chunk_key
 
@@ -53,7 +54,10 @@ def test_two_hosts_share_through_redis(cache_name, second_cache, start_engine, r
         client.set(chunk_key(u.keys[0], bytes.fromhex(root)), b"\x00garbage" * 100)
     r = b.generate([g])
     assert r["num_cached_tokens"] == [0] and r["outputs"][0] == reference.output(g, 0)
-    assert sb.stats()["remote_damaged"] == 1, "the first bad value ends the prefix"
+    st = sb.stats()
+    assert st["remote_hits"] == 3, "nothing of prompt g was promoted: the first bad value ends the prefix"
+    # promotion fetches up to io_threads chunks ahead: one fetched beside the first may be found bad too
+    assert 1 <= st["remote_damaged"] <= io_threads(load_config(host_b, env={}))
 
     # the server dies mid-run: serving goes on from the local tiers, misses are counted
     misses = sb.stats()["remote_misses"]
