@@ -42,7 +42,7 @@
 namespace shmkv {
 
 constexpr uint64_t kMagic = 0x31564b4d48535f5fULL;  // "__SHMKV1" little-endian
-constexpr uint32_t kFormatVersion = 3;
+constexpr uint32_t kFormatVersion = 4;
 constexpr uint32_t kNone = 0xffffffffu;       // null record index
 constexpr uint32_t kIndexEmpty = 0xffffffffu;  // index slot never used
 constexpr uint32_t kIndexTomb = 0xfffffffeu;   // index slot whose entry left
@@ -171,6 +171,10 @@ struct Counters {
   std::atomic<uint64_t> deferred_ops;       // commit/abort/release queued behind a held lock
   std::atomic<uint64_t> metadata_repairs;   // derived metadata out of range: rebuilt
   std::atomic<uint64_t> segment_truncated;  // the segment file was found shorter than its capacity
+  // prompt tokens vLLM got from shmkv, by the tier their chunks were found in (the connector bumps them)
+  std::atomic<uint64_t> hit_tokens;
+  std::atomic<uint64_t> disk_hit_tokens;
+  std::atomic<uint64_t> remote_hit_tokens;
   std::atomic<uint64_t> reserved_counters[1];
   // gauges (maintained under the lock, rebuilt on recovery)
   std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries

@@ -44,3 +44,5 @@ def test_hits_from_disk_and_after_a_restart(cache_name, start_engine, reference,
     assert r["outputs"][0] == reference.output(prompts[1], 2560)
     # vLLM's own metric says where the hit came from
     assert e2.metrics().get("vllm:prompt_tokens_cached_by_source{source=disk}") == 2560
+    with Store.attach(cache_name) as s:
+        assert s.stats()["disk_hit_tokens"] == 2560

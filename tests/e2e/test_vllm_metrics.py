@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from helpers import random_prompt
 
+from shmkv import Store
+
 pytestmark = pytest.mark.slow
 
 P = random_prompt(1000, seed=41)
@@ -31,3 +33,6 @@ def test_hits_by_tier_and_transfer_stats_in_vllm_metrics(cache_name, start_engin
     assert mb.get("vllm:shmkv_loaded_tokens") == 896
     assert mb.get("vllm:shmkv_load_seconds_count", 0) >= 1
     assert mb.get("vllm:shmkv_load_failed_blocks", 0) == 0
+    with Store.attach(cache_name) as s:  # the same count in shmkv's own statistics (shmkv_hit_tokens_total)
+        st = s.stats()
+    assert (st["hit_tokens"], st["disk_hit_tokens"], st["remote_hit_tokens"]) == (896, 0, 0)

@@ -49,7 +49,7 @@ def test_only_the_tiers_counters_can_be_bumped(store):
             before = store.stats()[name]
             store.bump(name, 3)
             assert store.stats()[name] == before + 3, name
-            assert tier in ("disk", "remote")
+            assert tier in ("disk", "remote") or name == "hit_tokens", "the Python side counts only these"
         else:
             with pytest.raises(ValueError):
                 store.bump(name)

@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("shmkv.connector")
 
 
+# the segment's counter of hit tokens per tier (cpp/counters.h, family hit_tokens)
+_HIT_TOKENS_COUNTER = {"shm": "hit_tokens", "disk": "disk_hit_tokens", "remote": "remote_hit_tokens"}
+
+
 class _AskAgain(Exception):
     """A promotion for the request is still running."""
 
@@ -230,6 +234,8 @@ class SchedulerSide:
                 plan.hit_units = []
         if num_external_tokens > 0:
             self._pending_loads[request.request_id] = plan
+            for tier, n in self.hit_tokens_by_tier(request, num_external_tokens).items():
+                self.store.bump(_HIT_TOKENS_COUNTER[tier], n)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ShmKVMetadata:
         meta = ShmKVMetadata()
