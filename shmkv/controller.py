@@ -32,7 +32,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shmkv.chunking import Chunker, Unit
 from shmkv.config import ShmkvConfig, io_threads
@@ -51,6 +53,76 @@ MAX_TOKENS = 1 << 20
 
 JSON = "application/json"
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+
+
+# ------------------------------------------------------ request models --
+# One model per body shape; both transports (shmkv.controller_http and
+# Controller.handle) validate with them, and request_error() turns pydantic's
+# errors into one 4xx message naming the field.
+TokenId = Annotated[int, Field(strict=True, ge=0, lt=1 << 32)]
+Size = Annotated[int, Field(strict=True, ge=1, le=1 << 16)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EmptyArgs(_Body):
+    """No fields (POST /flush)."""
+
+
+class NamespaceArgs(_Body):
+    """A namespace: a 32-hex root key or an object of Namespace fields; left
+    out when exactly one namespace is registered."""
+    namespace: Any = None
+    chunk_size: Size | None = None  # only with a root key that is not registered
+    block_size: Size | None = None
+
+
+class TokensArgs(NamespaceArgs):
+    tokens: list[TokenId] = Field(max_length=MAX_TOKENS)
+
+
+class MoveArgs(TokensArgs):
+    to: Literal["shm", "disk"]
+
+
+def request_error(errors: list[Any], model: type[BaseModel]) -> RequestError:
+    """The first of pydantic's errors (ValidationError.errors()) as a
+    RequestError naming the field."""
+    if not errors:
+        return RequestError("invalid request body")
+    err = errors[0]
+    loc = [p for p in err["loc"] if p != "body"]  # FastAPI prefixes "body"
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    kind, value = err["type"], err.get("input")
+    if kind == "json_invalid":
+        return RequestError(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+    if not where:
+        if kind == "missing":
+            return RequestError(f"request body: required, a JSON object with {sorted(model.model_fields)}")
+        return RequestError(f"request body must be a JSON object, got {_json_type(value)}")
+    if kind == "extra_forbidden":
+        return RequestError(f"unknown field {where!r}; this endpoint takes {sorted(model.model_fields) or 'no fields'}")
+    if kind == "missing":
+        return RequestError(f"{where}: required")
+    if kind == "too_long" and where == "tokens":
+        return RequestError(f"tokens: {len(value)} ids exceed the limit of {MAX_TOKENS}", 413)
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return RequestError(f"{where}={shown}: {err['msg']}")
+
+
+def parse_args(model: type[BaseModel], obj: Any) -> BaseModel:
+    try:
+        return model.model_validate({} if obj is None else obj)
+    except ValidationError as e:
+        raise request_error(e.errors(include_url=False), model) from None
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), type(value).__name__)
 
 
 class _Resolved:
@@ -79,33 +151,64 @@ class Controller:
         self.counters = {"requests": 0, "bad_requests": 0, "errors": 0}
         self._count_lock = threading.Lock()
         self._mutate = threading.Lock()  # one changing operation at a time
-        self.routes: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
-            "/health": ("GET", self.health),
-            "/stats": ("GET", self.stats),
-            "/metrics": ("GET", self.metrics),
-            "/namespaces": ("GET", self.namespaces),
-            "/lookup": ("POST", self.lookup),
-            "/clear": ("POST", self.clear),
-            "/pin": ("POST", self.pin),
-            "/unpin": ("POST", self.unpin),
-            "/move": ("POST", self.move),
-            "/flush": ("POST", self.flush),
+        # path -> (method, request model or None for GET, endpoint)
+        self.routes: dict[str, tuple[str, type[BaseModel] | None, Callable[[Any], Any]]] = {
+            "/health": ("GET", None, self.health),
+            "/stats": ("GET", None, self.stats),
+            "/metrics": ("GET", None, self.metrics),
+            "/namespaces": ("GET", None, self.namespaces),
+            "/lookup": ("POST", TokensArgs, self.lookup),
+            "/clear": ("POST", NamespaceArgs, self.clear),
+            "/pin": ("POST", TokensArgs, self.pin),
+            "/unpin": ("POST", TokensArgs, self.unpin),
+            "/move": ("POST", MoveArgs, self.move),
+            "/flush": ("POST", EmptyArgs, self.flush),
         }
 
     # ----------------------------------------------------------- dispatch --
     def handle(self, method: str, path: str, body: bytes) -> tuple[int, str, bytes]:
-        """(HTTP status, content type, body) for one request. Never raises."""
+        """(HTTP status, content type, body) for one raw request (the in-process
+        transport; shmkv.controller_http serves the same routes). Never raises."""
         try:
-            status, ctype, out = self._dispatch(method, path.split("?", 1)[0].rstrip("/") or "/", body)
+            path = path.split("?", 1)[0].rstrip("/") or "/"
+            route = self.routes.get(path)
+            if route is None:
+                raise RequestError(f"no endpoint {path!r}; endpoints: {', '.join(sorted(self.routes))}", 404)
+            want, model, _fn = route
+            if method != want:
+                raise RequestError(f"{path} takes {want}, not {method}", 405)
+            if len(body) > MAX_BODY_BYTES:
+                raise RequestError(f"a body of {len(body)} bytes is over the limit of {MAX_BODY_BYTES}", 413)
+            args = parse_args(model, _parse_body(body)) if model is not None else None
         except RequestError as e:
-            status, ctype, out = e.status, JSON, _json({"error": str(e)})
+            return self.refuse(e)
+        return self.run(path, args)
+
+    def run(self, path: str, args: BaseModel | None) -> tuple[int, str, bytes]:
+        """Answer one validated request. Never raises."""
+        want, _model, fn = self.routes[path]
+        try:
+            if want == "POST":
+                self._check_lock()
+            result = fn(args)
+            status = 200
+            if isinstance(result, tuple):  # (status, body): an answer that is not a success
+                status, result = result
+            ctype, out = (PROMETHEUS, result.encode()) if isinstance(result, str) else (JSON, _json(result))
+        except RequestError as e:
+            return self.refuse(e)
         except LockTimeoutError as e:
             status, ctype, out = 503, JSON, _json({"error": str(e)})
         except Exception as e:  # a bug or an I/O failure: the daemon stays up
-            log.exception("shmkv: controller request %s %s failed", method, path)
+            log.exception("shmkv: controller request %s failed", path)
             status, ctype, out = 500, JSON, _json({"error": f"internal error: {type(e).__name__}: {e}"})
         self.count(status)
         return status, ctype, out
+
+    def refuse(self, e: RequestError) -> tuple[int, str, bytes]:
+        """The answer to a request refused before it ran (counted)."""
+        self.count(e.status)
+        return e.status, JSON, _json({"error": str(e)})
 
     def count(self, status: int) -> None:
         """Count one answered request (the transport calls it for what it refuses itself)."""
@@ -116,53 +219,30 @@ class Controller:
             elif status >= 500:
                 self.counters["errors"] += 1
 
-    def _dispatch(self, method: str, path: str, body: bytes) -> tuple[int, str, bytes]:
-        route = self.routes.get(path)
-        if route is None:
-            raise RequestError(f"no endpoint {path!r}; endpoints: {', '.join(sorted(self.routes))}", 404)
-        want, fn = route
-        if method != want:
-            raise RequestError(f"{path} takes {want}, not {method}", 405)
-        if len(body) > MAX_BODY_BYTES:
-            raise RequestError(f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}", 413)
-        args = _parse_body(body) if want == "POST" else {}
-        if want == "POST":
-            self._check_lock()
-        result = fn(args)
-        status = 200
-        if isinstance(result, tuple):  # (status, body): an answer that is not a success
-            status, result = result
-        if isinstance(result, str):
-            return status, PROMETHEUS, result.encode()
-        return status, JSON, _json(result)
-
     # ---------------------------------------------------------- endpoints --
-    def health(self, _args: dict[str, Any]) -> dict[str, Any]:
+    def health(self, _args: None) -> dict[str, Any]:
         return {"status": "ok", "cache": self.store.name, "pid": os.getpid(),
                 "maintainer": bool(self.role and self.role.lock.held),
                 "disk_tier": self.disk.dir if self.disk else None,
                 "remote_tier": self.remote.display_url if self.remote else None,
                 "uptime_s": round(time.time() - self.started, 3)}
 
-    def stats(self, _args: dict[str, Any]) -> dict[str, Any]:
+    def stats(self, _args: None = None) -> dict[str, Any]:
         snap = snapshot(self.store, self.cfg.disk_dir or None)
         snap["controller"] = self._controller_counters()
         return snap
 
-    def metrics(self, args: dict[str, Any]) -> str:
-        return render_prometheus(self.stats(args))
+    def metrics(self, _args: None) -> str:
+        return render_prometheus(self.stats())
 
-    def namespaces(self, _args: dict[str, Any]) -> dict[str, Any]:
+    def namespaces(self, _args: None) -> dict[str, Any]:
         return {"namespaces": [{"root": root, **fields} for root, fields in sorted(known(self.store.name).items())]}
 
-    def lookup(self, args: dict[str, Any]) -> dict[str, Any]:
-        _allow(args, "tokens", "namespace", "chunk_size", "block_size")
-        tokens, ns = _tokens(args), self._namespace(args)
-        return self._tiers(ns, tokens)
+    def lookup(self, args: TokensArgs) -> dict[str, Any]:
+        return self._tiers(self._namespace(args), args.tokens)
 
-    def clear(self, args: dict[str, Any]) -> dict[str, Any]:
-        _allow(args, "namespace", "chunk_size", "block_size")
-        root = self._namespace(args).root if "namespace" in args else None
+    def clear(self, args: NamespaceArgs) -> dict[str, Any]:
+        root = self._namespace(args).root if args.namespace is not None else None
         with self._mutate:
             removed = {"shm": 0, "disk": 0, "remote": 0, **self.chain.clear(root)}
         log.info("shmkv: controller cleared %s: %d chunks in memory, %d on disk, %d in the remote",
@@ -170,9 +250,8 @@ class Controller:
                  removed["remote"])
         return {"removed": removed}
 
-    def pin(self, args: dict[str, Any]) -> dict[str, Any]:
-        _allow(args, "tokens", "namespace", "chunk_size", "block_size")
-        tokens, ns = _tokens(args), self._namespace(args)
+    def pin(self, args: TokensArgs) -> dict[str, Any]:
+        tokens, ns = args.tokens, self._namespace(args)
         with self._mutate:
             self._promote(ns, tokens)  # a pinned chunk lives in the shared tier
             units = self._units(ns, tokens)
@@ -183,20 +262,15 @@ class Controller:
                 pinned.append(u)
         return {"pinned_chunks": len(pinned), "pinned_tokens": pinned[-1].end if pinned else 0}
 
-    def unpin(self, args: dict[str, Any]) -> dict[str, Any]:
-        _allow(args, "tokens", "namespace", "chunk_size", "block_size")
-        tokens, ns = _tokens(args), self._namespace(args)
+    def unpin(self, args: TokensArgs) -> dict[str, Any]:
+        tokens, ns = args.tokens, self._namespace(args)
         with self._mutate:
             units = self._units(ns, tokens)
             n = sum(self.store.unpin(u.keys[0]) for u in units)
         return {"unpinned_chunks": n}
 
-    def move(self, args: dict[str, Any]) -> dict[str, Any]:
-        _allow(args, "tokens", "namespace", "to", "chunk_size", "block_size")
-        tokens, ns = _tokens(args), self._namespace(args)
-        to = args.get("to")
-        if to not in ("shm", "disk"):
-            raise RequestError(f"to={to!r}: expected 'shm' (warm from disk) or 'disk' (push out of memory)")
+    def move(self, args: MoveArgs) -> dict[str, Any]:
+        tokens, ns, to = args.tokens, self._namespace(args), args.to
         if to == "disk":
             self._need_disk("move to disk")
         with self._mutate:
@@ -216,8 +290,7 @@ class Controller:
         out.update({"moved_chunks": moved, "kept_chunks": kept})
         return out
 
-    def flush(self, args: dict[str, Any]) -> dict[str, Any]:
-        _allow(args)
+    def flush(self, _args: EmptyArgs) -> dict[str, Any]:
         self._need_disk("flush")
         assert self.disk is not None
         with self._mutate:
@@ -260,15 +333,15 @@ class Controller:
         if self.disk is None:
             raise RequestError(f"{what} needs the disk tier; start the daemon with --disk-dir DIR", 409)
 
-    def _namespace(self, args: dict[str, Any]) -> _Resolved:
-        value = args.get("namespace")
+    def _namespace(self, args: NamespaceArgs) -> _Resolved:
+        value = args.namespace
         if value is None:
             registered = known(self.store.name)
             if len(registered) != 1:
                 raise RequestError(f"namespace: required ({len(registered)} namespaces are registered; give a root "
                                    "hex from /namespaces, or an object of fields)")
             value = next(iter(registered))  # the only one: it may be left out
-        chunk_size, block_size = args.get("chunk_size"), args.get("block_size")
+        chunk_size, block_size = args.chunk_size, args.block_size
         if isinstance(value, str):
             try:
                 root = bytes.fromhex(value)
@@ -341,25 +414,7 @@ def _parse_body(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def _allow(args: dict[str, Any], *names: str) -> None:
-    unknown = sorted(set(args) - set(names))
-    if unknown:
-        raise RequestError(f"unknown field(s) {unknown}; this endpoint takes {list(names) or 'no fields'}")
-
-
 def _int_in(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise RequestError(f"{name}={value!r}: expected an integer in [{lo}, {hi}]")
     return value
-
-
-def _tokens(args: dict[str, Any]) -> list[int]:
-    toks = args.get("tokens")
-    if not isinstance(toks, list):
-        raise RequestError("tokens: required, a list of token ids")
-    if len(toks) > MAX_TOKENS:
-        raise RequestError(f"tokens: {len(toks)} ids exceed the limit of {MAX_TOKENS}", 413)
-    for i, t in enumerate(toks):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 1 << 32:
-            raise RequestError(f"tokens[{i}]={t!r}: token ids are integers in [0, 2^32)")
-    return toks

@@ -243,7 +243,7 @@ BAD = [
     ("POST", "/pin", {"tokens": [1, None], "namespace": "00" * 16}, 400, "tokens[1]"),
     ("POST", "/unpin", {"tokens": [1], "namespace": [1]}, 400, "namespace"),
     ("POST", "/move", {"tokens": TOKENS, "namespace": "00" * 16, "to": "gpu"}, 400, "to="),
-    ("POST", "/move", {"tokens": TOKENS, "namespace": "00" * 16}, 400, "to="),
+    ("POST", "/move", {"tokens": TOKENS, "namespace": "00" * 16}, 400, "to: required"),
     ("POST", "/flush", {"now": 1}, 400, "now"),
 ]
 

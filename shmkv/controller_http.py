@@ -1,0 +1,317 @@
+"""The controller's HTTP transport: FastAPI routes served by uvicorn.
+
+Owns the sockets, the routes' typed bodies and the limits a server on a
+shared host needs; the answers themselves are shmkv.controller's.
+
+Invariants:
+  * it listens only on loopback TCP or on a unix socket that is born 0600 in
+    a directory only we can change (checked before binding);
+  * a body is read whole, as its headers frame it (uvicorn's parser: chunked
+    or Content-Length), before anything runs: a body over MAX_BODY_BYTES is a
+    413 (refused from Content-Length before it is read), one that does not
+    arrive within IO_TIMEOUT_S is a 408, and one cut short never runs;
+  * a connection must deliver each request head within IO_TIMEOUT_S of
+    opening or of its last answer, or it is closed (a slow or idle client
+    holds no slot for long); past MAX_CONNECTIONS open connections new
+    requests get a 503 from uvicorn;
+  * endpoints run in a thread pool, so a long /flush does not stop /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import resource
+import socket
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from shmkv.config import parse_listen
+from shmkv.controller import (
+    JSON,
+    MAX_BODY_BYTES,
+    Controller,
+    EmptyArgs,
+    MoveArgs,
+    NamespaceArgs,
+    TokensArgs,
+    request_error,
+)
+from shmkv.errors import RequestError
+from shmkv.paths import check_trusted_dir
+
+log = logging.getLogger("shmkv.controller")
+
+IO_TIMEOUT_S = 10.0  # for a request head, and for a whole body
+MAX_CONNECTIONS = 256
+BACKLOG = 128
+
+
+# ------------------------------------------------------------------ app --
+def make_app(controller: Controller) -> FastAPI:
+    """The routes of controller.routes, each with its typed body."""
+    app = FastAPI(title="shmkv controller", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def answer(path: str, args: Any) -> Response:
+        status, ctype, out = controller.run(path, args)
+        return Response(out, status_code=status, media_type=ctype)
+
+    async def run(path: str, args: Any) -> Response:
+        return await run_in_threadpool(answer, path, args)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await run("/health", None)
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        return await run("/stats", None)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return await run("/metrics", None)
+
+    @app.get("/namespaces")
+    async def namespaces() -> Response:
+        return await run("/namespaces", None)
+
+    @app.post("/lookup")
+    async def lookup(args: TokensArgs) -> Response:
+        return await run("/lookup", args)
+
+    @app.post("/clear")
+    async def clear(args: NamespaceArgs | None = None) -> Response:  # no body: everything
+        return await run("/clear", args or NamespaceArgs())
+
+    @app.post("/pin")
+    async def pin(args: TokensArgs) -> Response:
+        return await run("/pin", args)
+
+    @app.post("/unpin")
+    async def unpin(args: TokensArgs) -> Response:
+        return await run("/unpin", args)
+
+    @app.post("/move")
+    async def move(args: MoveArgs) -> Response:
+        return await run("/move", args)
+
+    @app.post("/flush")
+    async def flush(args: EmptyArgs | None = None) -> Response:
+        return await run("/flush", args or EmptyArgs())
+
+    models = {path: model for path, (_m, model, _fn) in controller.routes.items()}
+    assert set(models) == {r.path for r in app.routes}, "every controller route is served"
+
+    def refuse(e: RequestError) -> Response:
+        status, ctype, out = controller.refuse(e)
+        return Response(out, status_code=status, media_type=ctype)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError) -> Response:
+        # one message naming the field, as Controller.handle gives it
+        return refuse(request_error(list(exc.errors()), models.get(request.url.path.rstrip("/")) or EmptyArgs))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        path = request.url.path
+        if exc.status_code == 404:
+            message = f"no endpoint {path!r}; endpoints: {', '.join(sorted(controller.routes))}"
+        elif exc.status_code == 405 and path.rstrip("/") in controller.routes:
+            message = f"{path} takes {controller.routes[path.rstrip('/')][0]}, not {request.method}"
+        elif isinstance(exc.__cause__, RecursionError):
+            message = "request body is JSON nested too deeply"
+        else:
+            message = str(exc.detail)
+        return refuse(RequestError(message, exc.status_code))
+
+    return _BodyLimits(app, controller)
+
+
+class _BodyLimits:
+    """ASGI middleware: read each request's body whole, within the size and
+    time limits, before the app sees it (then hand it over in one piece)."""
+
+    def __init__(self, app: Any, controller: Controller) -> None:
+        self.app = app
+        self.controller = controller
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = [v for k, v in scope["headers"] if k == b"content-length"]
+        if declared and declared[0].isdigit() and int(declared[0]) > MAX_BODY_BYTES:
+            return await self._refuse(send, 413, f"a body of {int(declared[0])} bytes is over the limit of "
+                                                 f"{MAX_BODY_BYTES}")
+        body = bytearray()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + IO_TIMEOUT_S
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                return await self._refuse(send, 408, f"the request body did not arrive within {IO_TIMEOUT_S:g} s "
+                                                     f"({len(body)} bytes read)")
+            if message["type"] == "http.disconnect":
+                self.controller.count(400)  # cut short: nothing runs, nobody to answer
+                log.debug("shmkv: controller client left after %d body bytes of %s", len(body), scope["path"])
+                return None
+            body += message.get("body", b"")
+            if len(body) > MAX_BODY_BYTES:
+                return await self._refuse(send, 413, f"the request body is over the limit of {MAX_BODY_BYTES} bytes")
+            if not message.get("more_body", False):
+                break
+
+        delivered = False
+
+        async def replay() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        # Bodies are JSON whatever the client says (curl -d sends a form type):
+        # FastAPI parses only a body labelled JSON.
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+        scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        return await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Any, status: int, message: str) -> None:
+        self.controller.count(status)
+        out = (json.dumps({"error": message}) + "\n").encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", JSON.encode()), (b"content-length", str(len(out)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": out})
+
+
+# ------------------------------------------------------------ transport --
+class _HeadDeadline(H11Protocol):
+    """uvicorn's h11 protocol, plus: each request head must arrive within
+    IO_TIMEOUT_S of the connection opening or of the last answer (uvicorn's
+    keep-alive timer stops at the first byte, so a client sending one byte a
+    second would otherwise hold its connection for ever); and the requests
+    h11 refuses as malformed are counted with the controller's."""
+
+    controller: Controller  # set on the subclass ControllerServer makes
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def send_400_response(self, msg: str) -> None:
+        if self.cycle is None or self.cycle.response_complete:  # else _BodyLimits counts the disconnect
+            self.controller.count(400)
+        super().send_400_response(msg)
+
+    def _arm(self) -> None:
+        self.loop.call_later(IO_TIMEOUT_S, self._head_deadline, self.cycle)
+
+    def _head_deadline(self, cycle_then: Any) -> None:
+        if self.cycle is cycle_then and not self.transport.is_closing():  # no new request head since
+            self.transport.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers: the daemon owns SIGTERM
+    and SIGINT and stops the server through stop()."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # noqa: ANN201 - uvicorn's signature
+        yield
+
+    def stop(self) -> None:
+        self.should_exit = True
+
+
+class ControllerServer:
+    """A bound controller server: serve() blocks until stop(); close() removes the socket."""
+
+    def __init__(self, listen: str, controller: Controller) -> None:
+        self.controller = controller
+        self.sock, self.url = _bind(listen)
+        protocol = type("ControllerProtocol", (_HeadDeadline,), {"controller": controller})
+        config = uvicorn.Config(make_app(controller), http=protocol, lifespan="off", access_log=False,
+                                log_level=logging.WARNING, limit_concurrency=_connection_cap(),
+                                timeout_keep_alive=int(IO_TIMEOUT_S), server_header=False, backlog=BACKLOG)
+        self.server = _Server(config)
+
+    def serve(self) -> None:
+        self.server.run(sockets=[self.sock])
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.url.startswith("unix:"):
+            with contextlib.suppress(OSError):
+                os.unlink(self.url[5:])
+
+
+def _bind(listen: str) -> tuple[socket.socket, str]:
+    """A listening socket for `listen` and the URL it answers on."""
+    kind, where, port = parse_listen(listen)
+    if kind == "unix":
+        parent = os.path.dirname(where) or "."
+        if not os.path.isdir(parent):
+            raise OSError(f"directory {parent} of the controller socket does not exist")
+        check_trusted_dir(parent)  # nobody else can swap the socket's directory
+        if os.path.lexists(where):
+            st = os.lstat(where)
+            if not (st.st_mode & 0o170000 == 0o140000 and st.st_uid == os.geteuid()):
+                raise OSError(f"{where} exists and is not our socket; remove it or pick another path")
+            os.unlink(where)  # a socket left by a daemon that died (we hold the daemon lock)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket file is born 0600
+        try:
+            sock.bind(where)
+        except OSError:
+            sock.close()
+            raise
+        finally:
+            os.umask(old)
+        os.chmod(where, 0o600)
+        sock.listen(BACKLOG)
+        return sock, f"unix:{where}"
+    family = socket.AF_INET6 if ":" in where else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((where, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(BACKLOG)
+    host, bound_port = sock.getsockname()[:2]
+    return sock, f"http://{'[' + host + ']' if family == socket.AF_INET6 else host}:{bound_port}"
+
+
+def _connection_cap() -> int:
+    """MAX_CONNECTIONS, or fewer when the descriptor limit (raised to its hard
+    limit first) leaves less room: the cap, not EMFILE, must be what bites."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(4, min(MAX_CONNECTIONS, soft - 64))
