@@ -247,7 +247,7 @@ class ControllerServer:
         self.sock, self.url = _bind(listen)
         protocol = type("ControllerProtocol", (_HeadDeadline,), {"controller": controller})
         config = uvicorn.Config(make_app(controller), http=protocol, lifespan="off", access_log=False,
-                                log_level=logging.WARNING, limit_concurrency=_connection_cap(),
+                                log_config=None, log_level=logging.WARNING, limit_concurrency=_connection_cap(),
                                 timeout_keep_alive=int(IO_TIMEOUT_S), server_header=False, backlog=BACKLOG)
         self.server = _Server(config)
 
