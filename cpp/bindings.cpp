@@ -123,14 +123,14 @@ struct PyLease {
 struct PyTable {
   std::shared_ptr<ChunkTable> t;
 
-  py::tuple reserve(py::bytes key, uint64_t size, py::object ns) {
+  py::tuple reserve(py::bytes key, uint64_t size, py::object ns, uint32_t tokens) {
     Key k = key_from(key);
     Key n = ns.is_none() ? Key{0, 0} : key_from(ns);
     Reservation r;
     Status s;
     {
       py::gil_scoped_release nogil;
-      s = t->reserve(k, size, &r, n);
+      s = t->reserve(k, size, &r, n, tokens);
     }
     flush_events(*t);
     if (s != Status::kOk) return py::make_tuple(int(s), py::none());
@@ -190,7 +190,7 @@ struct PyTable {
   }
 
   // reserve + copy + commit, the copy without the GIL and without the lock.
-  int put(py::bytes key, py::buffer data, py::object ns) {
+  int put(py::bytes key, py::buffer data, py::object ns, uint32_t tokens) {
     Key k = key_from(key);
     Key n = ns.is_none() ? Key{0, 0} : key_from(ns);
     py::buffer_info info = data.request();
@@ -200,7 +200,7 @@ struct PyTable {
     {
       py::gil_scoped_release nogil;
       Reservation r;
-      s = t->reserve(k, nbytes, &r, n);
+      s = t->reserve(k, nbytes, &r, n, tokens);
       if (s == Status::kOk) {
         std::memcpy(t->payload(r.offset), info.ptr, nbytes);
         s = t->commit(r);
@@ -398,6 +398,7 @@ PYBIND11_MODULE(_C, m) {
         return py::buffer_info(l.table->payload(l.h.offset), 1, "B", 1, {py::ssize_t(l.h.size)}, {1}, true);
       })
       .def_property_readonly("size", [](const PyLease& l) { return l.h.size; })
+      .def_property_readonly("tokens", [](const PyLease& l) { return l.h.tokens; })
       .def_property_readonly("offset", [](const PyLease& l) { return l.h.offset; })
       .def_property_readonly("address", [](const PyLease& l) {
         return reinterpret_cast<uintptr_t>(l.table->payload(l.h.offset));
@@ -406,12 +407,14 @@ PYBIND11_MODULE(_C, m) {
       .def("release", &PyLease::release, py::arg("cold") = false);
 
   py::class_<PyTable>(m, "Table")
-      .def("reserve", &PyTable::reserve, py::arg("key"), py::arg("size"), py::arg("ns") = py::none())
+      .def("reserve", &PyTable::reserve, py::arg("key"), py::arg("size"), py::arg("ns") = py::none(),
+           py::arg("tokens") = 0)
       .def("acquire", &PyTable::acquire, py::arg("key"))
       .def("acquire_prefix", &PyTable::acquire_prefix, py::arg("keys"), py::arg("count_lookup") = true)
       .def("lookup_prefix", &PyTable::lookup_prefix, py::arg("keys"), py::arg("count_lookup") = true)
       .def("contains", &PyTable::contains, py::arg("keys"))
-      .def("put", &PyTable::put, py::arg("key"), py::arg("data"), py::arg("ns") = py::none())
+      .def("put", &PyTable::put, py::arg("key"), py::arg("data"), py::arg("ns") = py::none(),
+           py::arg("tokens") = 0)
       .def("get_into", &PyTable::get_into, py::arg("key"), py::arg("out"))
       .def("pin", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::pin, k); })
       .def("unpin", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::unpin, k); })
@@ -456,7 +459,7 @@ PYBIND11_MODULE(_C, m) {
         py::list out;
         for (auto& c : v)
           out.append(py::make_tuple(py::bytes(reinterpret_cast<const char*>(&c.key), 16), c.size, c.flags,
-                                    py::bytes(reinterpret_cast<const char*>(&c.ns), 16)));
+                                    py::bytes(reinterpret_cast<const char*>(&c.ns), 16), c.tokens));
         return out;
       }, py::arg("max_n"))
       .def("list_entries", [](PyTable& t) {
@@ -478,6 +481,7 @@ PYBIND11_MODULE(_C, m) {
           d["leases"] = e.refcount;
           d["flags"] = e.flags;
           d["owner_pid"] = e.owner_pid;
+          d["tokens"] = e.tokens;
           out.append(d);
         }
         return out;

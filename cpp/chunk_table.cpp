@@ -306,7 +306,7 @@ std::vector<std::string> ChunkTable::drain_events() {
 
 // --------------------------------------------------------------- stores ----
 
-Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns) {
+Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns, uint32_t tokens) {
   const Geometry& g = geo();
   if (size == 0) return Status::kInvalidArgument;
   if (size > g.max_payload_bytes) {
@@ -319,11 +319,11 @@ Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, cons
     c().put_busy.fetch_add(1, std::memory_order_relaxed);
     return Status::kBusy;
   }
-  return guarded([&] { return do_reserve_locked(key, size, need, out, ns); });
+  return guarded([&] { return do_reserve_locked(key, size, need, out, ns, tokens); });
 }
 
 Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t need, Reservation* out,
-                                     const Key& ns) {
+                                     const Key& ns, uint32_t tokens) {
   const Geometry& g = geo();
   Header* hd = h();
   Entry* ent = entries();
@@ -386,6 +386,7 @@ Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t nee
   en.pin_count = 0;
   en.flags = 0;  // a re-stored key starts unspilled
   en.ns = ns;
+  en.tokens = tokens;
   en.refcount = 0;
   en.lru_prev = en.lru_next = kNone;
   en.state.store(kEntryWriting, std::memory_order_release);  // commit point
@@ -433,6 +434,7 @@ Status ChunkTable::do_finish_locked(const Reservation& r, bool commit) {
   en.state.store(kEntryReady, std::memory_order_release);  // commit point
   c().ready_entries.fetch_add(1, std::memory_order_relaxed);
   c().puts.fetch_add(1, std::memory_order_relaxed);
+  c().put_tokens.fetch_add(en.tokens, std::memory_order_relaxed);
   return Status::kOk;
 }
 
@@ -616,7 +618,7 @@ std::vector<ColdEntry> ChunkTable::coldest(size_t max_n) {
     for (uint32_t e = checked_link(h()->lru_tail, "LRU tail"); e != kNone && out.size() < max_n;
          e = checked_link(ent[e].lru_prev, "LRU link")) {
       check(++steps <= geo().max_entries, "LRU list has a cycle");
-      out.push_back(ColdEntry{ent[e].key, ent[e].ns, ent[e].size, ent[e].flags});
+      out.push_back(ColdEntry{ent[e].key, ent[e].ns, ent[e].size, ent[e].flags, ent[e].tokens});
     }
     return out;
   });
@@ -633,7 +635,7 @@ std::vector<EntryInfo> ChunkTable::list_entries() {
       uint32_t st = en.state.load(std::memory_order_relaxed);
       if (st == kEntryFree) continue;
       out.push_back(EntryInfo{en.key, en.ns, en.size, en.alloc_size, st, en.pin_count, en.refcount, en.flags,
-                              en.owner_pid});
+                              en.owner_pid, en.tokens});
     }
     return out;
   });

@@ -61,6 +61,7 @@ struct LeaseHandle {
   uint32_t entry = kNone;
   uint64_t offset = 0;
   uint64_t size = 0;
+  uint32_t tokens = 0;  // the entry's token count
 };
 
 // The table mutex is unusable (its bytes are not a mutex any more): the
@@ -92,6 +93,7 @@ struct ColdEntry {
   Key ns;
   uint64_t size;
   uint32_t flags;
+  uint32_t tokens;
 };
 
 // One record as list_entries() reports it (audits, tests, the soak benchmark).
@@ -105,6 +107,7 @@ struct EntryInfo {
   uint32_t refcount;
   uint32_t flags;
   int32_t owner_pid;
+  uint32_t tokens;
 };
 
 struct ReclaimResult {
@@ -124,7 +127,8 @@ class ChunkTable {
   uint8_t* payload(uint64_t offset) const { return seg_->arena() + offset; }
 
   // -- stores
-  Status reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns = Key{0, 0});
+  // `tokens`: the prompt tokens the chunk holds (counted at commit as put_tokens; kept for spills)
+  Status reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns = Key{0, 0}, uint32_t tokens = 0);
   Status commit(const Reservation& r);
   Status abort(const Reservation& r);
 
@@ -239,7 +243,8 @@ class ChunkTable {
   void do_after_refcount_drop_locked(uint32_t e, bool cold = false);
   void do_lru_link_tail_locked(uint32_t e);
   Status do_finish_locked(const Reservation& r, bool commit);
-  Status do_reserve_locked(const Key& key, uint64_t size, uint64_t need, Reservation* out, const Key& ns);
+  Status do_reserve_locked(const Key& key, uint64_t size, uint64_t need, Reservation* out, const Key& ns,
+                           uint32_t tokens);
   Status do_release_locked(const LeaseHandle& h, bool cold);
   // recovery
   ReclaimResult do_reclaim_locked(bool full_scan);

@@ -44,6 +44,7 @@ inline constexpr FamilyInfo kFamilies[] = {
     {"misses", "Lookups that ended a cached prefix in the tier"},
     {"puts", "Chunks written to the tier (shm: committed; disk: spilled; remote: written)"},
     {"hit_tokens", "Prompt tokens vLLM got from shmkv, by the tier their chunks were found in"},
+    {"put_tokens", "Prompt tokens written to the tier (shm: committed; disk: spilled; remote: written)"},
     {"put_bytes", "Bytes written to the tier (disk: raw; remote: encoded)"},
     {"put_errors", "Writes to the tier that failed (disk full, I/O error, remote down or timed out)"},
     {"damaged", "Damaged chunks found in the tier and removed"},
@@ -93,6 +94,8 @@ inline constexpr CounterInfo kCounters[] = {
      "Times the segment file was found truncated (and restored)"},
     {"hit_tokens", &Counters::hit_tokens, "counter", "shm", true,
      "Prompt tokens vLLM got from chunks found in the shared tier", "hit_tokens"},
+    {"put_tokens", &Counters::put_tokens, "counter", "shm", false,
+     "Prompt tokens of the chunks committed to the shared tier", "put_tokens"},
     // --- shared tier: levels --------------------------------------------------------
     {"bytes_used", &Counters::bytes_used, "gauge", "shm", false, "Payload bytes in use"},
     {"entries", &Counters::entries, "gauge", "shm", false, "Chunks held (any state)"},
@@ -117,6 +120,8 @@ inline constexpr CounterInfo kCounters[] = {
     {"file_bytes", nullptr, "info", "shm", false, "Size of the segment file now"},
     // --- disk tier (bumped by shmkv/disk/tier.py and the tier chain) ---------------
     {"spills", &Counters::spills, "counter", "disk", true, "Chunks written to the disk tier", "puts"},
+    {"spill_tokens", &Counters::spill_tokens, "counter", "disk", true, "Prompt tokens of the chunks spilled",
+     "put_tokens"},
     {"spill_bytes", &Counters::spill_bytes, "counter", "disk", true, "Raw bytes written to the disk tier", "put_bytes"},
     {"spill_errors", &Counters::spill_errors, "counter", "disk", true, "Spills that failed (disk full, I/O error)", "put_errors"},
     {"disk_hits", &Counters::disk_hits, "counter", "disk", true, "Chunks promoted from disk into the shared tier", "hits"},
@@ -128,6 +133,8 @@ inline constexpr CounterInfo kCounters[] = {
     {"disk_removed", &Counters::disk_removed, "counter", "disk", true, "Disk chunks removed by the byte cap"},
     // --- remote tier (bumped by shmkv/remote/tier.py and the tier chain) -----------
     {"remote_puts", &Counters::remote_puts, "counter", "remote", true, "Chunks written to the remote tier", "puts"},
+    {"remote_put_tokens", &Counters::remote_put_tokens, "counter", "remote", true,
+     "Prompt tokens of the chunks written to the remote tier", "put_tokens"},
     {"remote_put_bytes", &Counters::remote_put_bytes, "counter", "remote", true,
      "Encoded bytes written to the remote tier", "put_bytes"},
     {"remote_put_errors", &Counters::remote_put_errors, "counter", "remote", true,

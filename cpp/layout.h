@@ -42,7 +42,7 @@
 namespace shmkv {
 
 constexpr uint64_t kMagic = 0x31564b4d48535f5fULL;  // "__SHMKV1" little-endian
-constexpr uint32_t kFormatVersion = 4;
+constexpr uint32_t kFormatVersion = 5;
 constexpr uint32_t kNone = 0xffffffffu;       // null record index
 constexpr uint32_t kIndexEmpty = 0xffffffffu;  // index slot never used
 constexpr uint32_t kIndexTomb = 0xfffffffeu;   // index slot whose entry left
@@ -76,6 +76,8 @@ struct Entry {
   uint32_t refcount;             // live leases on this entry
   uint32_t lru_prev;             // LRU list of evictable entries (READY, unleased,
   uint32_t lru_next;             // unpinned); also free-record list via lru_next
+  uint32_t tokens;               // prompt tokens the chunk holds, as its writer said (0: not given)
+  uint32_t reserved;
   Key ns;                        // namespace digest given at reserve (tiers, clear)
 };
 
@@ -175,7 +177,11 @@ struct Counters {
   std::atomic<uint64_t> hit_tokens;
   std::atomic<uint64_t> disk_hit_tokens;
   std::atomic<uint64_t> remote_hit_tokens;
-  std::atomic<uint64_t> reserved_counters[1];
+  // prompt tokens written to each tier (shm: committed with a token count; disk: spilled; remote: written)
+  std::atomic<uint64_t> put_tokens;
+  std::atomic<uint64_t> spill_tokens;
+  std::atomic<uint64_t> remote_put_tokens;
+  std::atomic<uint64_t> reserved_counters[8];
   // gauges (maintained under the lock, rebuilt on recovery)
   std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries
   std::atomic<uint64_t> entries;          // non-FREE entries
@@ -216,7 +222,7 @@ struct alignas(64) Header {
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "need lock-free atomics");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free atomics");
-static_assert(sizeof(Entry) == 96, "Entry layout changed: bump kFormatVersion");
+static_assert(sizeof(Entry) == 104, "Entry layout changed: bump kFormatVersion");
 static_assert(sizeof(Lease) == 24, "Lease layout changed: bump kFormatVersion");
 
 // FNV-1a over the things that must be identical for two builds to share a

@@ -59,7 +59,7 @@ Status ChunkTable::do_grant_lease_locked(uint32_t e, LeaseHandle* out) {
   hd->leases_held += 1;
   if (en.refcount++ == 0 && en.pin_count == 0) do_lru_unlink_locked(e);
   // last_use is stamped at release (a cold release keeps the old one)
-  *out = LeaseHandle{l, ls.generation, e, en.offset, en.size};
+  *out = LeaseHandle{l, ls.generation, e, en.offset, en.size, en.tokens};
   return Status::kOk;
 }
 

@@ -393,7 +393,8 @@ class Controller:
         below = [u for u, tier in self._cached(ns, tokens, lower=True) if tier != self.chain.shared.name]
         if not below:
             return 0
-        return self.chain.promote([u.keys[0] for u in below], [ns.root] * len(below))
+        return self.chain.promote([u.keys[0] for u in below], [ns.root] * len(below),
+                                  tokens=[u.tokens for u in below])
 
 
 def _json(obj: Any) -> bytes:

@@ -78,7 +78,7 @@ class Maintainer:
         budget = self.spill_ahead_bytes + max(0, self.low_bytes - free)
         covered = 0
         todo: list[tuple[bytes, bytes]] = []
-        for key, size, flags, ns in self.store.coldest(4096):
+        for key, size, flags, ns, _tokens in self.store.coldest(4096):
             if covered >= budget:
                 break
             covered += size
@@ -88,7 +88,7 @@ class Maintainer:
         # evict spilled chunks from the cold end until above the low watermark
         while free < self.low_bytes:
             progressed = False
-            for key, size, flags, _ns in self.store.coldest(64):
+            for key, size, flags, _ns, _tokens in self.store.coldest(64):
                 if free >= self.low_bytes:
                     break
                 if flags & FLAG_SPILLED and self.store.evict_spilled(key):
@@ -142,8 +142,9 @@ class Maintainer:
         if not leases:
             return 0  # evicted or deleted meanwhile
         lease = leases[0]
+        tokens = lease.tokens
         try:
-            ok = self.disk.write(key, ns, lease.view())
+            ok = self.disk.write(key, ns, lease.view(), tokens)
         finally:
             valid = lease.release(cold=True)
         if ok:
@@ -157,7 +158,7 @@ class Maintainer:
         if ok and valid:
             self.store.mark_spilled(key)
             if self.remote is not None:
-                self.remote.enqueue(key, ns)
+                self.remote.enqueue(key, ns, tokens)
             return 1
         if ok and not valid:
             self.disk.remove(key)  # the bytes may have been reused under us

@@ -106,6 +106,7 @@ def render_table(snap: dict[str, Any]) -> str:
         f"  hit rate          {100 * s['hit_rate']:.1f}% ({s['hits']} hits / {s['lookups']} lookups)",
         f"  puts              {s['puts']} (full {s['put_full']}, already cached {s['put_exists']}, "
         f"busy {s['put_busy']})",
+        f"  tokens            {s['put_tokens']} stored, {s['hit_tokens']} served to vLLM",
         f"  evictions         {s['evictions']} ({s['evicted_unspilled']} not on disk)",
         f"  processes         {s['processes_attached']} attached",
         f"  reclaims          {s['leases_reclaimed']} leases, {s['writes_reclaimed']} writes; "
@@ -116,8 +117,10 @@ def render_table(snap: dict[str, Any]) -> str:
         f"{s['metadata_repairs']} metadata repairs, {s['segment_truncated']} truncations",
         "",
         "disk tier",
-        f"  spills            {d['spills']} ({_fmt_bytes(d['spill_bytes'])}), errors {d['spill_errors']}",
-        f"  promotions        {d['disk_hits']} ({_fmt_bytes(d['promote_bytes'])}), errors {d['promote_errors']}",
+        f"  spills            {d['spills']} ({_fmt_bytes(d['spill_bytes'])}, {d['spill_tokens']} tokens), "
+        f"errors {d['spill_errors']}",
+        f"  promotions        {d['disk_hits']} ({_fmt_bytes(d['promote_bytes'])}), errors {d['promote_errors']}; "
+        f"{d['disk_hit_tokens']} tokens served to vLLM",
         f"  damaged / capped  {d['disk_damaged']} removed damaged, {d['disk_removed']} removed by the cap",
     ]
     if "files" in d:
@@ -126,10 +129,11 @@ def render_table(snap: dict[str, Any]) -> str:
     rows += [
         "",
         "remote tier (Redis/Valkey)",
-        f"  writes            {r['remote_puts']} ({_fmt_bytes(r['remote_put_bytes'])}), errors "
+        f"  writes            {r['remote_puts']} ({_fmt_bytes(r['remote_put_bytes'])}, "
+        f"{r['remote_put_tokens']} tokens), errors "
         f"{r['remote_put_errors']}, dropped {r['remote_dropped']}",
         f"  promotions        {r['remote_hits']} ({_fmt_bytes(r['remote_get_bytes'])} fetched), misses "
-        f"{r['remote_misses']}",
+        f"{r['remote_misses']}; {r['remote_hit_tokens']} tokens served to vLLM",
         f"  faults            {r['remote_errors']} failed calls, {r['remote_damaged']} damaged values rejected",
     ]
     return "\n".join(rows)

@@ -251,6 +251,11 @@ class Lease(_PayloadHandle):
         return code == Status.OK
 
     @property
+    def tokens(self) -> int:
+        """The prompt tokens the chunk holds, as its writer gave them (0: not given)."""
+        return int(self._c.tokens)
+
+    @property
     def is_open(self) -> bool:
         return bool(self._c.is_open)
 
@@ -356,13 +361,15 @@ class Store:
         return self._t
 
     # ------------------------------------------------------------- stores --
-    def reserve(self, key: Key, nbytes: int, *, namespace: bytes | None = None) -> Reservation | PutResult:
+    def reserve(self, key: Key, nbytes: int, *, namespace: bytes | None = None,
+                tokens: int = 0) -> Reservation | PutResult:
         """Room for `nbytes` under `key`, or FULL / EXISTS / BUSY. `namespace`
         (16 bytes, the chunk's namespace root key) tags the entry for the
-        tiers and for clear(namespace=...)."""
+        tiers and for clear(namespace=...); `tokens` (the prompt tokens the
+        chunk holds) is counted at commit and by the tiers it spills to."""
         if nbytes <= 0:
             raise InvalidArgumentError(f"payload size must be > 0, got {nbytes}")
-        code, res = self.table.reserve(key, nbytes, namespace)
+        code, res = self.table.reserve(key, nbytes, namespace, tokens)
         if code == Status.OK:
             return Reservation(res, key)
         if code == Status.TOO_LARGE:
@@ -373,9 +380,9 @@ class Store:
         _raise_if_error(code)
         return PutResult(code)
 
-    def put(self, key: Key, data: Any, *, namespace: bytes | None = None) -> PutResult:
+    def put(self, key: Key, data: Any, *, namespace: bytes | None = None, tokens: int = 0) -> PutResult:
         """reserve + copy + commit of a C-contiguous buffer (bytes, numpy...)."""
-        code = self.table.put(key, data, namespace)
+        code = self.table.put(key, data, namespace, tokens)
         if code == Status.TOO_LARGE:
             raise PayloadTooLargeError(f"payload exceeds max_payload_bytes of segment '{self.name}'")
         if code == Status.INVALID_ARGUMENT:
@@ -438,7 +445,7 @@ class Store:
         return dict(self.table.reclaim())
 
     # -------------------------------------------------- tier maintenance --
-    def coldest(self, max_n: int) -> list[tuple[bytes, int, int, bytes]]:
+    def coldest(self, max_n: int) -> list[tuple[bytes, int, int, bytes, int]]:
         """(key, size, flags, namespace) of the next eviction victims, coldest first."""
         return self.table.coldest(max_n)
 

@@ -46,8 +46,9 @@ class Tier(Protocol):
     def fetch(self, key: bytes, namespace: bytes) -> tuple[bytes, bytes] | None:
         """(payload, namespace) of a checked chunk, or None (missing, damaged, unreachable)."""
 
-    def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview) -> bool:
-        """Store one chunk's payload; False if it could not be (counted)."""
+    def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview, tokens: int = 0) -> bool:
+        """Store one chunk's payload (`tokens`: the prompt tokens it holds, for
+        the put_tokens counters); False if it could not be (counted)."""
 
     def remove(self, key: bytes, namespace: bytes) -> bool:
         """Drop one chunk; False if it was not there."""
@@ -71,8 +72,8 @@ class SharedTier:
         raw = self.store.get(key)
         return None if raw is None else (raw, namespace)
 
-    def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview) -> bool:
-        return self.store.put(key, raw, namespace=namespace) in (PutResult.OK, PutResult.EXISTS)
+    def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview, tokens: int = 0) -> bool:
+        return self.store.put(key, raw, namespace=namespace, tokens=tokens) in (PutResult.OK, PutResult.EXISTS)
 
     def remove(self, key: bytes, namespace: bytes | None = None) -> bool:
         return self.store.delete(key)
@@ -161,10 +162,11 @@ class TierChain:
         return [all(flags[i * nr:(i + 1) * nr]) for i in range(len(units))]
 
     # -------------------------------------------------------- promotion --
-    def promote(self, keys: Sequence[bytes], namespaces: Sequence[bytes], *,
+    def promote(self, keys: Sequence[bytes], namespaces: Sequence[bytes], *, tokens: Sequence[int] | None = None,
                 deadline_s: float | None = None) -> int:
         """Read chunks from the first lower tier holding them into the shared
-        tier (`namespaces[i]` is keys[i]'s), in prefix order, stopping at the
+        tier (`namespaces[i]` is keys[i]'s, `tokens[i]` the prompt tokens it
+        holds), in prefix order, stopping at the
         first that is missing, damaged or does not fit, or when `deadline_s`
         seconds have passed. Returns how many of `keys` are in the shared
         tier afterwards (a prefix)."""
@@ -174,17 +176,17 @@ class TierChain:
         # NOTE: up to `threads` chunks ahead are fetched (read, checked, decoded)
         # in parallel while the head is put, in prefix order; after a miss at
         # most `threads` fetches are wasted work.
-        ahead: deque[tuple[bytes, Any]] = deque()  # (key, its fetch; None: already in the shared tier)
-        todo = iter(zip(keys, namespaces))
+        ahead: deque[tuple[bytes, int, Any]] = deque()  # (key, tokens, its fetch; None: already in the shared tier)
+        todo = iter(zip(keys, namespaces, tokens if tokens is not None else [0] * len(keys)))
         while True:
             while len(ahead) < self.threads and (t_end is None or time.monotonic() <= t_end):
                 kn = next(todo, None)
                 if kn is None:
                     break
-                ahead.append((kn[0], None if store.contains([kn[0]])[0] else self._submit(kn)))
+                ahead.append((kn[0], kn[2], None if store.contains([kn[0]])[0] else self._submit(kn[:2])))
             if not ahead:
                 break
-            key, fetch = ahead.popleft()
+            key, ntok, fetch = ahead.popleft()
             if fetch is None:
                 n += 1
                 continue
@@ -192,7 +194,7 @@ class TierChain:
             if got is None:
                 break
             raw, chunk_ns = got
-            r = store.put(key, raw, namespace=chunk_ns)
+            r = store.put(key, raw, namespace=chunk_ns, tokens=ntok)
             if r not in (PutResult.OK, PutResult.EXISTS):
                 store.bump("promote_errors")
                 break
@@ -201,7 +203,7 @@ class TierChain:
             store.bump(f"{source}_hits")
             store.bump("promote_bytes", len(raw))
             n += 1
-        for _key, fetch in ahead:  # the prefix ended before them
+        for _key, _ntok, fetch in ahead:  # the prefix ended before them
             if isinstance(fetch, Future):
                 fetch.cancel()
         return n

@@ -82,7 +82,7 @@ def _vllm_kv(workdir: str) -> list[bytes]:
             e.generate(prompts, max_tokens=1)
         store = Store.attach(name)
         chunks = []
-        for key, _size, _flags, _ns in store.coldest(1 << 20):
+        for key, _size, _flags, _ns, _tokens in store.coldest(1 << 20):
             chunks.append(store.get(key))
         store.close()
         return chunks

@@ -179,7 +179,7 @@ class DiskTier:
         return got
 
     # ------------------------------------------------ writes (maintainer) --
-    def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview) -> bool:
+    def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview, tokens: int = 0) -> bool:
         """Write one chunk (temp file + rename). False, counted, on any error."""
         final = _name(key)
         tmp = f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -208,6 +208,8 @@ class DiskTier:
         self._added(key, len(data))
         self._count("spills", 1)
         self._count("spill_bytes", len(raw))
+        if tokens:
+            self._count("spill_tokens", tokens)
         return True
 
     def remove(self, key: bytes, namespace: bytes | None = None) -> bool:

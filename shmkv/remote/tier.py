@@ -166,29 +166,30 @@ class RemoteTier:
         return raw, ns
 
     # --------------------------------------------------------------- writes --
-    def enqueue(self, key: bytes, namespace: bytes) -> bool:
-        """Queue one chunk for an asynchronous write; False (counted) if the queue is full."""
+    def enqueue(self, key: bytes, namespace: bytes, tokens: int = 0) -> bool:
+        """Queue one chunk (of `tokens` prompt tokens) for an asynchronous
+        write; False (counted) if the queue is full."""
         with self._cv:
             if len(self._queue) >= self._max_queue:
                 self._count("remote_dropped", 1)
                 return False
-            self._queue.append((key, namespace))
+            self._queue.append((key, namespace, tokens))
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, name="shmkv-remote-writer", daemon=True)
                 self._writer.start()
             self._cv.notify()
         return True
 
-    def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview) -> bool:
+    def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview, tokens: int = 0) -> bool:
         """Encode one chunk's payload and write it now (queued writes: enqueue)."""
         data = fmt.encode(key, namespace, raw, element_size=self.element_size, level=self.level)
-        return self.put_encoded(key, namespace, data)
+        return self.put_encoded(key, namespace, data, tokens)
 
     def remove(self, key: bytes, namespace: bytes) -> bool:
         ok, n = self._call("remove", lambda: self._drop([chunk_key(key, namespace)]))
         return bool(ok and n)
 
-    def put_encoded(self, key: bytes, namespace: bytes, data: bytes) -> bool:
+    def put_encoded(self, key: bytes, namespace: bytes, data: bytes, tokens: int = 0) -> bool:
         """Write one encoded chunk now (the writer thread's step; also for benchmarks)."""
         rkey = chunk_key(key, namespace)
         if self.capacity:
@@ -201,6 +202,8 @@ class RemoteTier:
         if ok:
             self._count("remote_puts", 1)
             self._count("remote_put_bytes", len(data))
+            if tokens:
+                self._count("remote_put_tokens", tokens)
         else:
             self._count("remote_put_errors", 1)
         return ok
@@ -261,14 +264,14 @@ class RemoteTier:
                 if self._stopping:
                     self._cv.notify_all()
                     return
-                key, ns = self._queue.popleft()
+                key, ns, tokens = self._queue.popleft()
                 self._busy += 1
             try:
                 data = self._encoded(key, ns)
                 if data is None:
                     self._count("remote_dropped", 1)
                 else:
-                    self.put_encoded(key, ns, data)
+                    self.put_encoded(key, ns, data, tokens)
             except Exception:
                 log.exception("shmkv: remote write of %s failed", key.hex())
                 self._count("remote_put_errors", 1)

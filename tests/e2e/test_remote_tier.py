@@ -43,10 +43,11 @@ def test_write_from_the_shared_tier_then_read_back(store, redis_server):
     r = tier(redis_server.url, store)
     for i in range(3):
         put(store, i)
-        assert r.enqueue(key(i), NS)
+        assert r.enqueue(key(i), NS, tokens=256)
     assert r.flush(timeout_s=30)
     st = store.stats()
     assert st["remote_puts"] == 3 and st["remote_put_bytes"] > 0 and st["remote_put_errors"] == 0
+    assert st["remote_put_tokens"] == 3 * 256
     assert redis_server.client().exists(chunk_key(key(0), NS)), "the namespace is part of the key"
     assert r.contains([key(0), key(1), key(2), key(3)], [NS] * 4) == [True, True, True, False]
     assert r.contains([key(0)], [NS2]) == [False], "another namespace does not see it"

@@ -36,3 +36,4 @@ def test_hits_by_tier_and_transfer_stats_in_vllm_metrics(cache_name, start_engin
     with Store.attach(cache_name) as s:  # the same count in shmkv's own statistics (shmkv_hit_tokens_total)
         st = s.stats()
     assert (st["hit_tokens"], st["disk_hit_tokens"], st["remote_hit_tokens"]) == (896, 0, 0)
+    assert st["put_tokens"] == 896, "stored once by A (shmkv_put_tokens_total{tier=\"shm\"}); B found them cached"

@@ -1,8 +1,10 @@
 """Two vLLM OpenAI servers (what `vllm serve` runs, CPU backend, random-weight
 model, loopback ports) configured by the plugin name alone: a prompt the
 first served is a hit in the second, which answers as the first does at the
-same split; the second's /metrics shows the hit tokens; and
-/reset_prefix_cache?reset_external=true makes the next request miss."""
+same split; the second's /metrics shows the hit tokens;
+/reset_prefix_cache?reset_external=true makes the next request miss; and a
+kv_load_failure_policy given on the command line is kept (shmkv's default,
+recompute, applies only where none was given)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def test_two_servers_share_the_cache(cache_name, model_dir, engine_logs):
         a.complete(P)  # cold: computes and stores 896 tokens
         assert a.metric(f'vllm:shmkv_stored_tokens_total{{engine="0",model_name="{model_dir}"}}') == 896
         at_split = a.complete(P)  # a hit of 896 from shmkv: the split the second server will use
-        b = ServeProcess(model_dir, ktc, str(engine_logs / "serve-b.log"))
+        b = ServeProcess(model_dir, {**ktc, "kv_load_failure_policy": "fail"}, str(engine_logs / "serve-b.log"))
         servers.append(b)
         host = f'vllm:prompt_tokens_cached_by_source_total{{engine="0",model_name="{model_dir}",source="host"}}'
         assert b.complete(P) == at_split
@@ -33,6 +35,12 @@ def test_two_servers_share_the_cache(cache_name, model_dir, engine_logs):
         b.post("/reset_prefix_cache?reset_external=true")
         b.complete(P)
         assert b.metric(host) == 896, "after the reset the prompt misses"
+
+        log_a = (engine_logs / "serve-a.log").read_text(errors="replace")
+        log_b = (engine_logs / "serve-b.log").read_text(errors="replace")
+        assert "set kv_load_failure_policy=recompute" in log_a, "nothing given: shmkv's default"
+        assert "kv_load_failure_policy=fail as given on the command line (kept)" in log_b
+        assert "set kv_load_failure_policy=recompute" not in log_b
     finally:
         for s in servers:
             s.close()

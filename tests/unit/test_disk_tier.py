@@ -46,13 +46,13 @@ def test_files_0600_in_a_0700_directory_whatever_the_umask(tmp_path, counts):
 def test_write_read_contains(tmp_path, counts):
     t = make(tmp_path, counts)
     raw = os.urandom(10_000)
-    assert t.write(key(1), NS, raw)
+    assert t.write(key(1), NS, raw, tokens=256)
     assert t.read(key(1)) == raw
     assert t.fetch(key(1)) == (raw, NS)
     assert t.contains([key(1), key(2)]) == [True, False]
     assert t.prefix_length([key(1), key(2), key(1)]) == 1
     assert t.read(key(2)) is None
-    assert counts == {"spills": 1, "spill_bytes": 10_000}
+    assert counts == {"spills": 1, "spill_bytes": 10_000, "spill_tokens": 256}
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "foreign"])

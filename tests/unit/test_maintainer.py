@@ -28,9 +28,13 @@ def setup(cache_name, tmp_path):
     store.close()
 
 
+def tokens_of(i: int) -> int:
+    return 100 + i  # a token count per chunk, all different
+
+
 def fill(store, n, start=0):
     for i in range(start, start + n):
-        assert store.put(key(i), payload_for(key(i), UNIT), namespace=b"N" * 16) is PutResult.OK
+        assert store.put(key(i), payload_for(key(i), UNIT), namespace=b"N" * 16, tokens=tokens_of(i)) is PutResult.OK
 
 
 def test_spill_ahead_writes_the_coldest_without_reordering(setup):
@@ -42,12 +46,15 @@ def test_spill_ahead_writes_the_coldest_without_reordering(setup):
     assert did["spilled"] == (units * 25 // 100 * UNIT + UNIT - 1) // UNIT or did["spilled"] > 0
     assert did["evicted"] == 0, "plenty of free space: nothing evicted"
     assert [k for k, *_ in store.coldest(units)] == cold_before, "spill reads are not uses"
-    spilled = [k for k, _, flags, _ in store.coldest(units) if flags & FLAG_SPILLED]
+    spilled = [k for k, _, flags, _, _ in store.coldest(units) if flags & FLAG_SPILLED]
     assert spilled == cold_before[: len(spilled)], "the coldest are spilled first"
     for k in spilled:
         assert disk.read(k) is not None
     st = store.stats()
     assert st["spills"] == len(spilled) and st["spill_bytes"] == len(spilled) * UNIT
+    assert st["put_tokens"] == sum(tokens_of(i) for i in range(units // 2))
+    by_key = {key(i): tokens_of(i) for i in range(units // 2)}
+    assert st["spill_tokens"] == sum(by_key[k] for k in spilled), "each spill counts its own chunk's tokens"
 
 
 def test_low_watermark_evicts_only_spilled_chunks(setup):
@@ -81,12 +88,15 @@ def test_promote_brings_back_exact_bytes_in_prefix_order(setup):
     store.clear()
     keys = [key(i) for i in range(6)]
     os.unlink(disk.path(keys[4]))
-    assert TierChain(store, [disk]).promote(keys, [b"N" * 16] * 6) == 4, "stops at the first chunk not on disk"
+    before = store.stats()["put_tokens"]
+    assert TierChain(store, [disk]).promote(keys, [b"N" * 16] * 6, tokens=[tokens_of(i) for i in range(6)]) == 4, \
+        "stops at the first chunk not on disk"
+    assert store.stats()["put_tokens"] - before == sum(tokens_of(i) for i in range(4))
     for i in range(4):
         assert store.get(key(i)) == payload_for(key(i), UNIT)
     st = store.stats()
     assert st["disk_hits"] == 4 and st["promote_bytes"] == 4 * UNIT
-    assert all(flags & FLAG_SPILLED for _, _, flags, _ in store.coldest(units)), "promoted chunks are known spilled"
+    assert all(flags & FLAG_SPILLED for _, _, flags, _, _ in store.coldest(units)), "promoted chunks are known spilled"
 
 
 def test_pinned_chunks_are_neither_spilled_nor_evicted(setup):

@@ -161,3 +161,37 @@ def lora_digest(path: str) -> str:
                     h.update(block)
         d = _LORA_DIGESTS[key] = h.hexdigest()
     return d
+
+
+def explicit_load_failure_policy(argv: list[str]) -> str | None:
+    """The kv_load_failure_policy given on vLLM's command line (`vllm serve
+    ... --kv-transfer-config '{"kv_load_failure_policy": "fail", ...}'` or
+    `--kv-transfer-config.kv_load_failure_policy fail`), or None when it is
+    not there. vLLM 0.32's KVTransferConfig does not record which fields were
+    set, and its default ("fail") reads the same as an explicit "fail"; the
+    engine processes inherit the server's argv, so this is where a user's
+    explicit choice can be seen."""
+    import json
+
+    found = None
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if not flag.startswith("--"):
+            continue
+        flag = flag[2:].replace("-", "_")
+        if not flag.startswith("kv_transfer_config"):
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if flag == "kv_transfer_config":
+            try:
+                obj = json.loads(value)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                policy = obj.get("kv_load_failure_policy", obj.get("kv-load-failure-policy"))
+                found = policy if isinstance(policy, str) else found
+        elif flag == "kv_transfer_config.kv_load_failure_policy":
+            found = value
+    return found
+

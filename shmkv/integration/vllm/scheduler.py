@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,14 @@ import torch
 
 from shmkv.activity import ActivitySummary
 from shmkv.config import ShmkvConfig, io_threads
-from shmkv.integration.vllm.engine_inputs import KVGroup, groups_field, lora_extra, prompt_tokens, request_extras
+from shmkv.integration.vllm.engine_inputs import (
+    KVGroup,
+    explicit_load_failure_policy,
+    groups_field,
+    lora_extra,
+    prompt_tokens,
+    request_extras,
+)
 from shmkv.integration.vllm.metadata import RequestSummary, ShmKVMetadata
 from shmkv.integration.vllm.planner import NULL_BLOCK, Planner, RequestPlan
 from shmkv.keys import Namespace
@@ -105,11 +113,22 @@ class SchedulerSide:
 
             self._maintainer_role = MaintainerRole(self.cfg, self.chain)
             self._maintainer_role.start()
+        self._settle_load_failure_policy(ktc)
+
+    def _settle_load_failure_policy(self, ktc) -> None:
+        """A chunk evicted between lookup and load should mean "recompute it",
+        never a failed request: shmkv sets vLLM's kv_load_failure_policy to
+        recompute unless the user chose otherwise, on vLLM's command line or
+        with shmkv's own load_failure_policy. vLLM reads it after building us."""
+        explicit = explicit_load_failure_policy(sys.argv)
+        if explicit is not None:
+            log.info("shmkv: kv_load_failure_policy=%s as given on the command line (kept)", explicit)
+            return
         if self.cfg.load_failure_policy == "recompute" and ktc.kv_load_failure_policy != "recompute":
-            # A chunk evicted between lookup and load must mean "recompute it",
-            # never a failed request. vLLM reads this after building us.
             ktc.kv_load_failure_policy = "recompute"
-            log.info("shmkv: set kv_load_failure_policy=recompute (a cache miss at load time is recomputed)")
+            log.info("shmkv: set kv_load_failure_policy=recompute (a cache miss at load time is recomputed; to "
+                     "keep vLLM's \"fail\", give it in --kv-transfer-config or set shmkv's load_failure_policy: "
+                     "fail)")
 
     def _planner(self, salt: str | None, lora: tuple[tuple[str, str], ...] = ()) -> Planner:
         """The planner of one namespace: the engine's, with the request's cache
@@ -153,9 +172,10 @@ class SchedulerSide:
                 # Promote from disk / remote in the background; vLLM asks again next step.
                 keys = [k for u in lower for k in u.keys]
                 roots = [r for _ in lower for r in planner.roots]
+                tokens_of = [u.tokens for u in lower for _ in u.keys]
                 assert self._promoter is not None
                 self._promotions[request.request_id] = self._promoter.submit(
-                    self.chain.promote, keys, roots,
+                    self.chain.promote, keys, roots, tokens=tokens_of,
                     deadline_s=max(2.0, 4 * self.cfg.remote_timeout) if self.remote is not None else None)
                 log.debug("shmkv: request %s: %d tokens found on disk or remote, promoting", request.request_id,
                           sum(u.tokens for u in lower))

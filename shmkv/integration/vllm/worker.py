@@ -57,6 +57,7 @@ class _PendingStore:
     reservation: Reservation
     event: Any
     namespace: bytes | None = None
+    tokens: int = 0
 
 
 @dataclass
@@ -262,7 +263,7 @@ class KVWorker:
             try:
                 nbytes = sum(n for _, n in self._sections(it.groups))
                 ns = it.namespaces[self.rank] if it.namespaces else None
-                r = self.cache.reserve(key, nbytes, namespace=ns)
+                r = self.cache.reserve(key, nbytes, namespace=ns, tokens=it.tokens)
                 if isinstance(r, PutResult):
                     if r in (PutResult.EXISTS, PutResult.BUSY):
                         tally.already_cached += 1
@@ -280,7 +281,7 @@ class KVWorker:
                         tally.not_stored += 1
                         self.counters["store_stale"] += 1
                         continue
-                    self._committed(key, ns)
+                    self._committed(key, ns, it.tokens)
                 tally.stored_units += 1
                 tally.stored_tokens += it.tokens
                 self.counters["stored_units"] += 1
@@ -304,9 +305,9 @@ class KVWorker:
             r.abort()
             raise
 
-    def _committed(self, key: bytes, ns: bytes | None) -> None:
+    def _committed(self, key: bytes, ns: bytes | None, tokens: int) -> None:
         if self.remote is not None and ns is not None:
-            self.remote.enqueue(key, ns)
+            self.remote.enqueue(key, ns, tokens)
 
     def _store_async(self, it: StoreItem, r: Reservation, ns: bytes | None) -> None:
         import torch
@@ -317,7 +318,7 @@ class KVWorker:
             self._gather_into(it, r, stream=self._side_stream)
             ev = torch.cuda.Event()
             ev.record(self._side_stream)
-        self._pending.append(_PendingStore(it.req_id, r, ev, ns))
+        self._pending.append(_PendingStore(it.req_id, r, ev, ns, it.tokens))
 
     def poll(self) -> None:
         """Commit GPU stores whose copies have completed."""
@@ -327,7 +328,7 @@ class KVWorker:
                 if p.reservation.commit() is not PutResult.OK:
                     self.counters["store_stale"] += 1
                 else:
-                    self._committed(p.reservation.key, p.namespace)
+                    self._committed(p.reservation.key, p.namespace, p.tokens)
             else:
                 still.append(p)
         self._pending = still
