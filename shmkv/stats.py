@@ -189,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                 snap = collect(args.cache, args.disk_dir)
             except SegmentNotFoundError:
                 print(f"shmkv: no cache named '{args.cache}' (looked for /dev/shm/{args.cache}).\n"
-                      "Start one with scripts/start_shm_daemon.sh, or start vLLM with the shmkv connector "
-                      "(the first process creates it); pick another name with --cache NAME.", file=sys.stderr)
+                      "Start one with `shmkv daemon` (scripts/start_shm_daemon.sh in a checkout), or start vLLM with "
+                      "the shmkv connector (the first process creates it); pick another name with --cache NAME.",
+                      file=sys.stderr)
                 return 1
             except (ShmkvError, OSError) as e:
                 print(f"shmkv: cannot read cache '{args.cache}': {e}", file=sys.stderr)

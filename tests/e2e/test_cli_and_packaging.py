@@ -41,3 +41,13 @@ def test_a_remote_url_without_redis_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "shmkv.remote.tier", raising=False)
     with pytest.raises(ConfigError, match=r"shmkv\[remote\]"):
         open_remote(load_config({"remote_url": "redis://127.0.0.1:1"}, env={}))
+
+
+def test_one_version_and_the_vllm_plugin_entry_point():
+    from importlib.metadata import entry_points, version
+
+    import shmkv
+
+    assert version("shmkv") == shmkv.__version__, "pyproject takes the version from shmkv/__init__.py"
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("shmkv") == "shmkv.integration.vllm:register"
