@@ -117,12 +117,14 @@ class ShmkvConfig:
     disk_dir: str = ""  # empty: no disk tier
     disk_capacity: int = 64 << 30  # byte cap of the disk tier
     disk_level: int = 1  # zstd level
+    disk_codec: str = "auto"  # auto (measured: raw where zstd would be slower than the disk), zstd, none
     disk_shuffle_bytes: int = 0  # byte-plane shuffle element size; 0 = the KV dtype's size
     remote_url: str = ""  # redis://, rediss:// or unix:// (Redis or Valkey); empty: no remote tier
     remote_timeout: float = 0.5  # seconds: bound of every remote call (connect, each read)
     remote_ttl: int = 0  # seconds a chunk lives in the remote; 0 = no expiry
     remote_capacity: int = 0  # byte budget in the remote (oldest writes dropped); 0 = none
     remote_write_through: bool = False  # also write each chunk when committed, not only when spilled
+    remote_codec: str = "auto"  # as disk_codec, measured against the remote's link
     low_watermark: float = 0.10  # keep this fraction of the shared tier free (spilled chunks evicted)
     spill_ahead: float = 0.20  # keep this fraction of the coldest chunks already on disk
     maintainer: bool = True  # without a daemon, a vLLM scheduler process maintains the cache
@@ -150,6 +152,8 @@ class ShmkvConfig:
             "disk_dir": lambda k, v: os.path.expanduser(str(v)),
             "disk_capacity": parse_size,
             "disk_level": lambda k, v: _parse_int(k, v, 1, 22),
+            "disk_codec": lambda k, v: _parse_choice(k, v, ("auto", "zstd", "none")),
+            "remote_codec": lambda k, v: _parse_choice(k, v, ("auto", "zstd", "none")),
             "disk_shuffle_bytes": lambda k, v: _parse_int(k, v, 0, 8),
             "remote_url": _parse_remote_url,
             "remote_timeout": _parse_seconds,

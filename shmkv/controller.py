@@ -230,6 +230,10 @@ class Controller:
     def stats(self, _args: None = None) -> dict[str, Any]:
         snap = snapshot(self.store, self.cfg.disk_dir or None)
         snap["controller"] = self._controller_counters()
+        if self.disk is not None:  # this process's writes: which codec, and why
+            snap["disk"]["codec"] = self.disk.codec.describe()
+        if self.remote is not None:
+            snap["remote"]["codec"] = self.remote.codec.describe()
         return snap
 
     def metrics(self, _args: None) -> str:

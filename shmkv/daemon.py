@@ -33,7 +33,7 @@ import time
 from shmkv.config import ShmkvConfig, io_threads, load_config
 from shmkv.controller import Controller
 from shmkv.controller_http import ControllerServer
-from shmkv.disk.tier import DiskTier
+from shmkv.disk import open_disk
 from shmkv.errors import ShmkvError
 from shmkv.maintainer import MaintainerRole
 from shmkv.paths import daemon_lock, runtime_dir
@@ -62,11 +62,7 @@ class Daemon:
         """Everything up to serving; raises on what stops the daemon from starting."""
         cfg = self.cfg
         self.store = open_store(cfg)
-        disk = None
-        if cfg.disk_dir:
-            disk = DiskTier(os.path.join(cfg.disk_dir, cfg.cache_name), capacity_bytes=cfg.disk_capacity,
-                            level=cfg.disk_level, element_size=cfg.disk_shuffle_bytes or 2,
-                            counter=self.store.bump)
+        disk = open_disk(cfg, store=self.store, element_size=cfg.disk_shuffle_bytes or 2)
         self.remote = open_remote(cfg, store=self.store, disk=disk, element_size=cfg.disk_shuffle_bytes or 2)
         chain = TierChain(self.store, [disk, self.remote], threads=io_threads(cfg))
         self.role = MaintainerRole(cfg, chain, standby_s=0.2, yield_to_daemon=False)

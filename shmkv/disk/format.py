@@ -1,19 +1,19 @@
-"""The on-disk (and remote) chunk format: a checked header, then the payload
-byte-plane shuffled and compressed with zstd.
+"""The on-disk (and remote) chunk format: a checked header, then the payload,
+either byte-plane shuffled and compressed with zstd, or as it is.
 
     offset size
     0      8    magic b"SHMKVCK1"
-    8      2    format version (1)
+    8      2    format version (2; version 1, always zstd, is still read)
     10     1    element size used for the byte-plane shuffle (1 = none)
-    11     1    flags (reserved, 0)
-    12     4    zstd level
+    11     1    codec: 0 = zstd of the shuffled payload, 1 = none (the raw payload)
+    12     4    zstd level (0 with codec none)
     16     16   namespace digest (root key of the chunk's namespace)
     32     16   chunk key
     48     8    raw payload length
     56     8    compressed body length
     64     16   xxh3-128 of the raw payload
     80     8    xxh3-64 of bytes 0..80 (the header itself)
-    88     ...  zstd frame of the shuffled payload
+    88     ...  zstd frame of the shuffled payload, or the raw payload
 
 Byte-plane shuffle: the payload viewed as [n, element_size] bytes is stored
 transposed (all first bytes, then all second bytes...). For bf16 KV the
@@ -21,9 +21,9 @@ exponent bytes compress well once separated from the noisy mantissas. A tail
 shorter than one element is kept as is.
 
 decode() verifies everything it can before returning bytes: magic, version,
-header checksum, lengths against the file size, the key it was asked for,
-and the payload checksum after decompression. Anything else raises
-DamagedChunk, which callers turn into a miss.
+codec, header checksum, lengths against the file size, the key it was asked
+for, and the payload checksum after decompression, for every codec. Anything
+else raises DamagedChunk, which callers turn into a miss.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ import zstandard
 from shmkv import _C
 
 MAGIC = b"SHMKVCK1"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+CODEC_ZSTD, CODEC_NONE = 0, 1
+CODEC_IDS = {"zstd": CODEC_ZSTD, "none": CODEC_NONE}
 _HEADER = struct.Struct("<8sHBBi16s16sQQ16s")  # 80 bytes
 HEADER_BYTES = _HEADER.size + 8
 assert _HEADER.size == 80
@@ -60,14 +63,29 @@ def unshuffle(data: bytes, element_size: int) -> bytes:
 
 
 def encode(key: bytes, namespace: bytes, raw: bytes | memoryview, *, element_size: int = 2,
-           level: int = 1, compressor: zstandard.ZstdCompressor | None = None) -> bytes:
-    """The complete file contents for one chunk."""
+           level: int = 1, compressor: zstandard.ZstdCompressor | None = None, codec: str = "zstd") -> bytes:
+    """The complete file contents for one chunk (`codec`: "zstd" or "none")."""
+    return b"".join(encode_parts(key, namespace, raw, element_size=element_size, level=level,
+                                 compressor=compressor, codec=codec))
+
+
+def encode_parts(key: bytes, namespace: bytes, raw: bytes | memoryview, *, element_size: int = 2,
+                 level: int = 1, compressor: zstandard.ZstdCompressor | None = None,
+                 codec: str = "zstd") -> tuple[bytes, bytes | memoryview]:
+    """(header, body) of one chunk: with codec "none" the body is `raw`
+    itself, not a copy (a writer gives both to writev)."""
     if len(key) != 16 or len(namespace) != 16:
         raise ValueError("key and namespace digest must be 16 bytes")
-    body = (compressor or zstandard.ZstdCompressor(level=level)).compress(shuffle(raw, element_size))
-    head = _HEADER.pack(MAGIC, VERSION, element_size, 0, level, namespace, key, len(raw), len(body),
+    if codec == "none":
+        body: bytes | memoryview = raw
+        level = 0
+    elif codec == "zstd":
+        body = (compressor or zstandard.ZstdCompressor(level=level)).compress(shuffle(raw, element_size))
+    else:
+        raise ValueError(f"codec {codec!r}: expected one of {sorted(CODEC_IDS)}")
+    head = _HEADER.pack(MAGIC, VERSION, element_size, CODEC_IDS[codec], level, namespace, key, len(raw), len(body),
                         xxhash.xxh3_128_digest(raw))
-    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + body
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)), body
 
 
 def read_header(head: bytes) -> tuple[int, bytes, bytes, int, int, bytes]:
@@ -75,15 +93,24 @@ def read_header(head: bytes) -> tuple[int, bytes, bytes, int, int, bytes]:
     if len(head) < HEADER_BYTES:
         raise DamagedChunk("truncated header")
     fields = _HEADER.unpack_from(head)
-    magic, version, es, _flags, _level, ns, key, raw_len, comp_len, checksum = fields
+    magic, version, es, codec, _level, ns, key, raw_len, comp_len, checksum = fields
     if magic != MAGIC:
         raise DamagedChunk("not a shmkv chunk (bad magic)")
-    if version != VERSION:
-        raise DamagedChunk(f"chunk format version {version}, expected {VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise DamagedChunk(f"chunk format version {version}, expected one of {READABLE_VERSIONS}")
     (hsum,) = struct.unpack_from("<Q", head, _HEADER.size)
     if hsum != xxhash.xxh3_64_intdigest(head[:_HEADER.size]):
         raise DamagedChunk("header checksum mismatch")
+    if codec not in (CODEC_ZSTD, CODEC_NONE) or (version == 1 and codec != CODEC_ZSTD):
+        raise DamagedChunk(f"unknown codec {codec}")
+    if codec == CODEC_NONE and comp_len != raw_len:
+        raise DamagedChunk(f"raw body of {comp_len} bytes, header says {raw_len}")
     return es, ns, key, raw_len, comp_len, checksum
+
+
+def codec_of(head: bytes) -> str:
+    """The codec name of a (checked) header."""
+    return "none" if head[11] == CODEC_NONE else "zstd"
 
 
 def decode(data: bytes, key: bytes | None = None, *, max_raw: int = 1 << 34,
@@ -96,6 +123,11 @@ def decode(data: bytes, key: bytes | None = None, *, max_raw: int = 1 << 34,
         raise DamagedChunk(f"length {len(data)} != header + body {HEADER_BYTES + comp_len}")
     if raw_len > max_raw:
         raise DamagedChunk(f"raw length {raw_len} exceeds the limit {max_raw}")
+    if data[11] == CODEC_NONE:
+        raw = bytes(memoryview(data)[HEADER_BYTES:])
+        if xxhash.xxh3_128_digest(raw) != checksum:
+            raise DamagedChunk("payload checksum mismatch")
+        return raw, ns
     try:
         # bounded read: a forged frame cannot make us allocate more than raw_len + 1
         reader = (decompressor or zstandard.ZstdDecompressor()).stream_reader(

@@ -28,11 +28,13 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import zstandard
 
+from shmkv.codec import CodecChoice
 from shmkv.disk import format as fmt
 from shmkv.paths import open_private_dir
 
@@ -58,12 +60,13 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, directory: str, *, capacity_bytes: int, level: int = 1, element_size: int = 2,
-                 counter: Callable[[str, int], None] | None = None) -> None:
+                 codec: str = "auto", counter: Callable[[str, int], None] | None = None) -> None:
         self._d = open_private_dir(directory)
         self.dir = self._d.path
         self.capacity = capacity_bytes
         self.level = level
         self.element_size = element_size
+        self.codec = CodecChoice("disk", codec)
         self._count = counter or (lambda name, n: None)
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] | None = None  # maintainer only
@@ -184,15 +187,18 @@ class DiskTier:
         final = _name(key)
         tmp = f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            data = fmt.encode(key, namespace, raw, element_size=self.element_size, level=self.level,
-                              compressor=self._cctx_get())
+            codec = self.codec.pick(space_short=self._space_short())
+            t0 = time.perf_counter()
+            head, body = fmt.encode_parts(key, namespace, raw, element_size=self.element_size, level=self.level,
+                                          compressor=self._cctx_get(), codec=codec)
+            t1 = time.perf_counter()
             fd = self._d.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                _write_all(fd, [memoryview(head), memoryview(body).cast("B")])
             finally:
                 os.close(fd)
+            size = len(head) + memoryview(body).nbytes
+            self.codec.record(codec, memoryview(raw).nbytes, size, t1 - t0, time.perf_counter() - t1)
             self._d.replace(tmp, final)
             with self._lock:
                 self._unsynced.add(final)
@@ -205,7 +211,7 @@ class DiskTier:
                 pass
             return False
         self.last_write_error = None
-        self._added(key, len(data))
+        self._added(key, size)
         self._count("spills", 1)
         self._count("spill_bytes", len(raw))
         if tokens:
@@ -338,6 +344,10 @@ class DiskTier:
         except OSError:
             return False
 
+    def _space_short(self) -> bool:
+        """Whether the tier is nearly at its byte cap (known to the maintainer's index only)."""
+        return self._index is not None and self.capacity > 0 and self._bytes > 0.9 * self.capacity
+
     def _cctx_get(self) -> zstandard.ZstdCompressor:
         c = getattr(self._cctx, "c", None)
         if c is None:
@@ -349,6 +359,17 @@ class DiskTier:
         if d is None:
             d = self._cctx.d = zstandard.ZstdDecompressor()
         return d
+
+
+def _write_all(fd: int, parts: list[memoryview]) -> None:
+    """writev every byte of `parts` (short writes resumed)."""
+    while parts:
+        n = os.writev(fd, parts)
+        while parts and n >= parts[0].nbytes:
+            n -= parts[0].nbytes
+            parts.pop(0)
+        if parts and n:
+            parts[0] = parts[0][n:]
 
 
 def _writer_alive(tmp_name: str) -> bool:

@@ -25,9 +25,11 @@ def open_remote(cfg: Any, *, store: Any = None, disk: Any = None, element_size: 
                           "install it with: pip install 'shmkv[remote]'") from e
     tier = RemoteTier(cfg.remote_url, timeout_s=cfg.remote_timeout, ttl_s=cfg.remote_ttl,
                       capacity_bytes=cfg.remote_capacity, counter=store.bump if store is not None else None,
-                      store=store, disk=disk, element_size=element_size, level=cfg.disk_level)
-    log.info("shmkv: remote tier %s (timeout %.2f s, ttl %s, budget %s, write-through %s)", _redact(cfg.remote_url),
+                      store=store, disk=disk, element_size=element_size, level=cfg.disk_level,
+                      codec=cfg.remote_codec)
+    log.info("shmkv: remote tier %s (timeout %.2f s, ttl %s, budget %s, write-through %s, codec %s)",
+             _redact(cfg.remote_url),
              cfg.remote_timeout, f"{cfg.remote_ttl} s" if cfg.remote_ttl else "none",
              f"{cfg.remote_capacity / 2**30:.1f} GiB" if cfg.remote_capacity else "none",
-             "on" if cfg.remote_write_through else "off")
+             "on" if cfg.remote_write_through else "off", cfg.remote_codec)
     return tier

@@ -39,6 +39,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shmkv.backoff import Backoff
+from shmkv.codec import CodecChoice
 from shmkv.disk import format as fmt
 
 log = logging.getLogger("shmkv.remote")
@@ -83,7 +84,7 @@ class RemoteTier:
 
     def __init__(self, url: str, *, timeout_s: float = 0.5, ttl_s: int = 0, capacity_bytes: int = 0,
                  counter: Callable[[str, int], None] | None = None, store=None, disk=None,
-                 element_size: int = 2, level: int = 1, max_queue: int = 1024) -> None:
+                 element_size: int = 2, level: int = 1, max_queue: int = 1024, codec: str = "auto") -> None:
         self.url = url
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s
@@ -92,6 +93,7 @@ class RemoteTier:
         self.disk = disk
         self.element_size = element_size
         self.level = level
+        self.codec = CodecChoice("remote", codec)
         self._count = counter or (lambda name, n: None)
         self.display_url = _redact(url)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -182,16 +184,23 @@ class RemoteTier:
 
     def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview, tokens: int = 0) -> bool:
         """Encode one chunk's payload and write it now (queued writes: enqueue)."""
-        data = fmt.encode(key, namespace, raw, element_size=self.element_size, level=self.level)
-        return self.put_encoded(key, namespace, data, tokens)
+        codec = self.codec.pick()
+        t0 = time.perf_counter()
+        data = fmt.encode(key, namespace, raw, element_size=self.element_size, level=self.level, codec=codec)
+        return self.put_encoded(key, namespace, data, tokens,
+                                measured=(codec, memoryview(raw).nbytes, time.perf_counter() - t0))
 
     def remove(self, key: bytes, namespace: bytes) -> bool:
         ok, n = self._call("remove", lambda: self._drop([chunk_key(key, namespace)]))
         return bool(ok and n)
 
-    def put_encoded(self, key: bytes, namespace: bytes, data: bytes, tokens: int = 0) -> bool:
-        """Write one encoded chunk now (the writer thread's step; also for benchmarks)."""
+    def put_encoded(self, key: bytes, namespace: bytes, data: bytes, tokens: int = 0,
+                    measured: tuple[str, int, float] | None = None) -> bool:
+        """Write one encoded chunk now (the writer thread's step; also for
+        benchmarks). `measured`: (codec, raw bytes, encode seconds) of this
+        chunk's encoding, for the codec choice."""
         rkey = chunk_key(key, namespace)
+        t0 = time.perf_counter()
         if self.capacity:
             ok, _ = self._call("put", lambda: self._put_script(
                 keys=[rkey, _LRU, _SIZES, _BYTES], args=[data, self.ttl_s, self.capacity, time.time()]))
@@ -199,6 +208,8 @@ class RemoteTier:
             ok, _ = self._call("put", lambda: self._client.set(rkey, data, ex=self.ttl_s))
         else:
             ok, _ = self._call("put", lambda: self._client.set(rkey, data))
+        if ok and measured is not None:
+            self.codec.record(measured[0], measured[1], len(data), measured[2], time.perf_counter() - t0)
         if ok:
             self._count("remote_puts", 1)
             self._count("remote_put_bytes", len(data))
@@ -267,11 +278,11 @@ class RemoteTier:
                 key, ns, tokens = self._queue.popleft()
                 self._busy += 1
             try:
-                data = self._encoded(key, ns)
-                if data is None:
+                got = self._encoded(key, ns)
+                if got is None:
                     self._count("remote_dropped", 1)
                 else:
-                    self.put_encoded(key, ns, data, tokens)
+                    self.put_encoded(key, ns, got[0], tokens, measured=got[1])
             except Exception:
                 log.exception("shmkv: remote write of %s failed", key.hex())
                 self._count("remote_put_errors", 1)
@@ -280,13 +291,26 @@ class RemoteTier:
                     self._busy -= 1
                     self._cv.notify_all()
 
-    def _encoded(self, key: bytes, ns: bytes) -> bytes | None:
-        """The chunk's encoded bytes: its disk file if it is one, else encoded
-        from the shared tier; None if neither holds it any more."""
+    def _encoded(self, key: bytes, ns: bytes) -> tuple[bytes, tuple[str, int, float] | None] | None:
+        """The chunk's encoded bytes, with the figures of encoding them now
+        (None: reused as they were): its disk file when that is compressed or
+        raw is what this tier picks, else encoded from the file's raw body or
+        from the shared tier; None if no tier holds it any more."""
+        codec = self.codec.pick()
+        raw: bytes | memoryview | None = None
         if self.disk is not None:
             data = self.disk.read_file(key)  # a sound header; decode() checks the rest on read
             if data is not None:
-                return data
+                if fmt.codec_of(data) == "zstd" or codec == "none":
+                    return data, None
+                try:  # a raw file: its checked body is the payload
+                    raw = fmt.decode(data, key)[0]
+                except fmt.DamagedChunk:
+                    raw = None  # the disk tier removes it when it next reads it; the shared tier may hold it
+        if raw is not None:
+            t0 = time.perf_counter()
+            data = fmt.encode(key, ns, raw, element_size=self.element_size, level=self.level, codec=codec)
+            return data, (codec, len(raw), time.perf_counter() - t0)
         if self.store is None:
             return None
         leases = self.store.acquire_prefix([key], count_lookup=False)
@@ -294,11 +318,13 @@ class RemoteTier:
             return None
         lease = leases[0]
         try:
-            data = fmt.encode(key, ns, lease.view(), element_size=self.element_size, level=self.level)
+            t0 = time.perf_counter()
+            view = lease.view()
+            data = fmt.encode(key, ns, view, element_size=self.element_size, level=self.level, codec=codec)
+            measured = (codec, memoryview(view).nbytes, time.perf_counter() - t0)
         finally:
             valid = lease.release()
-        return data if valid else None
-
+        return (data, measured) if valid else None
 
 
 def _redact(url: str) -> str:

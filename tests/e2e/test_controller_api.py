@@ -72,6 +72,7 @@ def test_health_stats_metrics_namespaces(served):
     st, body = http(served.url, "GET", "/stats")
     assert st == 200 and body["shm"]["puts"] == 2 and body["shm"]["entries"] == 2
     assert body["disk"]["files"] == 0 and body["controller"]["requests"] >= 1
+    assert body["disk"]["codec"]["setting"] == "auto" and body["disk"]["codec"]["choice"] in ("zstd", "none")
     st, text = http(served.url, "GET", "/metrics")
     assert st == 200
     assert "# HELP shmkv_puts_total Chunks written to the tier (shm: committed; disk: spilled; remote: written)" in text

@@ -1,5 +1,6 @@
-"""The chunk file format: exact round trips, the byte-plane shuffle, and
-every kind of damage detected."""
+"""The chunk file format: exact round trips with either codec (zstd, none),
+the byte-plane shuffle, and every kind of damage detected whatever the codec;
+files of format version 1 are still read."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from shmkv.disk import format as fmt
 KEY, NS = b"k" * 16, b"n" * 16
 
 
+@pytest.mark.parametrize("codec", ["zstd", "none"])
 @pytest.mark.parametrize("n", [0, 1, 3, 4096, 100_001])
 @pytest.mark.parametrize("es", [1, 2, 4])
-def test_round_trip_exact(n, es):
+def test_round_trip_exact(n, es, codec):
     raw = os.urandom(n)
-    data = fmt.encode(KEY, NS, raw, element_size=es)
+    data = fmt.encode(KEY, NS, raw, element_size=es, codec=codec)
+    assert fmt.codec_of(data) == codec
     assert fmt.decode(data, KEY) == (raw, NS)
     assert fmt.unshuffle(fmt.shuffle(raw, es), es) == raw
 
@@ -51,12 +54,42 @@ def damaged_variants(data: bytes) -> dict[str, bytes]:
     }
 
 
+@pytest.mark.parametrize("codec", ["zstd", "none"])
 @pytest.mark.parametrize("kind", list(damaged_variants(b"x" * 200)))
-def test_damage_is_detected(kind):
+def test_damage_is_detected(kind, codec):
     raw = np.random.default_rng(0).standard_normal(5000).astype(np.float32).tobytes()
-    bad = damaged_variants(fmt.encode(KEY, NS, raw, element_size=4))[kind]
+    bad = damaged_variants(fmt.encode(KEY, NS, raw, element_size=4, codec=codec))[kind]
     with pytest.raises(fmt.DamagedChunk):
         fmt.decode(bad, KEY)
+
+
+def _reheader(data: bytes, **fields) -> bytes:
+    """`data` with header fields replaced and the header checksum made valid again."""
+    import struct
+
+    import xxhash
+
+    head = bytearray(data[:80])
+    for offset, value in fields.values():
+        head[offset] = value
+    return bytes(head) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(head))) + data[fmt.HEADER_BYTES:]
+
+
+def test_an_unknown_codec_or_a_raw_body_of_the_wrong_length_is_damage():
+    raw = os.urandom(1000)
+    with pytest.raises(fmt.DamagedChunk, match="unknown codec"):
+        fmt.decode(_reheader(fmt.encode(KEY, NS, raw), codec=(11, 7)), KEY)
+    zstd_as_raw = _reheader(fmt.encode(KEY, NS, raw), codec=(11, fmt.CODEC_NONE))
+    with pytest.raises(fmt.DamagedChunk):
+        fmt.decode(zstd_as_raw, KEY)
+
+
+def test_version_1_files_are_read():
+    raw = os.urandom(5000)
+    v1 = _reheader(fmt.encode(KEY, NS, raw), version=(8, 1))
+    assert fmt.decode(v1, KEY) == (raw, NS)
+    with pytest.raises(fmt.DamagedChunk, match="unknown codec"):  # version 1 knew only zstd
+        fmt.decode(_reheader(fmt.encode(KEY, NS, raw, codec="none"), version=(8, 1)), KEY)
 
 
 def test_wrong_key_is_rejected():

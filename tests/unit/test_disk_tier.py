@@ -72,10 +72,10 @@ def test_damaged_file_is_a_miss_a_counter_and_removed(tmp_path, counts, damage):
 def test_write_errors_are_counted_not_raised(tmp_path, counts, monkeypatch):
     t = make(tmp_path, counts)
 
-    def disk_full(fd, data):
+    def disk_full(fd, parts):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(tier_mod.os, "write", disk_full)
+    monkeypatch.setattr(tier_mod.os, "writev", disk_full)
     assert t.write(key(1), NS, b"x" * 100) is False
     monkeypatch.undo()
     assert counts.get("spill_errors") == 1

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -21,6 +20,7 @@ import torch
 
 from shmkv.activity import ActivitySummary
 from shmkv.config import ShmkvConfig, io_threads
+from shmkv.disk import open_disk
 from shmkv.integration.vllm.engine_inputs import (
     KVGroup,
     explicit_load_failure_policy,
@@ -94,15 +94,7 @@ class SchedulerSide:
             # operators name a namespace by this root in the controller API (lookup, clear, pin...)
             log.info("shmkv: namespace of TP rank %d: root %s (model %s, %s, %d layers)", rank,
                      register(self.cfg.cache_name, ns), ns.model_id, ns.dtype, ns.num_layers)
-        if self.cfg.disk_dir:
-            from shmkv.disk.tier import DiskTier
-
-            self.disk = DiskTier(os.path.join(self.cfg.disk_dir, self.cfg.cache_name),
-                                 capacity_bytes=self.cfg.disk_capacity, level=self.cfg.disk_level,
-                                 element_size=self._dtype_bytes(),
-                                 counter=self.store.bump)
-            log.info("shmkv: disk tier at %s (cap %.1f GiB, zstd level %d)", self.disk.dir,
-                     self.cfg.disk_capacity / 2**30, self.cfg.disk_level)
+        self.disk = open_disk(self.cfg, store=self.store, element_size=self._dtype_bytes())
         self.remote = open_remote(self.cfg, store=self.store, disk=self.disk, element_size=self._dtype_bytes())
         self.chain = TierChain(self.store, [self.disk, self.remote], threads=io_threads(cfg))
         if self.chain.lower:
