@@ -4,6 +4,8 @@
   promote_gbps    raw bytes/s brought back (read + check + zstd + unshuffle + put into the segment)
   ratio_shuffled  raw / compressed bytes with the byte-plane shuffle
   ratio_plain     the same without it
+  codecs          per codec (zstd, none, auto): spill and promote GB/s at 1 and N
+                  threads, and for auto what it chose here and why
 measured on KV that vLLM computed for a random-weight model (fields `kv_*`)
 and on Gaussian bf16 (fields `gauss_*`; the top-level fields are the KV ones).
 """
@@ -37,13 +39,15 @@ def _ratios(chunks: list[bytes], level: int) -> tuple[float, float]:
     return raw / shuf, raw / plain
 
 
-def _throughput(chunks: list[bytes], workdir: str, level: int, threads: int = 1) -> tuple[float, float]:
+def _throughput(chunks: list[bytes], workdir: str, level: int, threads: int = 1, codec: str = "zstd",
+                choice: dict | None = None) -> tuple[float, float]:
     """(spill, promote) GB/s of raw bytes with `threads` chunks at a time (the
-    maintainer's waves and the tier chain's parallel fetch)."""
+    maintainer's waves and the tier chain's parallel fetch); `choice` gets
+    the codec choice's description."""
     name = f"shmkv-bench-disk-{os.getpid()}"
     size = max(len(c) for c in chunks)
     store = Store.create(name, len(chunks) * size + 64 * MiB, max_payload_bytes=size)
-    disk = DiskTier(os.path.join(workdir, "disk"), capacity_bytes=1 << 40, level=level, element_size=2)
+    disk = DiskTier(os.path.join(workdir, "disk"), capacity_bytes=1 << 40, level=level, element_size=2, codec=codec)
     try:
         keys = [xxhash.xxh3_128_digest(str(i).encode()) for i in range(len(chunks))]
         for k, c in zip(keys, chunks):
@@ -60,6 +64,8 @@ def _throughput(chunks: list[bytes], workdir: str, level: int, threads: int = 1)
         prom = sum(map(len, chunks)) / (time.perf_counter() - t0) / 1e9
         chain.close()
         assert store.get(keys[-1]) == chunks[-1]
+        if choice is not None:
+            choice.update(disk.codec.describe())
         return spill, prom
     finally:
         store.close()
@@ -109,7 +115,14 @@ def run(argv: list[str]) -> dict:
         g_spill, g_prom = _throughput(gauss, work, a.level)
         n = a.threads or io_threads(load_config({}, env={}))
         g_spill_n, g_prom_n = _throughput(gauss, work, a.level, n)
-        out = {"level": a.level, "gauss_ratio_shuffled": gs, "gauss_ratio_plain": gp,
+        codecs = {}
+        for codec in ("zstd", "none", "auto"):
+            chose: dict = {}
+            s1, p1 = (g_spill, g_prom) if codec == "zstd" else _throughput(gauss, work, a.level, 1, codec)
+            sn, pn = (g_spill_n, g_prom_n) if codec == "zstd" else _throughput(gauss, work, a.level, n, codec, chose)
+            codecs[codec] = {"spill_gbps": s1, "promote_gbps": p1, "spill_gbps_n_threads": sn,
+                             "promote_gbps_n_threads": pn, **({"chose": chose} if codec == "auto" else {})}
+        out = {"level": a.level, "gauss_ratio_shuffled": gs, "gauss_ratio_plain": gp, "codecs": codecs,
                "gauss_spill_gbps": g_spill, "gauss_promote_gbps": g_prom,
                "threads": n, "gauss_spill_gbps_n_threads": g_spill_n, "gauss_promote_gbps_n_threads": g_prom_n,
                "spill_speedup": g_spill_n / g_spill, "promote_speedup": g_prom_n / g_prom,
@@ -130,6 +143,11 @@ def run(argv: list[str]) -> dict:
 
 
 def report(r: dict) -> None:
+    for codec, c in r["codecs"].items():
+        extra = f" (chose {c['chose']['choice']}: {c['chose']['reason']})" if "chose" in c else ""
+        print(f"codec {codec:5s}: spill {c['spill_gbps']:.2f} -> {c['spill_gbps_n_threads']:.2f} GB/s, promote "
+              f"{c['promote_gbps']:.2f} -> {c['promote_gbps_n_threads']:.2f} GB/s (1 -> {r['threads']} threads)"
+              f"{extra}")
     print(f"Gaussian bf16 with {r['threads']} threads: spill {r['gauss_spill_gbps_n_threads']:.2f} GB/s "
           f"({r['spill_speedup']:.2f}x one thread), promote {r['gauss_promote_gbps_n_threads']:.2f} GB/s "
           f"({r['promote_speedup']:.2f}x)")
