@@ -123,14 +123,14 @@ struct PyLease {
 struct PyTable {
   std::shared_ptr<ChunkTable> t;
 
-  py::tuple reserve(py::bytes key, uint64_t size, py::object ns, uint32_t tokens) {
+  py::tuple reserve(py::bytes key, uint64_t size, py::object ns, uint32_t tokens, uint32_t flags) {
     Key k = key_from(key);
     Key n = ns.is_none() ? Key{0, 0} : key_from(ns);
     Reservation r;
     Status s;
     {
       py::gil_scoped_release nogil;
-      s = t->reserve(k, size, &r, n, tokens);
+      s = t->reserve(k, size, &r, n, tokens, flags);
     }
     flush_events(*t);
     if (s != Status::kOk) return py::make_tuple(int(s), py::none());
@@ -190,7 +190,7 @@ struct PyTable {
   }
 
   // reserve + copy + commit, the copy without the GIL and without the lock.
-  int put(py::bytes key, py::buffer data, py::object ns, uint32_t tokens) {
+  int put(py::bytes key, py::buffer data, py::object ns, uint32_t tokens, uint32_t flags) {
     Key k = key_from(key);
     Key n = ns.is_none() ? Key{0, 0} : key_from(ns);
     py::buffer_info info = data.request();
@@ -200,7 +200,7 @@ struct PyTable {
     {
       py::gil_scoped_release nogil;
       Reservation r;
-      s = t->reserve(k, nbytes, &r, n, tokens);
+      s = t->reserve(k, nbytes, &r, n, tokens, flags);
       if (s == Status::kOk) {
         std::memcpy(t->payload(r.offset), info.ptr, nbytes);
         s = t->commit(r);
@@ -311,6 +311,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<SegmentBroken>(m, "SegmentBrokenError", broken_base);
   py::register_exception<LockTimeout>(m, "LockTimeoutError", timeout_base);
   m.attr("FLAG_SPILLED") = kFlagSpilled;
+  m.attr("FLAG_COMPRESSED") = kFlagCompressed;
   {
     // Byte offsets of header fields, for tests that damage a segment on purpose.
     py::dict off;
@@ -399,6 +400,7 @@ PYBIND11_MODULE(_C, m) {
       })
       .def_property_readonly("size", [](const PyLease& l) { return l.h.size; })
       .def_property_readonly("tokens", [](const PyLease& l) { return l.h.tokens; })
+      .def_property_readonly("flags", [](const PyLease& l) { return l.h.flags; })
       .def_property_readonly("offset", [](const PyLease& l) { return l.h.offset; })
       .def_property_readonly("address", [](const PyLease& l) {
         return reinterpret_cast<uintptr_t>(l.table->payload(l.h.offset));
@@ -408,13 +410,13 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<PyTable>(m, "Table")
       .def("reserve", &PyTable::reserve, py::arg("key"), py::arg("size"), py::arg("ns") = py::none(),
-           py::arg("tokens") = 0)
+           py::arg("tokens") = 0, py::arg("flags") = 0)
       .def("acquire", &PyTable::acquire, py::arg("key"))
       .def("acquire_prefix", &PyTable::acquire_prefix, py::arg("keys"), py::arg("count_lookup") = true)
       .def("lookup_prefix", &PyTable::lookup_prefix, py::arg("keys"), py::arg("count_lookup") = true)
       .def("contains", &PyTable::contains, py::arg("keys"))
       .def("put", &PyTable::put, py::arg("key"), py::arg("data"), py::arg("ns") = py::none(),
-           py::arg("tokens") = 0)
+           py::arg("tokens") = 0, py::arg("flags") = 0)
       .def("get_into", &PyTable::get_into, py::arg("key"), py::arg("out"))
       .def("pin", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::pin, k); })
       .def("unpin", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::unpin, k); })

@@ -306,9 +306,10 @@ std::vector<std::string> ChunkTable::drain_events() {
 
 // --------------------------------------------------------------- stores ----
 
-Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns, uint32_t tokens) {
+Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns, uint32_t tokens,
+                           uint32_t flags) {
   const Geometry& g = geo();
-  if (size == 0) return Status::kInvalidArgument;
+  if (size == 0 || (flags & ~kFlagCompressed)) return Status::kInvalidArgument;
   if (size > g.max_payload_bytes) {
     c().put_too_large.fetch_add(1, std::memory_order_relaxed);
     return Status::kTooLarge;
@@ -319,11 +320,11 @@ Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, cons
     c().put_busy.fetch_add(1, std::memory_order_relaxed);
     return Status::kBusy;
   }
-  return guarded([&] { return do_reserve_locked(key, size, need, out, ns, tokens); });
+  return guarded([&] { return do_reserve_locked(key, size, need, out, ns, tokens, flags); });
 }
 
 Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t need, Reservation* out,
-                                     const Key& ns, uint32_t tokens) {
+                                     const Key& ns, uint32_t tokens, uint32_t flags) {
   const Geometry& g = geo();
   Header* hd = h();
   Entry* ent = entries();
@@ -384,7 +385,7 @@ Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t nee
   en.generation += 1;
   en.owner_pid = self_pid();
   en.pin_count = 0;
-  en.flags = 0;  // a re-stored key starts unspilled
+  en.flags = flags;  // a re-stored key starts unspilled
   en.ns = ns;
   en.tokens = tokens;
   en.refcount = 0;
@@ -432,7 +433,7 @@ Status ChunkTable::do_finish_locked(const Reservation& r, bool commit) {
   en.last_use = ++h()->use_clock;
   do_lru_link_head_locked(r.entry);  // derived first: if it finds damage, nothing is committed yet
   en.state.store(kEntryReady, std::memory_order_release);  // commit point
-  c().ready_entries.fetch_add(1, std::memory_order_relaxed);
+  do_count_ready_locked(en, +1);
   c().puts.fetch_add(1, std::memory_order_relaxed);
   c().put_tokens.fetch_add(en.tokens, std::memory_order_relaxed);
   return Status::kOk;
@@ -647,7 +648,7 @@ Status ChunkTable::set_flags(const Key& key, uint32_t flags) {
   return guarded([&] {
     uint32_t e = do_find_ready_locked(key);
     if (e == kNone) return Status::kMiss;
-    entries()[e].flags |= flags;
+    entries()[e].flags |= flags & kFlagSpilled;  // kFlagCompressed is fixed at reserve
     return Status::kOk;
   });
 }

@@ -62,6 +62,7 @@ struct LeaseHandle {
   uint64_t offset = 0;
   uint64_t size = 0;
   uint32_t tokens = 0;  // the entry's token count
+  uint32_t flags = 0;   // the entry's flags when the lease was granted
 };
 
 // The table mutex is unusable (its bytes are not a mutex any more): the
@@ -128,7 +129,9 @@ class ChunkTable {
 
   // -- stores
   // `tokens`: the prompt tokens the chunk holds (counted at commit as put_tokens; kept for spills)
-  Status reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns = Key{0, 0}, uint32_t tokens = 0);
+  // `flags`: kFlagCompressed or 0 (other bits are refused)
+  Status reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns = Key{0, 0}, uint32_t tokens = 0,
+                 uint32_t flags = 0);
   Status commit(const Reservation& r);
   Status abort(const Reservation& r);
 
@@ -244,7 +247,8 @@ class ChunkTable {
   void do_lru_link_tail_locked(uint32_t e);
   Status do_finish_locked(const Reservation& r, bool commit);
   Status do_reserve_locked(const Key& key, uint64_t size, uint64_t need, Reservation* out, const Key& ns,
-                           uint32_t tokens);
+                           uint32_t tokens, uint32_t flags);
+  void do_count_ready_locked(const Entry& en, int delta);  // ready_entries and the compressed_* gauges
   Status do_release_locked(const LeaseHandle& h, bool cold);
   // recovery
   ReclaimResult do_reclaim_locked(bool full_scan);

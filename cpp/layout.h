@@ -82,7 +82,9 @@ struct Entry {
 };
 
 // Entry::flags
-constexpr uint32_t kFlagSpilled = 1;  // a copy is in the disk tier
+constexpr uint32_t kFlagSpilled = 1;     // a copy is in the disk tier
+constexpr uint32_t kFlagCompressed = 2;  // the payload is a chunk file (shmkv/disk/format.py), not raw KV;
+                                         // given at reserve, never changed (the compressed_* gauges)
 
 enum LeaseState : uint32_t { kLeaseFree = 0, kLeaseHeld = 1 };
 
@@ -187,6 +189,8 @@ struct Counters {
   std::atomic<uint64_t> entries;          // non-FREE entries
   std::atomic<uint64_t> ready_entries;
   std::atomic<uint64_t> pinned_entries;
+  std::atomic<uint64_t> compressed_entries;  // READY entries with kFlagCompressed
+  std::atomic<uint64_t> compressed_bytes;    // their payload bytes
 };
 
 struct alignas(64) Header {

@@ -44,7 +44,7 @@ std::vector<std::string> ChunkTable::do_check_consistency_locked() {
     }
     if (held != hd->leases_held) fail("leases_held " + std::to_string(hd->leases_held) +
                                       " != held leases " + std::to_string(held));
-    uint64_t bytes = 0, n = 0, ready = 0, pinned = 0, evictable_n = 0, evictable_b = 0;
+    uint64_t bytes = 0, n = 0, ready = 0, pinned = 0, zentries = 0, zbytes = 0, evictable_n = 0, evictable_b = 0;
     std::vector<std::pair<uint64_t, uint64_t>> allocs;
     for (uint32_t e = 0; e < g.max_entries; ++e) {
       uint32_t st = ent[e].state.load();
@@ -57,6 +57,10 @@ std::vector<std::string> ChunkTable::do_check_consistency_locked() {
       n += 1;
       if (st == kEntryReady) ready += 1;
       if (st == kEntryReady && en.pin_count) pinned += 1;
+      if (st == kEntryReady && (en.flags & kFlagCompressed)) {
+        zentries += 1;
+        zbytes += en.size;
+      }
       if (st == kEntryReady && en.refcount == 0 && en.pin_count == 0) {
         evictable_n += 1;
         evictable_b += en.alloc_size;
@@ -78,6 +82,8 @@ std::vector<std::string> ChunkTable::do_check_consistency_locked() {
     if (n != c().entries.load()) fail("entries gauge " + std::to_string(c().entries.load()) + " != " + std::to_string(n));
     if (ready != c().ready_entries.load()) fail("ready_entries gauge wrong");
     if (pinned != c().pinned_entries.load()) fail("pinned_entries gauge wrong");
+    if (zentries != c().compressed_entries.load() || zbytes != c().compressed_bytes.load())
+      fail("compressed_entries / compressed_bytes gauges wrong");
     if (bytes > g.arena_bytes) fail("bytes used exceed the arena");
     // extents + allocations tile the arena exactly
     Extent* ex = extents();

@@ -12,6 +12,14 @@ namespace shmkv {
 
 // -------------------------------------------------------------- records ----
 
+void ChunkTable::do_count_ready_locked(const Entry& en, int delta) {
+  c().ready_entries.fetch_add(uint64_t(int64_t(delta)), std::memory_order_relaxed);
+  if (en.flags & kFlagCompressed) {
+    c().compressed_entries.fetch_add(uint64_t(int64_t(delta)), std::memory_order_relaxed);
+    c().compressed_bytes.fetch_add(uint64_t(int64_t(delta) * int64_t(en.size)), std::memory_order_relaxed);
+  }
+}
+
 // The entry is already out of the index and the LRU list.
 void ChunkTable::do_free_entry_locked(uint32_t e) {
   Entry& en = entries()[e];
@@ -20,7 +28,7 @@ void ChunkTable::do_free_entry_locked(uint32_t e) {
   en.state.store(kEntryFree, std::memory_order_release);  // commit point
   c().bytes_used.fetch_sub(en.alloc_size, std::memory_order_relaxed);
   c().entries.fetch_sub(1, std::memory_order_relaxed);
-  if (st == kEntryReady) c().ready_entries.fetch_sub(1, std::memory_order_relaxed);
+  if (st == kEntryReady) do_count_ready_locked(en, -1);
   if (en.pin_count) c().pinned_entries.fetch_sub(1, std::memory_order_relaxed);
   do_free_extent_locked(en.offset, en.alloc_size);
   en.refcount = 0;
@@ -59,7 +67,7 @@ Status ChunkTable::do_grant_lease_locked(uint32_t e, LeaseHandle* out) {
   hd->leases_held += 1;
   if (en.refcount++ == 0 && en.pin_count == 0) do_lru_unlink_locked(e);
   // last_use is stamped at release (a cold release keeps the old one)
-  *out = LeaseHandle{l, ls.generation, e, en.offset, en.size, en.tokens};
+  *out = LeaseHandle{l, ls.generation, e, en.offset, en.size, en.tokens, en.flags};
   return Status::kOk;
 }
 

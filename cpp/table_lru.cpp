@@ -78,7 +78,7 @@ bool ChunkTable::do_remove_ready_locked(uint32_t e) {
     en.pin_count = 0;
   }
   en.state.store(kEntryDoomed, std::memory_order_release);
-  c().ready_entries.fetch_sub(1, std::memory_order_relaxed);
+  do_count_ready_locked(en, -1);
   return false;
 }
 

@@ -112,7 +112,7 @@ void ChunkTable::do_rebuild_locked(const char* why) {
   std::sort(kept.begin(), kept.end(),
             [&](uint32_t a, uint32_t b) { return ent[a].offset < ent[b].offset; });
   // Rebuild gauges, extents, free-entry list, LRU and index.
-  uint64_t bytes = 0, nentries = 0, ready = 0, pinned = 0;
+  uint64_t bytes = 0, nentries = 0, ready = 0, pinned = 0, zentries = 0, zbytes = 0;
   Extent* ex = extents();
   uint64_t nex = 0, cursor = 0;
   for (uint32_t e : kept) {
@@ -124,6 +124,10 @@ void ChunkTable::do_rebuild_locked(const char* why) {
     uint32_t st = en.state.load(std::memory_order_relaxed);
     if (st == kEntryReady) ready += 1;
     if (st == kEntryReady && en.pin_count) pinned += 1;
+    if (st == kEntryReady && (en.flags & kFlagCompressed)) {
+      zentries += 1;
+      zbytes += en.size;
+    }
     if (st != kEntryReady) en.pin_count = 0;
   }
   if (cursor < g.arena_bytes) ex[nex++] = Extent{cursor, g.arena_bytes - cursor};
@@ -132,6 +136,8 @@ void ChunkTable::do_rebuild_locked(const char* why) {
   c().entries.store(nentries, std::memory_order_relaxed);
   c().ready_entries.store(ready, std::memory_order_relaxed);
   c().pinned_entries.store(pinned, std::memory_order_relaxed);
+  c().compressed_entries.store(zentries, std::memory_order_relaxed);
+  c().compressed_bytes.store(zbytes, std::memory_order_relaxed);
 
   hd->free_entry_head = kNone;
   for (uint32_t e = g.max_entries; e-- > 0;) {

@@ -11,6 +11,11 @@
     POST /move         {"tokens", "namespace", "to": "shm" | "disk"}
     POST /flush        {} -> returns once every chunk of the shared tier is on disk (fsync'd)
                        and, with a remote tier, written there (or failed, counted)
+    POST /compress     {"namespace", optional "tokens"} -> the namespace's chunks in the shared
+                       tier (or the cached prefix of `tokens`) re-encoded in place, lossless
+                       (zstd of the byte-shuffled payload, checked like a disk chunk); loads
+                       decode them exactly
+    POST /decompress   the same fields -> compressed chunks put back raw
 
 A namespace N is either the 32-hex root key of a registered namespace
 (`/namespaces`), or an object of Namespace fields (shmkv.keys.Namespace, with
@@ -85,6 +90,12 @@ class TokensArgs(NamespaceArgs):
 
 class MoveArgs(TokensArgs):
     to: Literal["shm", "disk"]
+
+
+class RecodeArgs(NamespaceArgs):
+    """POST /compress and /decompress: a namespace, and optionally the tokens
+    whose cached prefix is meant (else every chunk of the namespace)."""
+    tokens: list[TokenId] | None = Field(None, max_length=MAX_TOKENS)
 
 
 def request_error(errors: list[Any], model: type[BaseModel]) -> RequestError:
@@ -163,6 +174,8 @@ class Controller:
             "/unpin": ("POST", TokensArgs, self.unpin),
             "/move": ("POST", MoveArgs, self.move),
             "/flush": ("POST", EmptyArgs, self.flush),
+            "/compress": ("POST", RecodeArgs, self.compress),
+            "/decompress": ("POST", RecodeArgs, self.decompress),
         }
 
     # ----------------------------------------------------------- dispatch --
@@ -316,6 +329,40 @@ class Controller:
             return 507 if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT) else 503, out
         return out
 
+    def compress(self, args: RecodeArgs) -> dict[str, Any]:
+        return self._recode(args, compress=True)
+
+    def decompress(self, args: RecodeArgs) -> dict[str, Any]:
+        return self._recode(args, compress=False)
+
+    def _recode(self, args: RecodeArgs, *, compress: bool) -> dict[str, Any]:
+        ns = self._namespace(args)
+        element_size = self.cfg.disk_shuffle_bytes or _element_size(known(self.store.name).get(ns.root.hex()))
+        with self._mutate:
+            entries = [e for e in self.store.entries() if e["state"] == "ready" and e["namespace"] == ns.root]
+            if args.tokens is not None:
+                wanted = {u.keys[0] for u in self._units(ns, args.tokens)}
+                entries = [e for e in entries if e["key"] in wanted]
+            shared = self.chain.shared
+            verb = "compressed" if compress else "decompressed"
+            outcomes: dict[str, int] = {}
+            recoded: dict[bytes, int] = {}  # key -> its size before
+            for e in entries:
+                if compress:
+                    got = shared.compress(e, element_size=element_size, level=self.cfg.disk_level)
+                else:
+                    got = shared.decompress(e)
+                outcomes[got] = outcomes.get(got, 0) + 1
+                if got == verb:
+                    recoded[e["key"]] = e["size"]
+            before = sum(recoded.values())
+            after = sum(e["size"] for e in self.store.entries() if e["key"] in recoded and e["state"] == "ready")
+        n = outcomes.pop(verb, 0)
+        log.info("shmkv: controller %s %d chunks of namespace %s (%d -> %d bytes; left as they were: %s)", verb, n,
+                 ns.root.hex(), before, after, outcomes or "none")
+        return {"namespace": ns.root.hex(), f"{verb}_chunks": n, "bytes_before": before, "bytes_after": after,
+                "skipped": outcomes}
+
     # ---------------------------------------------------------- internals --
     def _controller_counters(self) -> dict[str, Any]:
         with self._count_lock:
@@ -423,3 +470,15 @@ def _int_in(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise RequestError(f"{name}={value!r}: expected an integer in [{lo}, {hi}]")
     return value
+
+
+def _element_size(fields: dict[str, Any] | None) -> int:
+    """Bytes per element of a registered namespace's dtype (the byte-plane
+    shuffle's unit); 2 when unknown."""
+    dtype = str((fields or {}).get("dtype", ""))
+    if "float32" in dtype or dtype in ("fp32", "float"):
+        return 4
+    if "fp8" in dtype or "float8" in dtype or "int8" in dtype:
+        return 1
+    return 2
+

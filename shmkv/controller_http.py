@@ -44,6 +44,7 @@ from shmkv.controller import (
     EmptyArgs,
     MoveArgs,
     NamespaceArgs,
+    RecodeArgs,
     TokensArgs,
     request_error,
 )
@@ -108,6 +109,14 @@ def make_app(controller: Controller) -> FastAPI:
     @app.post("/flush")
     async def flush(args: EmptyArgs | None = None) -> Response:
         return await run("/flush", args or EmptyArgs())
+
+    @app.post("/compress")
+    async def compress(args: RecodeArgs | None = None) -> Response:  # no body: the only namespace, whole
+        return await run("/compress", args or RecodeArgs())
+
+    @app.post("/decompress")
+    async def decompress(args: RecodeArgs | None = None) -> Response:
+        return await run("/decompress", args or RecodeArgs())
 
     models = {path: model for path, (_m, model, _fn) in controller.routes.items()}
     assert set(models) == {r.path for r in app.routes}, "every controller route is served"

@@ -144,7 +144,10 @@ class Maintainer:
         lease = leases[0]
         tokens = lease.tokens
         try:
-            ok = self.disk.write(key, ns, lease.view(), tokens)
+            if lease.compressed:  # already in the chunk format: written as it is
+                ok = self.disk.write_encoded(key, lease.view(), tokens)
+            else:
+                ok = self.disk.write(key, ns, lease.view(), tokens)
         finally:
             valid = lease.release(cold=True)
         if ok:

@@ -53,6 +53,7 @@ Keys = Sequence[bytes] | bytes | bytearray | memoryview
 _MODE_CREATE, _MODE_ATTACH, _MODE_OPEN_OR_CREATE = 0, 1, 2
 DEFAULT_LOCK_TIMEOUT_S = 0.3
 FLAG_SPILLED = int(_C.FLAG_SPILLED)  # Entry flag: a copy is in the disk tier
+FLAG_COMPRESSED = int(_C.FLAG_COMPRESSED)  # Entry flag: the payload is an encoded chunk (shmkv.disk.format)
 
 # The core's result codes (cpp/status.h, exported as _C.Status), as ints.
 Status = enum.IntEnum("Status", {name: int(v) for name, v in _C.Status.__members__.items()})
@@ -256,6 +257,11 @@ class Lease(_PayloadHandle):
         return int(self._c.tokens)
 
     @property
+    def compressed(self) -> bool:
+        """Whether the payload is an encoded chunk (shmkv.disk.format) rather than raw KV."""
+        return bool(self._c.flags & FLAG_COMPRESSED)
+
+    @property
     def is_open(self) -> bool:
         return bool(self._c.is_open)
 
@@ -362,14 +368,15 @@ class Store:
 
     # ------------------------------------------------------------- stores --
     def reserve(self, key: Key, nbytes: int, *, namespace: bytes | None = None,
-                tokens: int = 0) -> Reservation | PutResult:
+                tokens: int = 0, compressed: bool = False) -> Reservation | PutResult:
         """Room for `nbytes` under `key`, or FULL / EXISTS / BUSY. `namespace`
         (16 bytes, the chunk's namespace root key) tags the entry for the
         tiers and for clear(namespace=...); `tokens` (the prompt tokens the
-        chunk holds) is counted at commit and by the tiers it spills to."""
+        chunk holds) is counted at commit and by the tiers it spills to;
+        `compressed`: the payload is an encoded chunk, not raw KV."""
         if nbytes <= 0:
             raise InvalidArgumentError(f"payload size must be > 0, got {nbytes}")
-        code, res = self.table.reserve(key, nbytes, namespace, tokens)
+        code, res = self.table.reserve(key, nbytes, namespace, tokens, FLAG_COMPRESSED if compressed else 0)
         if code == Status.OK:
             return Reservation(res, key)
         if code == Status.TOO_LARGE:
@@ -380,9 +387,10 @@ class Store:
         _raise_if_error(code)
         return PutResult(code)
 
-    def put(self, key: Key, data: Any, *, namespace: bytes | None = None, tokens: int = 0) -> PutResult:
+    def put(self, key: Key, data: Any, *, namespace: bytes | None = None, tokens: int = 0,
+            compressed: bool = False) -> PutResult:
         """reserve + copy + commit of a C-contiguous buffer (bytes, numpy...)."""
-        code = self.table.put(key, data, namespace, tokens)
+        code = self.table.put(key, data, namespace, tokens, FLAG_COMPRESSED if compressed else 0)
         if code == Status.TOO_LARGE:
             raise PayloadTooLargeError(f"payload exceeds max_payload_bytes of segment '{self.name}'")
         if code == Status.INVALID_ARGUMENT:
@@ -446,7 +454,7 @@ class Store:
 
     # -------------------------------------------------- tier maintenance --
     def coldest(self, max_n: int) -> list[tuple[bytes, int, int, bytes, int]]:
-        """(key, size, flags, namespace) of the next eviction victims, coldest first."""
+        """(key, size, flags, namespace, tokens) of the next eviction victims, coldest first."""
         return self.table.coldest(max_n)
 
     def mark_spilled(self, key: Key) -> bool:
@@ -466,7 +474,7 @@ class Store:
 
     def entries(self) -> list[dict[str, Any]]:
         """Every record in use: key, namespace, size, alloc_size, state
-        ("writing", "ready", or "doomed": erased while leased), pins, leases, flags, owner_pid (one lock)."""
+        ("writing", "ready", or "doomed": erased while leased), pins, leases, flags, owner_pid, tokens (one lock)."""
         return list(self.table.list_entries())
 
     def check_consistency(self) -> list[str]:

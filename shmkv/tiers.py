@@ -32,7 +32,7 @@ import numpy as np
 
 from shmkv.chunking import Chunker, Unit
 from shmkv.keys import ExtraInputs
-from shmkv.store import PutResult, Store
+from shmkv.store import FLAG_SPILLED, PutResult, Store
 
 
 class Tier(Protocol):
@@ -69,7 +69,11 @@ class SharedTier:
         return self.store.contains(keys)
 
     def fetch(self, key: bytes, namespace: bytes) -> tuple[bytes, bytes] | None:
-        raw = self.store.get(key)
+        lease = self.store.acquire(key)
+        if lease is None:
+            return None
+        with lease:
+            raw = decoded(lease, key) if lease.compressed else bytes(lease.view())
         return None if raw is None else (raw, namespace)
 
     def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview, tokens: int = 0) -> bool:
@@ -80,6 +84,61 @@ class SharedTier:
 
     def clear(self, namespace: bytes | None = None) -> int:
         return self.store.clear(namespace=namespace)
+
+    # ------------------------------------------------- compressed entries --
+    # POST /compress re-encodes a chunk into the chunk format (zstd of the
+    # byte-shuffled payload, every check of shmkv.disk.format) under the same
+    # key, flagged compressed; loads decode it (decoded()), spills write it as
+    # it is. /decompress puts the raw payload back.
+    def compress(self, entry: dict[str, Any], *, element_size: int, level: int = 1) -> str:
+        """Re-encode one raw chunk (`entry`: its Store.entries() record)
+        compressed: "compressed", or why not ("missing", "already", "pinned",
+        "incompressible", "raced")."""
+        return self._recode(entry, compress=True, element_size=element_size, level=level)
+
+    def decompress(self, entry: dict[str, Any]) -> str:
+        """Put one compressed chunk back raw: "decompressed", or why not
+        ("missing", "already", "pinned", "damaged", "raced")."""
+        return self._recode(entry, compress=False)
+
+    def _recode(self, entry: dict[str, Any], *, compress: bool, element_size: int = 2, level: int = 1) -> str:
+        from shmkv.disk import format as fmt
+
+        store = self.store
+        key, namespace = entry["key"], entry["namespace"]
+        if entry["pins"]:
+            return "pinned"  # a pin is the operator's: its chunk is left as it is
+        leases = store.acquire_prefix([key], count_lookup=False)
+        if not leases:
+            return "missing"
+        lease = leases[0]
+        try:
+            if lease.compressed == compress:
+                return "already"
+            tokens = lease.tokens
+            if compress:
+                view = lease.view()
+                data = fmt.encode(key, namespace, view, element_size=element_size, level=level)
+                if len(data) >= memoryview(view).nbytes:
+                    return "incompressible"
+            else:
+                data = decoded(lease, key)
+                if data is None:
+                    return "damaged"
+        finally:
+            if not lease.release(cold=True):  # an admin read is not a use
+                data = None
+        if data is None:
+            return "raced"  # the lease was reclaimed: what was read may be wrong
+        spilled = bool(entry["flags"] & FLAG_SPILLED)
+        # NOTE: between the delete and the put a lookup misses (vLLM computes);
+        # a lease taken before the delete keeps the old bytes until released.
+        store.delete(key)
+        if store.put(key, data, namespace=namespace, tokens=tokens, compressed=compress) is not PutResult.OK:
+            return "raced"  # written meanwhile by someone else (or no room): theirs stays
+        if spilled:
+            store.mark_spilled(key)
+        return "compressed" if compress else "decompressed"
 
     def prefix_length(self, units: Sequence[Unit], count: bool) -> int:
         """How many of `units` every rank holds, as a prefix (one batched
@@ -234,3 +293,14 @@ class TierChain:
     def clear(self, namespace: bytes | None = None) -> dict[str, int]:
         """Drop every chunk (of one namespace) from every tier; how many per tier."""
         return {t.name: t.clear(namespace) for t in self.tiers}
+
+
+def decoded(lease: Any, key: bytes) -> bytes | None:
+    """The raw payload of a compressed chunk under `lease` (every check of
+    shmkv.disk.format), or None if it is damaged."""
+    from shmkv.disk import format as fmt
+
+    try:
+        return fmt.decode(lease.view(), key)[0]
+    except fmt.DamagedChunk:
+        return None

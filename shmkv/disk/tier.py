@@ -184,21 +184,39 @@ class DiskTier:
     # ------------------------------------------------ writes (maintainer) --
     def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview, tokens: int = 0) -> bool:
         """Write one chunk (temp file + rename). False, counted, on any error."""
+        codec = self.codec.pick(space_short=self._space_short())
+        t0 = time.perf_counter()
+        head, body = fmt.encode_parts(key, namespace, raw, element_size=self.element_size, level=self.level,
+                                      compressor=self._cctx_get(), codec=codec)
+        return self._write_file(key, head, body, memoryview(raw).nbytes, tokens,
+                                measured=(codec, time.perf_counter() - t0))
+
+    def write_encoded(self, key: bytes, data: bytes | memoryview, tokens: int = 0) -> bool:
+        """Write one chunk already in the chunk format (a compressed entry of
+        the shared tier), as it is. False, counted, on any error."""
+        try:
+            raw_len = fmt.read_header(bytes(memoryview(data)[:fmt.HEADER_BYTES]))[3]
+        except fmt.DamagedChunk as e:
+            log.warning("shmkv: not spilling chunk %s: %s", key.hex(), e.reason)
+            self._count("spill_errors", 1)
+            return False
+        view = memoryview(data).cast("B")
+        return self._write_file(key, view[:fmt.HEADER_BYTES], view[fmt.HEADER_BYTES:], raw_len, tokens)
+
+    def _write_file(self, key: bytes, head: bytes | memoryview, body: bytes | memoryview, raw_len: int, tokens: int,
+                    measured: tuple[str, float] | None = None) -> bool:
         final = _name(key)
         tmp = f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            codec = self.codec.pick(space_short=self._space_short())
-            t0 = time.perf_counter()
-            head, body = fmt.encode_parts(key, namespace, raw, element_size=self.element_size, level=self.level,
-                                          compressor=self._cctx_get(), codec=codec)
             t1 = time.perf_counter()
             fd = self._d.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                _write_all(fd, [memoryview(head), memoryview(body).cast("B")])
+                _write_all(fd, [memoryview(head).cast("B"), memoryview(body).cast("B")])
             finally:
                 os.close(fd)
-            size = len(head) + memoryview(body).nbytes
-            self.codec.record(codec, memoryview(raw).nbytes, size, t1 - t0, time.perf_counter() - t1)
+            size = memoryview(head).nbytes + memoryview(body).nbytes
+            if measured is not None:
+                self.codec.record(measured[0], raw_len, size, measured[1], time.perf_counter() - t1)
             self._d.replace(tmp, final)
             with self._lock:
                 self._unsynced.add(final)
@@ -213,7 +231,7 @@ class DiskTier:
         self.last_write_error = None
         self._added(key, size)
         self._count("spills", 1)
-        self._count("spill_bytes", len(raw))
+        self._count("spill_bytes", raw_len)
         if tokens:
             self._count("spill_tokens", tokens)
         return True

@@ -320,8 +320,11 @@ class RemoteTier:
         try:
             t0 = time.perf_counter()
             view = lease.view()
-            data = fmt.encode(key, ns, view, element_size=self.element_size, level=self.level, codec=codec)
-            measured = (codec, memoryview(view).nbytes, time.perf_counter() - t0)
+            if lease.compressed:  # already in the chunk format
+                data, measured = bytes(view), None
+            else:
+                data = fmt.encode(key, ns, view, element_size=self.element_size, level=self.level, codec=codec)
+                measured = (codec, memoryview(view).nbytes, time.perf_counter() - t0)
         finally:
             valid = lease.release()
         return (data, measured) if valid else None

@@ -273,6 +273,46 @@ def test_oversized_or_unframed_bodies_are_refused(served):
     assert body["controller"]["bad_requests"] == 3 and body["controller"]["errors"] == 0
 
 
+def test_compress_then_decompress(served):
+    us = units()
+    put_units(served.store, us)
+    put_units(served.store, units(OTHER), ns=OTHER)
+    register(served.store.name, OTHER)
+    raw = {u.keys[0]: served.store.get(u.keys[0]) for u in us}
+    # the cached prefix of the first 64 tokens only: two chunks
+    st, body = http(served.url, "POST", "/compress", {"namespace": NS.root_key().hex(), "tokens": TOKENS[:64]})
+    assert st == 200 and body["compressed_chunks"] == 2 and body["bytes_after"] * 4 < body["bytes_before"], body
+    st, body = http(served.url, "POST", "/compress", {"namespace": NS.root_key().hex()})  # the whole namespace
+    assert st == 200 and body["compressed_chunks"] == 2 and body["skipped"] == {"already": 2}, body
+    st, stats = http(served.url, "GET", "/stats")
+    assert stats["shm"]["compressed_entries"] == 4 and 0 < stats["shm"]["compressed_bytes"] < 4 * NBYTES
+    st, text = http(served.url, "GET", "/metrics")
+    assert f'shmkv_compressed_entries{{cache="{served.store.name}",tier="shm"}} 4.0' in text
+    st, body = http(served.url, "POST", "/lookup", {"tokens": TOKENS, "namespace": NS.root_key().hex()})
+    assert body["tiers"]["shm"] == len(TOKENS), "compressed chunks are still cached"
+    assert all(served.role.maintainer.chain.shared.fetch(k, NS.root_key())[0] == v for k, v in raw.items())
+    other = [u.keys[0] for u in units(OTHER)]
+    assert not any(e["flags"] & 2 for e in served.store.entries() if e["key"] in other), "other namespaces untouched"
+
+    st, body = http(served.url, "POST", "/decompress", {"namespace": NS.root_key().hex(), "tokens": TOKENS})
+    assert st == 200 and body["decompressed_chunks"] == 4 and body["bytes_after"] == 4 * NBYTES
+    assert served.store.stats()["compressed_entries"] == 0
+    assert all(served.store.get(k) == v for k, v in raw.items())
+    assert served.store.check_consistency() == []
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"tokens": "all"}, "tokens"),
+    ({"lossy": "fp8"}, "unknown field 'lossy'"),
+    ({"namespace": "00" * 16, "tokens": [1, -1]}, "tokens[1]"),
+])
+def test_bad_compress_requests(served, body, words):
+    put_units(served.store, units())
+    st, reply = http(served.url, "POST", "/compress", body)
+    assert st == 400 and words in reply["error"], reply
+    assert served.store.stats()["compressed_entries"] == 0
+
+
 def test_move_and_flush_need_a_disk_tier(cache_name, tmp_path):
     d, t = start_daemon(cache_name, tmp_path, disk=False)
     try:

@@ -34,6 +34,7 @@ from shmkv.errors import InvalidArgumentError
 from shmkv.integration.vllm.planner import GroupWindow, LoadItem, StoreItem
 from shmkv.layout import KVLayout
 from shmkv.store import PutResult, Reservation, Store
+from shmkv.tiers import decoded
 
 log = logging.getLogger("shmkv.connector")
 
@@ -81,6 +82,7 @@ class LoadBatch:
         self.jobs: list[tuple[LoadItem, Any]] = []  # (item, its lease)
         self.failed: set[int] = set()  # block ids vLLM must recompute
         self.broken: set[int] = set()  # job indices whose copy failed
+        self.sources: dict[int, Any] = {}  # job index -> decoded payload (compressed entries)
         self._positions = positions  # layer name -> forward position
         self.layer_done = [threading.Event() for _ in range(len(positions))]
         self.loader: threading.Thread | None = None
@@ -160,9 +162,32 @@ class KVWorker:
             self._load_layers(batch, False)
         return batch
 
+    def _decode_compressed(self, batch: LoadBatch) -> None:
+        """Decode the compressed entries of the batch (POST /compress) into
+        host buffers the copies read from; a damaged one is recomputed."""
+        for j, (it, lease) in enumerate(batch.jobs):
+            if not lease.compressed:
+                continue
+            raw = decoded(lease, it.keys[self.rank])
+            if raw is None:
+                log.warning("shmkv: a compressed chunk of request %s is damaged; vLLM recomputes it", it.req_id)
+                batch.broken.add(j)
+                self.counters["load_damaged"] += 1
+                continue
+            if self.on_gpu:
+                import torch
+
+                # NOTE: pinned, so the copy kernels read it through unified addressing
+                # (untested on a GPU so far).
+                batch.sources[j] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).pin_memory()
+            else:
+                batch.sources[j] = raw
+            self.counters["load_decoded"] += 1
+
     def _load_layers(self, batch: LoadBatch, move_off_omp_cores: bool) -> None:
         if move_off_omp_cores:
             _avoid_cores_of_the_main_thread()
+        self._decode_compressed(batch)
         if self.on_gpu:
             self._load_all_layers(batch)
             return
@@ -171,7 +196,7 @@ class KVWorker:
                 if j in batch.broken:
                     continue
                 try:
-                    self._scatter(it, lease, g, (layer, layer + 1))
+                    self._scatter(it, batch.sources.get(j, lease), g, (layer, layer + 1))
                 except Exception:
                     log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
                     batch.broken.add(j)
@@ -184,8 +209,10 @@ class KVWorker:
         import torch
 
         for j, (it, lease) in enumerate(batch.jobs):
+            if j in batch.broken:
+                continue
             try:
-                self._scatter(it, lease)
+                self._scatter(it, batch.sources.get(j, lease))
             except Exception:
                 log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
                 batch.broken.add(j)
@@ -218,6 +245,7 @@ class KVWorker:
         seconds = time.perf_counter() - batch.t0
         self.counters["loaded_tokens"] += sum(loaded.values())
         batch.jobs = []
+        batch.sources = {}
         return batch.failed, {r: (loaded[r], seconds) for r in batch.by_request}
 
     def _sections(self, groups: Sequence[GroupWindow]) -> list[tuple[int, int]]:
