@@ -15,6 +15,7 @@ BENCHES = {
     "remote": "shmkv.bench.remote_bench",
     "soak": "shmkv.bench.soak_bench",
     "controller": "shmkv.bench.controller_bench",
+    "compress": "shmkv.bench.compress_bench",
 }
 
 
