@@ -94,11 +94,25 @@ py::bytes shuffle_impl(py::buffer src, size_t es, bool forward) {
   return py::reinterpret_steal<py::bytes>(out);
 }
 
+// unshuffle `src` into the writable buffer `dst` of the same size (a reservation: no copy in between)
+void unshuffle_into_impl(py::buffer src, size_t es, py::buffer dst) {
+  Payload p = payload_from(src, false);
+  Payload d = payload_from(dst, true);
+  if (es < 1 || es > 64) throw py::value_error("element_size must be in [1, 64]");
+  if (d.bytes != p.bytes)
+    throw py::value_error("byte_unshuffle_into: source of " + std::to_string(p.bytes) + " bytes, destination of " +
+                          std::to_string(d.bytes));
+  py::gil_scoped_release nogil;
+  byte_unshuffle(p.ptr, d.ptr, p.bytes, es);
+}
+
 void register_kernels(py::module_& m) {
   m.def("byte_shuffle", [](py::buffer src, size_t es) { return shuffle_impl(src, es, true); },
         py::arg("data"), py::arg("element_size"), "Byte-plane shuffle (elements -> planes).");
   m.def("byte_unshuffle", [](py::buffer src, size_t es) { return shuffle_impl(src, es, false); },
         py::arg("data"), py::arg("element_size"), "Inverse of byte_shuffle.");
+  m.def("byte_unshuffle_into", &unshuffle_into_impl, py::arg("data"), py::arg("element_size"), py::arg("out"),
+        "Inverse of byte_shuffle, written into `out` (same size), without the GIL.");
   py::class_<PyPagedLayout>(m, "PagedLayout")
       .def(py::init([](std::vector<uint64_t> layer_bases, py::handle geometry) {
              auto* p = new PyPagedLayout();

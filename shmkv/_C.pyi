@@ -6,7 +6,7 @@ import collections.abc
 import shmkv.errors
 import typing
 import typing_extensions
-__all__: list[str] = ['COUNTERS', 'ERROR_CODES', 'FLAG_COMPRESSED', 'FLAG_SPILLED', 'FORMAT_VERSION', 'LAYOUT_OFFSETS', 'Lease', 'LockTimeoutError', 'METRIC_FAMILIES', 'PagedLayout', 'Reservation', 'SegmentBrokenError', 'Status', 'Table', 'byte_shuffle', 'byte_unshuffle', 'geometry', 'open_table', 'unlink']
+__all__: list[str] = ['COUNTERS', 'ERROR_CODES', 'FLAG_COMPRESSED', 'FLAG_SPILLED', 'FORMAT_VERSION', 'LAYOUT_OFFSETS', 'Lease', 'LockTimeoutError', 'METRIC_FAMILIES', 'PagedLayout', 'Reservation', 'SegmentBrokenError', 'Status', 'Table', 'byte_shuffle', 'byte_unshuffle', 'byte_unshuffle_into', 'geometry', 'open_table', 'unlink']
 class SegmentBrokenError(shmkv.errors.SegmentCorruptError):
     pass
 class LockTimeoutError(shmkv.errors.LockTimeoutError):
@@ -265,6 +265,10 @@ def byte_shuffle(data: typing_extensions.Buffer, element_size: typing.SupportsIn
 def byte_unshuffle(data: typing_extensions.Buffer, element_size: typing.SupportsInt | typing.SupportsIndex) -> bytes:
     """
     Inverse of byte_shuffle.
+    """
+def byte_unshuffle_into(data: typing_extensions.Buffer, element_size: typing.SupportsInt | typing.SupportsIndex, out: typing_extensions.Buffer) -> None:
+    """
+    Inverse of byte_shuffle, written into `out` (same size), without the GIL.
     """
 def geometry(arg0: typing.SupportsInt | typing.SupportsIndex, arg1: typing.SupportsInt | typing.SupportsIndex, arg2: typing.SupportsInt | typing.SupportsIndex, arg3: typing.SupportsInt | typing.SupportsIndex, arg4: typing.SupportsInt | typing.SupportsIndex, arg5: typing.SupportsInt | typing.SupportsIndex) -> tuple:
     ...

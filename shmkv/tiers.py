@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -45,6 +45,11 @@ class Tier(Protocol):
 
     def fetch(self, key: bytes, namespace: bytes) -> tuple[bytes, bytes] | None:
         """(payload, namespace) of a checked chunk, or None (missing, damaged, unreachable)."""
+
+    def fetch_into(self, key: bytes, namespace: bytes, alloc: Callable[[int, bytes], Any]) -> tuple[Any, bytes] | None:
+        """Like fetch, but decoded straight into alloc(raw_len, namespace)'s
+        buffer: (that buffer, namespace), or None (missing, damaged, or alloc
+        gave no buffer; what alloc gave is then the caller's to discard)."""
 
     def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview, tokens: int = 0) -> bool:
         """Store one chunk's payload (`tokens`: the prompt tokens it holds, for
@@ -225,64 +230,95 @@ class TierChain:
                 deadline_s: float | None = None) -> int:
         """Read chunks from the first lower tier holding them into the shared
         tier (`namespaces[i]` is keys[i]'s, `tokens[i]` the prompt tokens it
-        holds), in prefix order, stopping at the
-        first that is missing, damaged or does not fit, or when `deadline_s`
-        seconds have passed. Returns how many of `keys` are in the shared
-        tier afterwards (a prefix)."""
+        holds), in prefix order, stopping at the first that is missing,
+        damaged or does not fit, or when `deadline_s` seconds have passed.
+        Returns how many of `keys` are in the shared tier afterwards (a prefix)."""
         store = self.store
         t_end = None if deadline_s is None else time.monotonic() + deadline_s
         n = 0
-        # NOTE: up to `threads` chunks ahead are fetched (read, checked, decoded)
-        # in parallel while the head is put, in prefix order; after a miss at
-        # most `threads` fetches are wasted work.
-        ahead: deque[tuple[bytes, int, Any]] = deque()  # (key, tokens, its fetch; None: already in the shared tier)
+        # NOTE: up to `threads` chunks ahead are fetched and decoded straight
+        # into their reservations in parallel (zstd and the unshuffle without
+        # the GIL, no copy after); the reservations are committed here, in
+        # prefix order, so a chunk never becomes visible before the ones in
+        # front of it. After a miss the reservations ahead are aborted.
+        ahead: deque[tuple[bytes, Any]] = deque()  # (key, its fetch; None: already in the shared tier)
         todo = iter(zip(keys, namespaces, tokens if tokens is not None else [0] * len(keys)))
-        while True:
-            while len(ahead) < self.threads and (t_end is None or time.monotonic() <= t_end):
-                kn = next(todo, None)
-                if kn is None:
+        try:
+            while True:
+                while len(ahead) < self.threads and (t_end is None or time.monotonic() <= t_end):
+                    item = next(todo, None)
+                    if item is None:
+                        break
+                    ahead.append((item[0], None if store.contains([item[0]])[0] else self._submit(item)))
+                if not ahead:
                     break
-                ahead.append((kn[0], kn[2], None if store.contains([kn[0]])[0] else self._submit(kn[:2])))
-            if not ahead:
-                break
-            key, ntok, fetch = ahead.popleft()
-            if fetch is None:
+                key, fetch = ahead.popleft()
+                if fetch is None:
+                    n += 1
+                    continue
+                got, source = fetch.result() if isinstance(fetch, Future) else fetch
+                if got is None:
+                    break
+                if isinstance(got, PutResult):  # no reservation: cached meanwhile, or no room
+                    if got is not PutResult.EXISTS:
+                        store.bump("promote_errors")
+                        break
+                    n += 1
+                    continue
+                res, raw_len = got
+                if res.commit() is not PutResult.OK:
+                    store.bump("promote_errors")
+                    break
+                if source == "disk":
+                    store.mark_spilled(key)  # a copy is on disk: evicting it loses nothing
+                store.bump(f"{source}_hits")
+                store.bump("promote_bytes", raw_len)
                 n += 1
-                continue
-            got, source = fetch.result() if isinstance(fetch, Future) else fetch
-            if got is None:
-                break
-            raw, chunk_ns = got
-            r = store.put(key, raw, namespace=chunk_ns, tokens=ntok)
-            if r not in (PutResult.OK, PutResult.EXISTS):
-                store.bump("promote_errors")
-                break
-            if source == "disk":
-                store.mark_spilled(key)  # a copy is on disk: evicting it loses nothing
-            store.bump(f"{source}_hits")
-            store.bump("promote_bytes", len(raw))
-            n += 1
-        for _key, _ntok, fetch in ahead:  # the prefix ended before them
-            if isinstance(fetch, Future):
-                fetch.cancel()
+        finally:
+            for _key, fetch in ahead:  # the prefix ended before them
+                if isinstance(fetch, Future) and fetch.cancel():
+                    continue
+                got = fetch.result()[0] if isinstance(fetch, Future) else (fetch[0] if fetch else None)
+                if isinstance(got, tuple):
+                    got[0].abort()
         return n
 
-    def _fetch(self, key_ns: tuple[bytes, bytes]) -> tuple[tuple[bytes, bytes] | None, str | None]:
-        """(payload and namespace, tier name) from the first lower tier holding the chunk."""
-        key, ns = key_ns
+    def _fetch(self, item: tuple[bytes, bytes, int]) -> tuple[Any, str | None]:
+        """From the first lower tier holding the chunk: ((its filled
+        reservation, raw bytes) | a PutResult when the shared tier gave no
+        room or holds it already | None, tier name)."""
+        key, ns, ntok = item
+        held: list[Any] = []
+
+        def alloc(raw_len: int, chunk_ns: bytes) -> Any:
+            r = self.store.reserve(key, raw_len, namespace=chunk_ns, tokens=ntok)
+            held.append(r)
+            return None if isinstance(r, PutResult) else r.view()
+
         for tier in self.lower:
-            got = tier.fetch(key, ns)
+            try:
+                got = tier.fetch_into(key, ns, alloc)
+            except BaseException:
+                for r in held:
+                    if not isinstance(r, PutResult):
+                        r.abort()
+                raise
+            res = held.pop() if held else None
             if got is not None:
-                return got, tier.name
+                return (res, memoryview(got[0]).nbytes), tier.name
+            if isinstance(res, PutResult):
+                return res, tier.name
+            if res is not None:
+                res.abort()  # damaged after the room was taken
         return None, None
 
-    def _submit(self, key_ns: tuple[bytes, bytes]) -> Any:
+    def _submit(self, item: tuple[bytes, bytes, int]) -> Any:
         """A fetch: done now (one thread), or running on the pool (a Future)."""
         if self.threads == 1:
-            return self._fetch(key_ns)
+            return self._fetch(item)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shmkv-promote-io")
-        return self._pool.submit(self._fetch, key_ns)
+        return self._pool.submit(self._fetch, item)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -29,6 +29,8 @@ else raises DamagedChunk, which callers turn into a miss.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from typing import Any
 
 import xxhash
 import zstandard
@@ -141,3 +143,44 @@ def decode(data: bytes, key: bytes | None = None, *, max_raw: int = 1 << 34,
     if xxhash.xxh3_128_digest(raw) != checksum:
         raise DamagedChunk("payload checksum mismatch")
     return raw, ns
+
+
+def decode_into(data: bytes | memoryview, key: bytes, alloc: Callable[[int, bytes], Any], *,
+                namespace: bytes | None = None, max_raw: int = 1 << 34,
+                decompressor: zstandard.ZstdDecompressor | None = None) -> tuple[Any, bytes] | None:
+    """Decode a chunk straight into the buffer alloc(raw_len, namespace)
+    gives (a reservation of the shared tier: no copy in between), after the
+    same checks as decode(); `namespace`, if given, must be the chunk's.
+    Returns (that buffer, namespace), or None when alloc gave none. Raises
+    DamagedChunk; the caller then discards what alloc gave."""
+    es, ns, stored_key, raw_len, comp_len, checksum = read_header(data[:HEADER_BYTES])
+    if stored_key != key:
+        raise DamagedChunk("file holds another key")
+    if namespace is not None and ns != namespace:
+        raise DamagedChunk("chunk names another namespace")
+    if len(data) != HEADER_BYTES + comp_len:
+        raise DamagedChunk(f"length {len(data)} != header + body {HEADER_BYTES + comp_len}")
+    if raw_len > max_raw:
+        raise DamagedChunk(f"raw length {raw_len} exceeds the limit {max_raw}")
+    body = memoryview(data)[HEADER_BYTES:]
+    shuffled = None
+    if data[11] != CODEC_NONE:  # decompress before taking room: a bad frame costs no reservation
+        try:
+            reader = (decompressor or zstandard.ZstdDecompressor()).stream_reader(body, read_across_frames=False)
+            shuffled = reader.read(raw_len + 1)
+        except zstandard.ZstdError as e:
+            raise DamagedChunk(f"zstd: {e}") from e
+        if len(shuffled) != raw_len:
+            raise DamagedChunk("decompressed length mismatch")
+    buf = alloc(raw_len, ns)
+    if buf is None:
+        return None
+    out = memoryview(buf).cast("B")
+    if shuffled is None:
+        out[:] = body
+    else:
+        _C.byte_unshuffle_into(shuffled, max(1, es), out)
+    if xxhash.xxh3_128_digest(out) != checksum:
+        raise DamagedChunk("payload checksum mismatch")
+    return buf, ns
+

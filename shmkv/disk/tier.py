@@ -31,6 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import zstandard
 
@@ -179,6 +180,22 @@ class DiskTier:
             self._damaged(_name(key), key, e.reason)
             return None
         self._touch(key)
+        return got
+
+    def fetch_into(self, key: bytes, namespace: bytes, alloc: Callable[[int, bytes], Any]) -> tuple[Any, bytes] | None:
+        """Decode a chunk straight into alloc(raw_len, namespace)'s buffer:
+        (that buffer, namespace), or None (missing, no room, or damaged and
+        removed; what alloc gave must then be discarded)."""
+        data = self.read_file(key)
+        if data is None:
+            return None
+        try:
+            got = fmt.decode_into(data, key, alloc, decompressor=self._dctx())
+        except fmt.DamagedChunk as e:
+            self._damaged(_name(key), key, e.reason)
+            return None
+        if got is not None:
+            self._touch(key)
         return got
 
     # ------------------------------------------------ writes (maintainer) --

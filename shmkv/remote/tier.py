@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -166,6 +167,25 @@ class RemoteTier:
         if self.capacity:
             self._call("touch", lambda: self._client.zadd(_LRU, {rkey: time.time()}, xx=True))
         return raw, ns
+
+    def fetch_into(self, key: bytes, namespace: bytes, alloc: Callable[[int, bytes], Any]) -> tuple[Any, bytes] | None:
+        """Like fetch, decoded straight into alloc(raw_len, namespace)'s buffer."""
+        rkey = chunk_key(key, namespace)
+        ok, data = self._call("get", lambda: self._client.get(rkey))
+        if not ok or data is None:
+            self._count("remote_misses", 1)
+            return None
+        self._count("remote_get_bytes", len(data))
+        try:
+            got = fmt.decode_into(data, key, alloc, namespace=namespace)
+        except fmt.DamagedChunk as e:
+            log.warning("shmkv: remote chunk %s rejected (%s): removed", rkey.decode(), e.reason)
+            self._count("remote_damaged", 1)
+            self._call("unlink", lambda: self._client.unlink(rkey))
+            return None
+        if got is not None and self.capacity:
+            self._call("touch", lambda: self._client.zadd(_LRU, {rkey: time.time()}, xx=True))
+        return got
 
     # --------------------------------------------------------------- writes --
     def enqueue(self, key: bytes, namespace: bytes, tokens: int = 0) -> bool:

@@ -96,3 +96,40 @@ def test_wrong_key_is_rejected():
     data = fmt.encode(KEY, NS, b"payload")
     with pytest.raises(fmt.DamagedChunk, match="another key"):
         fmt.decode(data, b"z" * 16)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+@pytest.mark.parametrize("es", [1, 2])
+def test_decode_into_a_given_buffer(codec, es):
+    raw = torch.randn(40_000).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    data = fmt.encode(KEY, NS, raw, element_size=es, codec=codec)
+    asked = []
+
+    def alloc(n, ns):
+        asked.append((n, ns))
+        return bytearray(n)
+
+    buf, ns = fmt.decode_into(data, KEY, alloc, namespace=NS)
+    assert bytes(buf) == raw and ns == NS and asked == [(len(raw), NS)]
+    assert fmt.decode_into(data, KEY, lambda n, ns: None) is None, "no room: nothing decoded"
+    with pytest.raises(fmt.DamagedChunk, match="another namespace"):
+        fmt.decode_into(data, KEY, alloc, namespace=b"x" * 16)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+@pytest.mark.parametrize("kind", list(damaged_variants(b"x" * 200)))
+def test_decode_into_detects_damage(kind, codec):
+    raw = np.random.default_rng(0).standard_normal(5000).astype(np.float32).tobytes()
+    bad = damaged_variants(fmt.encode(KEY, NS, raw, element_size=4, codec=codec))[kind]
+    with pytest.raises(fmt.DamagedChunk):
+        fmt.decode_into(bad, KEY, lambda n, ns: bytearray(n))
+
+
+def test_unshuffle_into_needs_the_same_size():
+    from shmkv import _C
+
+    with pytest.raises(ValueError, match="destination of 3"):
+        _C.byte_unshuffle_into(b"abcd", 2, bytearray(3))
+    out = bytearray(7)
+    _C.byte_unshuffle_into(fmt.shuffle(b"abcdefg", 2), 2, out)
+    assert bytes(out) == b"abcdefg"

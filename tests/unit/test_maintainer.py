@@ -80,7 +80,8 @@ def test_puts_that_outrun_the_maintainer_count_unspilled_evictions(setup):
     assert store.stats()["evicted_unspilled"] == 3
 
 
-def test_promote_brings_back_exact_bytes_in_prefix_order(setup):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_promote_brings_back_exact_bytes_in_prefix_order(setup, threads):
     store, disk, m = setup
     units = store.arena_bytes // UNIT
     fill(store, 6)
@@ -89,8 +90,13 @@ def test_promote_brings_back_exact_bytes_in_prefix_order(setup):
     keys = [key(i) for i in range(6)]
     os.unlink(disk.path(keys[4]))
     before = store.stats()["put_tokens"]
-    assert TierChain(store, [disk]).promote(keys, [b"N" * 16] * 6, tokens=[tokens_of(i) for i in range(6)]) == 4, \
+    chain = TierChain(store, [disk], threads=threads)
+    assert chain.promote(keys, [b"N" * 16] * 6, tokens=[tokens_of(i) for i in range(6)]) == 4, \
         "stops at the first chunk not on disk"
+    chain.close()
+    assert store.contains(keys) == [True] * 4 + [False] * 2, "nothing past the gap, even fetched ahead"
+    assert not [e for e in store.entries() if e["state"] != "ready"], "reservations ahead of the gap are aborted"
+    assert store.check_consistency() == []
     assert store.stats()["put_tokens"] - before == sum(tokens_of(i) for i in range(4))
     for i in range(4):
         assert store.get(key(i)) == payload_for(key(i), UNIT)

@@ -34,7 +34,17 @@ class DictTier:
         raw = self.chunks.get((key, namespace))
         return None if raw is None else (raw, namespace)
 
-    def write(self, key, namespace, raw):
+    def fetch_into(self, key, namespace, alloc):
+        raw = self.chunks.get((key, namespace))
+        if raw is None:
+            return None
+        buf = alloc(len(raw), namespace)
+        if buf is None:
+            return None
+        memoryview(buf).cast("B")[:] = raw
+        return buf, namespace
+
+    def write(self, key, namespace, raw, tokens=0):
         self.chunks[(key, namespace)] = bytes(raw)
         return True
 
