@@ -130,15 +130,7 @@ def decode(data: bytes, key: bytes | None = None, *, max_raw: int = 1 << 34,
         if xxhash.xxh3_128_digest(raw) != checksum:
             raise DamagedChunk("payload checksum mismatch")
         return raw, ns
-    try:
-        # bounded read: a forged frame cannot make us allocate more than raw_len + 1
-        reader = (decompressor or zstandard.ZstdDecompressor()).stream_reader(
-            memoryview(data)[HEADER_BYTES:], read_across_frames=False)
-        shuffled = reader.read(raw_len + 1)
-    except zstandard.ZstdError as e:
-        raise DamagedChunk(f"zstd: {e}") from e
-    if len(shuffled) != raw_len:
-        raise DamagedChunk("decompressed length mismatch")
+    shuffled = _decompress(memoryview(data)[HEADER_BYTES:], raw_len, decompressor)
     raw = unshuffle(shuffled, es)
     if xxhash.xxh3_128_digest(raw) != checksum:
         raise DamagedChunk("payload checksum mismatch")
@@ -165,13 +157,7 @@ def decode_into(data: bytes | memoryview, key: bytes, alloc: Callable[[int, byte
     body = memoryview(data)[HEADER_BYTES:]
     shuffled = None
     if data[11] != CODEC_NONE:  # decompress before taking room: a bad frame costs no reservation
-        try:
-            reader = (decompressor or zstandard.ZstdDecompressor()).stream_reader(body, read_across_frames=False)
-            shuffled = reader.read(raw_len + 1)
-        except zstandard.ZstdError as e:
-            raise DamagedChunk(f"zstd: {e}") from e
-        if len(shuffled) != raw_len:
-            raise DamagedChunk("decompressed length mismatch")
+        shuffled = _decompress(body, raw_len, decompressor)
     buf = alloc(raw_len, ns)
     if buf is None:
         return None
@@ -183,4 +169,22 @@ def decode_into(data: bytes | memoryview, key: bytes, alloc: Callable[[int, byte
     if xxhash.xxh3_128_digest(out) != checksum:
         raise DamagedChunk("payload checksum mismatch")
     return buf, ns
+
+
+def _decompress(body: memoryview, raw_len: int, decompressor: zstandard.ZstdDecompressor | None) -> bytes:
+    """The zstd frame of a body, exactly raw_len bytes, or DamagedChunk.
+    Bounded: a frame declaring another size is refused before anything is
+    allocated (one-shot decompress trusts a declared size), and one declaring
+    none gets at most raw_len bytes. One-shot decompression runs without the
+    GIL, so threads decode in parallel."""
+    try:
+        declared = zstandard.frame_content_size(body)
+        if declared not in (-1, raw_len):
+            raise DamagedChunk(f"zstd frame declares {declared} bytes, the header {raw_len}")
+        shuffled = (decompressor or zstandard.ZstdDecompressor()).decompress(body, max_output_size=raw_len)
+    except zstandard.ZstdError as e:
+        raise DamagedChunk(f"zstd: {e}") from e
+    if len(shuffled) != raw_len:
+        raise DamagedChunk("decompressed length mismatch")
+    return shuffled
 
