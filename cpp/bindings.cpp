@@ -252,9 +252,10 @@ struct PyTable {
 
 py::tuple open_table(const std::string& name, int mode, uint64_t capacity, uint64_t max_payload,
                      uint64_t alignment, uint32_t max_entries, uint32_t max_leases,
-                     uint32_t max_procs, bool populate, double lock_timeout_s) {
+                     uint32_t max_procs, bool populate, double lock_timeout_s, double init_wait_s) {
   if (!(lock_timeout_s > 0 && lock_timeout_s <= 3600))
     throw py::value_error("lock_timeout must be in (0, 3600] seconds");
+  if (!(init_wait_s > 0 && init_wait_s <= 86400)) throw py::value_error("init_wait_s must be in (0, 86400] seconds");
   SegmentConfig cfg;
   cfg.capacity_bytes = capacity;
   cfg.max_payload_bytes = max_payload;
@@ -262,6 +263,7 @@ py::tuple open_table(const std::string& name, int mode, uint64_t capacity, uint6
   cfg.max_entries = max_entries;
   cfg.max_leases = max_leases;
   cfg.max_procs = max_procs;
+  cfg.init_wait_ns = uint64_t(init_wait_s * 1e9);
   if (mode < 0 || mode > 2) throw py::value_error("mode must be 0 (create), 1 (attach) or 2 (open_or_create)");
   std::shared_ptr<Segment> seg;
   std::string err;
@@ -355,6 +357,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("max_payload_bytes"), py::arg("alignment"), py::arg("max_entries"),
         py::arg("max_leases"), py::arg("max_procs"), py::arg("populate"),
         py::arg("lock_timeout_s") = double(ChunkTable::kDefaultLockTimeoutNs) / 1e9,
+        py::arg("init_wait_s") = double(SegmentConfig{}.init_wait_ns) / 1e9,
         "Open a segment; returns (status, message, Table | None, outcome).");
   m.def("unlink", [](const std::string& name) -> py::tuple {
     std::string err;

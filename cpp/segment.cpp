@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
@@ -48,6 +49,22 @@ bool ofd_lock(int fd, off_t byte, short type, bool wait) {
     if (fcntl(fd, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl) == 0) return true;
     if (errno == EINTR) continue;
     return false;
+  }
+}
+
+// ofd_lock(..., wait=true) bounded by `wait_ns`: false with errno ETIMEDOUT past it.
+bool ofd_lock_within(int fd, off_t byte, short type, uint64_t wait_ns) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(wait_ns);
+  useconds_t pause = 1000;
+  for (;;) {
+    if (ofd_lock(fd, byte, type, false)) return true;
+    if (errno != EAGAIN && errno != EACCES) return false;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      errno = ETIMEDOUT;
+      return false;
+    }
+    usleep(pause);  // NOTE: a lock held for seconds (a creator populating GiBs): poll, backing off
+    pause = pause < 50000 ? pause * 2 : pause;
   }
 }
 
@@ -382,7 +399,15 @@ struct SegmentOpener {
           return Status::kPermission;
         }
       }
-      if (!ofd_lock(fd, kInitByte, F_WRLCK, true)) {
+      if (!ofd_lock_within(fd, kInitByte, F_WRLCK, cfg.init_wait_ns)) {
+        if (errno == ETIMEDOUT) {
+          char waited[32];
+          std::snprintf(waited, sizeof waited, "%.1f", double(cfg.init_wait_ns) / 1e9);
+          *err = "another process has been initialising segment /dev/shm/" + name + " for over " + waited +
+                 " s (still creating a large segment, or stopped while doing so: `fuser -v /dev/shm/" + name +
+                 "` names it); try again, or stop it";
+          return Status::kTimedOut;
+        }
         *err = errno_text("locking the segment's init byte", errno);
         return Status::kSystem;
       }

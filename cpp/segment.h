@@ -35,6 +35,10 @@ struct SegmentConfig {
   uint32_t max_entries = 0;           // 0: derived from capacity
   uint32_t max_leases = 0;            // 0: derived from max_entries
   uint32_t max_procs = 256;
+  // How long open() waits for another process initialising (or validating)
+  // the segment: past it, kTimedOut naming the wait (a stopped process must
+  // not stop every vLLM start behind it).
+  uint64_t init_wait_ns = 120'000'000'000ull;
 };
 
 enum class OpenMode { kCreate, kAttach, kOpenOrCreate };

@@ -272,7 +272,7 @@ def byte_unshuffle_into(data: typing_extensions.Buffer, element_size: typing.Sup
     """
 def geometry(arg0: typing.SupportsInt | typing.SupportsIndex, arg1: typing.SupportsInt | typing.SupportsIndex, arg2: typing.SupportsInt | typing.SupportsIndex, arg3: typing.SupportsInt | typing.SupportsIndex, arg4: typing.SupportsInt | typing.SupportsIndex, arg5: typing.SupportsInt | typing.SupportsIndex) -> tuple:
     ...
-def open_table(name: str, mode: typing.SupportsInt | typing.SupportsIndex, capacity_bytes: typing.SupportsInt | typing.SupportsIndex, max_payload_bytes: typing.SupportsInt | typing.SupportsIndex, alignment: typing.SupportsInt | typing.SupportsIndex, max_entries: typing.SupportsInt | typing.SupportsIndex, max_leases: typing.SupportsInt | typing.SupportsIndex, max_procs: typing.SupportsInt | typing.SupportsIndex, populate: bool, lock_timeout_s: typing.SupportsFloat | typing.SupportsIndex = 0.3) -> tuple:
+def open_table(name: str, mode: typing.SupportsInt | typing.SupportsIndex, capacity_bytes: typing.SupportsInt | typing.SupportsIndex, max_payload_bytes: typing.SupportsInt | typing.SupportsIndex, alignment: typing.SupportsInt | typing.SupportsIndex, max_entries: typing.SupportsInt | typing.SupportsIndex, max_leases: typing.SupportsInt | typing.SupportsIndex, max_procs: typing.SupportsInt | typing.SupportsIndex, populate: bool, lock_timeout_s: typing.SupportsFloat | typing.SupportsIndex = 0.3, init_wait_s: typing.SupportsFloat | typing.SupportsIndex = 120.0) -> tuple:
     """
     Open a segment; returns (status, message, Table | None, outcome).
     """

@@ -52,6 +52,7 @@ Keys = Sequence[bytes] | bytes | bytearray | memoryview
 
 _MODE_CREATE, _MODE_ATTACH, _MODE_OPEN_OR_CREATE = 0, 1, 2
 DEFAULT_LOCK_TIMEOUT_S = 0.3
+INIT_WAIT_S = 120.0  # bound of the wait for another process initialising the segment (Store.create/attach)
 FLAG_SPILLED = int(_C.FLAG_SPILLED)  # Entry flag: a copy is in the disk tier
 FLAG_COMPRESSED = int(_C.FLAG_COMPRESSED)  # Entry flag: the payload is an encoded chunk (shmkv.disk.format)
 
@@ -289,7 +290,7 @@ class Store:
     # ------------------------------------------------------------ opening --
     @classmethod
     def _open(cls, name: str, mode: int, geometry: SegmentGeometry, populate: bool,
-              lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Store:
+              lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, init_wait_s: float = INIT_WAIT_S) -> Store:
         g = geometry
         g.check()
         if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, (int, float)) \
@@ -297,7 +298,7 @@ class Store:
             raise InvalidArgumentError(f"lock_timeout_s={lock_timeout_s!r}: expected seconds in (0, 3600]")
         code, msg, table, outcome = _C.open_table(
             name, mode, g.capacity_bytes, g.max_payload_bytes, g.alignment,
-            g.max_entries, g.max_leases, g.max_procs, populate, float(lock_timeout_s),
+            g.max_entries, g.max_leases, g.max_procs, populate, float(lock_timeout_s), float(init_wait_s),
         )
         if code:
             _raise(code, msg)
@@ -314,29 +315,34 @@ class Store:
 
     @classmethod
     def create(cls, name: str, capacity_bytes: int, *, populate: bool = True,
-               lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, **geometry: int) -> Store:
+               lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, init_wait_s: float = INIT_WAIT_S,
+               **geometry: int) -> Store:
         """Create a fresh, empty segment. A stale one (no live process
         attached) is re-initialised; a live one raises SegmentExistsError.
-        `lock_timeout_s` bounds every wait for the table lock (module doc)."""
+        `lock_timeout_s` bounds every wait for the table lock (module doc);
+        `init_wait_s` the wait for another process initialising the segment
+        (then LockTimeoutError naming it)."""
         return cls._open(name, _MODE_CREATE, SegmentGeometry(capacity_bytes, **geometry), populate,
-                         lock_timeout_s)
+                         lock_timeout_s, init_wait_s)
 
     @classmethod
-    def attach(cls, name: str, *, populate: bool = True, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Store:
+    def attach(cls, name: str, *, populate: bool = True, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+               init_wait_s: float = INIT_WAIT_S) -> Store:
         """Attach to an existing segment, live or stale, whatever its geometry
         (read from it; a stale one is adopted with its chunks). Raises
         SegmentNotFoundError or SegmentMismatchError (nothing written)."""
-        return cls._open(name, _MODE_ATTACH, SegmentGeometry(1 << 20), populate, lock_timeout_s)
+        return cls._open(name, _MODE_ATTACH, SegmentGeometry(1 << 20), populate, lock_timeout_s, init_wait_s)
 
     @classmethod
     def open_or_create(cls, name: str, capacity_bytes: int, *, populate: bool = True,
-                       lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, **geometry: int) -> Store:
+                       lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, init_wait_s: float = INIT_WAIT_S,
+                       **geometry: int) -> Store:
         """Attach if a segment with this geometry exists, else create it. A
         live segment with another geometry raises SegmentMismatchError naming
         the differences; a stale one is adopted if it matches (its chunks
         survive), else re-initialised."""
         return cls._open(name, _MODE_OPEN_OR_CREATE, SegmentGeometry(capacity_bytes, **geometry),
-                         populate, lock_timeout_s)
+                         populate, lock_timeout_s, init_wait_s)
 
     @staticmethod
     def unlink(name: str, *, missing_ok: bool = True) -> bool:

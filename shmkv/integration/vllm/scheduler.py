@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shmkv.connector")
 
+MAX_PLANNERS = 1024  # namespaces (cache salt x LoRA adapter) whose planners stay cached
+MAX_USED_ROOTS = 65536  # namespace roots reset_cache() reaches
+
 
 # the segment's counter of hit tokens per tier (cpp/counters.h, family hit_tokens)
 _HIT_TOKENS_COUNTER = {"shm": "hit_tokens", "disk": "disk_hit_tokens", "remote": "remote_hit_tokens"}
@@ -75,7 +79,12 @@ class SchedulerSide:
         self.loads_enabled, self.stores_enabled = loads, stores
         self._base_ns = namespaces
         self._groups = groups
-        self._planners: dict[tuple, Planner] = {}
+        # NOTE: bounded, whatever the number of tenants (cache salts) and adapters:
+        # the planners (their key caches) of the MAX_PLANNERS most recent
+        # namespaces, and the roots of the MAX_USED_ROOTS most recent for reset_cache.
+        self._planners: OrderedDict[tuple, Planner] = OrderedDict()
+        self._used_roots: OrderedDict[bytes, None] = OrderedDict()
+        self._roots_forgotten = 0
         self._maintainer_role = None
         self.activity = ActivitySummary(log, cfg.log_summary_s, _render)
         self._plans: dict[str, RequestPlan] = {}
@@ -126,11 +135,23 @@ class SchedulerSide:
         """The planner of one namespace: the engine's, with the request's cache
         salt and LoRA adapter (`lora`: namespace extra fields, lora_extra())."""
         p = self._planners.get((salt, lora))
-        if p is None:
-            ns = [dataclasses.replace(n.with_salt(salt), extra=n.extra + lora) for n in self._base_ns]
-            p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail,
-                        windows=[g.window for g in self._groups])
-            self._planners[(salt, lora)] = p
+        if p is not None:
+            self._planners.move_to_end((salt, lora))
+            return p
+        ns = [dataclasses.replace(n.with_salt(salt), extra=n.extra + lora) for n in self._base_ns]
+        p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail, windows=[g.window for g in self._groups])
+        self._planners[(salt, lora)] = p
+        if len(self._planners) > MAX_PLANNERS:
+            self._planners.popitem(last=False)
+        for root in p.roots:
+            self._used_roots[root] = None
+            self._used_roots.move_to_end(root)
+        while len(self._used_roots) > MAX_USED_ROOTS:
+            self._used_roots.popitem(last=False)
+            if self._roots_forgotten == 0:
+                log.warning("shmkv: over %d namespaces (cache salts x adapters) used by this engine; "
+                            "reset_cache() reaches only the %d most recent", MAX_USED_ROOTS, MAX_USED_ROOTS)
+            self._roots_forgotten += 1
         return p
 
     def _dtype_bytes(self) -> int:
@@ -334,7 +355,7 @@ class SchedulerSide:
         be had."""
         from shmkv.errors import LockTimeoutError
 
-        roots = {r for p in self._planners.values() for r in p.roots}
+        roots = set(self._used_roots)
         roots |= {ns.root_key() for ns in self._base_ns}
         removed = {"shm": 0, "disk": 0, "remote": 0}
         try:

@@ -1,0 +1,53 @@
+"""The scheduler half's per-namespace state stays bounded whatever the number
+of tenants (cache salts) and adapters: the most recent planners are cached,
+and reset_cache() reaches the most recent namespaces (one WARNING when older
+ones are forgotten)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import torch
+
+import shmkv.integration.vllm.scheduler as sched_mod
+from shmkv import Store
+
+
+def test_planners_and_roots_are_bounded(cache_name, tmp_path, monkeypatch, caplog):
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from shmkv.bench.models import write_llama
+    from shmkv.integration.vllm.connector import ShmKVConnector
+
+    monkeypatch.setattr(sched_mod, "MAX_PLANNERS", 4)
+    monkeypatch.setattr(sched_mod, "MAX_USED_ROOTS", 8)
+    mc = ModelConfig(model=write_llama(str(tmp_path / "model")), skip_tokenizer_init=True, dtype="bfloat16",
+                     max_model_len=4096)
+    vc = VllmConfig(model_config=mc, kv_transfer_config=KVTransferConfig(
+        kv_connector="ShmKVConnector", kv_connector_module_path="shmkv.integration.vllm", kv_role="kv_both",
+        kv_connector_extra_config={"cache_name": cache_name, "capacity": "64MiB", "maintainer": False}))
+    bs = vc.cache_config.block_size
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+        layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(2)],
+        kv_cache_spec=FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16))])
+    conn = ShmKVConnector(vc, KVConnectorRole.SCHEDULER, kv_cache_config)
+    side = conn._sched
+    shmkv_log = logging.getLogger("shmkv")  # the connector logs through its own handler, not the root's
+    shmkv_log.addHandler(caplog.handler)
+    try:
+        roots = [side._planner(f"tenant-{i}").roots[0] for i in range(20)]
+        assert len(side._planners) == 4 and len(side._used_roots) == 8
+        warned = [r for r in caplog.records if "reset_cache() reaches only the 8 most recent" in r.getMessage()]
+        assert [r.levelname for r in warned] == ["WARNING"], "one line, not one per forgotten namespace"
+        with Store.attach(cache_name) as store:
+            for i in (0, 19):  # a forgotten tenant's chunk and a recent one's
+                store.put(bytes([i]) * 16, b"x" * 4096, namespace=roots[i])
+            assert side.reset_cache() is True
+            assert store.contains([bytes([0]) * 16, bytes([19]) * 16]) == [True, False]
+        assert side._roots_forgotten == 12
+    finally:
+        shmkv_log.removeHandler(caplog.handler)
+        conn.shutdown()
