@@ -14,7 +14,8 @@ Invariants:
     opening or of its last answer, or it is closed (a slow or idle client
     holds no slot for long); past MAX_CONNECTIONS open connections new
     requests get a 503 from uvicorn;
-  * endpoints run in a thread pool, so a long /flush does not stop /health.
+  * endpoints run in a thread pool, so a long /flush does not stop /health;
+    stop() lets the requests in flight finish for up to IO_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ class ControllerServer:
         protocol = type("ControllerProtocol", (_HeadDeadline,), {"controller": controller})
         config = uvicorn.Config(make_app(controller), http=protocol, lifespan="off", access_log=False,
                                 log_config=None, log_level=logging.WARNING, limit_concurrency=_connection_cap(),
-                                timeout_keep_alive=int(IO_TIMEOUT_S), server_header=False, backlog=BACKLOG)
+                                timeout_keep_alive=int(IO_TIMEOUT_S), server_header=False, backlog=BACKLOG,
+                                timeout_graceful_shutdown=int(IO_TIMEOUT_S))
         self.server = _Server(config)
 
     def serve(self) -> None:

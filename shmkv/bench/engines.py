@@ -44,6 +44,7 @@ class EngineProcess:
         env.update(spec.env)
         self.log_path = log_path
         self._log = open(log_path, "ab")
+        self._shm_before = _psm_segments()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shmkv.bench.engines", json.dumps(asdict(spec))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
@@ -120,12 +121,43 @@ class EngineProcess:
             pass
         self.proc.wait()
         self._log.close()
+        _remove_orphan_psm(_psm_segments() - self._shm_before)
 
     def __enter__(self) -> EngineProcess:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _psm_segments() -> set[str]:
+    """vLLM's message-queue segments (multiprocessing shared memory) in /dev/shm."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+    except OSError:
+        return set()
+
+
+def _remove_orphan_psm(names: set[str]) -> None:
+    """Remove those of `names` no live process maps: an engine group killed
+    with SIGKILL leaves its message queues behind (hundreds of MB per run)."""
+    if not names:
+        return
+    mapped: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                mapped.update(n for line in f if "/dev/shm/psm_" in line
+                              for n in [line.rsplit("/", 1)[-1].split()[0]] if n in names)
+        except OSError:
+            continue
+    for n in names - mapped:
+        try:
+            os.unlink(os.path.join("/dev/shm", n))
+        except OSError:
+            pass
 
 
 def _abort_after_steps(llm: Any, prompt: list[int], steps: int) -> dict[str, Any]:
