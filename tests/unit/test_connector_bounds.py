@@ -33,9 +33,10 @@ def test_planners_and_roots_are_bounded(cache_name, tmp_path, monkeypatch, caplo
     kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
         layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(2)],
         kv_cache_spec=FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16))])
+    shmkv_log = logging.getLogger("shmkv")  # the connector sets up its own handler on it: restored below
+    saved = shmkv_log.handlers[:], shmkv_log.propagate, shmkv_log.level
     conn = ShmKVConnector(vc, KVConnectorRole.SCHEDULER, kv_cache_config)
     side = conn._sched
-    shmkv_log = logging.getLogger("shmkv")  # the connector logs through its own handler, not the root's
     shmkv_log.addHandler(caplog.handler)
     try:
         roots = [side._planner(f"tenant-{i}").roots[0] for i in range(20)]
@@ -49,5 +50,6 @@ def test_planners_and_roots_are_bounded(cache_name, tmp_path, monkeypatch, caplo
             assert store.contains([bytes([0]) * 16, bytes([19]) * 16]) == [True, False]
         assert side._roots_forgotten == 12
     finally:
-        shmkv_log.removeHandler(caplog.handler)
         conn.shutdown()
+        shmkv_log.handlers[:], shmkv_log.propagate = saved[0], saved[1]
+        shmkv_log.setLevel(saved[2])
