@@ -275,10 +275,10 @@ class TierChain:
                 store.bump("promote_bytes", raw_len)
                 n += 1
         finally:
-            for _key, fetch in ahead:  # the prefix ended before them
-                if isinstance(fetch, Future) and fetch.cancel():
+            for _key, fetch in ahead:  # the prefix ended before them: give their room back
+                if fetch is None or (isinstance(fetch, Future) and fetch.cancel()):
                     continue
-                got = fetch.result()[0] if isinstance(fetch, Future) else (fetch[0] if fetch else None)
+                got, _source = fetch.result() if isinstance(fetch, Future) else fetch
                 if isinstance(got, tuple):
                     got[0].abort()
         return n

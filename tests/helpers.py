@@ -18,6 +18,19 @@ import xxhash
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+def cuda_missing() -> str | None:
+    """Why the CUDA tests cannot run here (their skip reason), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (CI never has one)"
+    try:
+        import shmkv._C_cuda  # noqa: F401
+    except ImportError as e:
+        return f"shmkv was built without its CUDA part: {e}"
+    return None
+
+
 def key(i: int | str) -> bytes:
     """A deterministic 16-byte key."""
     return xxhash.xxh3_128_digest(f"test-key-{i}".encode())

@@ -18,30 +18,22 @@ hits those. Each figure is the median over the N prompts:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import statistics
-import tempfile
 
 from shmkv import Store
 from shmkv.bench.engines import EngineProcess, EngineSpec
-from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, write_llama
+from shmkv.bench.models import bench_model, ttft_args
 from shmkv.config import load_config
 from shmkv.controller import Controller
 from shmkv.store import FLAG_COMPRESSED
 
 
 def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.bench compress")
-    ap.add_argument("--prompts", type=int, default=3, help="distinct prompts per figure")
-    ap.add_argument("--prompt-tokens", type=int, default=3000)
-    ap.add_argument("--small", action="store_true", help="tiny model (quick check)")
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shmkv-bench-compress"))
-    a = ap.parse_args(argv)
-    spec = TEST_MODEL if a.small else TIMING_MODEL
-    model = write_llama(os.path.join(a.workdir, "model-small" if a.small else "model"), spec)
+    a = ttft_args("python -m shmkv.bench compress", "shmkv-bench-compress").parse_args(argv)
+    spec, model = bench_model(a)
     rng = random.Random(7)
 
     def prompt() -> list[int]:

@@ -15,30 +15,22 @@ Each figure is the median over several distinct prompts:
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
 import statistics
-import tempfile
 
 from shmkv import Store
 from shmkv.bench.engines import EngineProcess, EngineSpec
-from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, write_llama
+from shmkv.bench.models import bench_model, ttft_args
 from shmkv.disk.tier import DiskTier
 from shmkv.maintainer import Maintainer
 from shmkv.tiers import TierChain
 
 
 def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.bench ttft")
-    ap.add_argument("--prompts", type=int, default=3, help="distinct prompts per figure")
-    ap.add_argument("--prompt-tokens", type=int, default=3000)
-    ap.add_argument("--small", action="store_true", help="tiny model (quick check)")
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shmkv-bench-ttft"))
-    a = ap.parse_args(argv)
-    spec = TEST_MODEL if a.small else TIMING_MODEL
-    model = write_llama(os.path.join(a.workdir, "model-small" if a.small else "model"), spec)
+    a = ttft_args("python -m shmkv.bench ttft", "shmkv-bench-ttft").parse_args(argv)
+    spec, model = bench_model(a)
     rng = random.Random(1)
 
     def prompt(n: int) -> list[int]:

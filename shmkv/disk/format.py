@@ -115,38 +115,24 @@ def codec_of(head: bytes) -> str:
     return "none" if head[11] == CODEC_NONE else "zstd"
 
 
-def decode(data: bytes, key: bytes | None = None, *, max_raw: int = 1 << 34,
-           decompressor: zstandard.ZstdDecompressor | None = None) -> tuple[bytes, bytes]:
+def decode(data: bytes | memoryview, key: bytes | None = None, *, max_raw: int = 1 << 34,
+           decompressor: zstandard.ZstdDecompressor | None = None) -> tuple[bytearray, bytes]:
     """(raw payload, namespace digest) of a chunk file, after every check."""
-    es, ns, stored_key, raw_len, comp_len, checksum = read_header(data[:HEADER_BYTES])
-    if key is not None and stored_key != key:
-        raise DamagedChunk("file holds another key")
-    if len(data) != HEADER_BYTES + comp_len:
-        raise DamagedChunk(f"length {len(data)} != header + body {HEADER_BYTES + comp_len}")
-    if raw_len > max_raw:
-        raise DamagedChunk(f"raw length {raw_len} exceeds the limit {max_raw}")
-    if data[11] == CODEC_NONE:
-        raw = bytes(memoryview(data)[HEADER_BYTES:])
-        if xxhash.xxh3_128_digest(raw) != checksum:
-            raise DamagedChunk("payload checksum mismatch")
-        return raw, ns
-    shuffled = _decompress(memoryview(data)[HEADER_BYTES:], raw_len, decompressor)
-    raw = unshuffle(shuffled, es)
-    if xxhash.xxh3_128_digest(raw) != checksum:
-        raise DamagedChunk("payload checksum mismatch")
-    return raw, ns
+    got = decode_into(data, key, lambda n, _ns: bytearray(n), max_raw=max_raw, decompressor=decompressor)
+    assert got is not None  # the allocator above always gives a buffer
+    return got
 
 
-def decode_into(data: bytes | memoryview, key: bytes, alloc: Callable[[int, bytes], Any], *,
+def decode_into(data: bytes | memoryview, key: bytes | None, alloc: Callable[[int, bytes], Any], *,
                 namespace: bytes | None = None, max_raw: int = 1 << 34,
                 decompressor: zstandard.ZstdDecompressor | None = None) -> tuple[Any, bytes] | None:
     """Decode a chunk straight into the buffer alloc(raw_len, namespace)
     gives (a reservation of the shared tier: no copy in between), after the
-    same checks as decode(); `namespace`, if given, must be the chunk's.
+    same checks as decode(); `key` and `namespace`, if given, must be the chunk's.
     Returns (that buffer, namespace), or None when alloc gave none. Raises
     DamagedChunk; the caller then discards what alloc gave."""
     es, ns, stored_key, raw_len, comp_len, checksum = read_header(data[:HEADER_BYTES])
-    if stored_key != key:
+    if key is not None and stored_key != key:
         raise DamagedChunk("file holds another key")
     if namespace is not None and ns != namespace:
         raise DamagedChunk("chunk names another namespace")

@@ -169,20 +169,12 @@ class DiskTier:
         got = self.fetch(key)
         return None if got is None else got[0]
 
-    def fetch(self, key: bytes, namespace: bytes | None = None) -> tuple[bytes, bytes] | None:
+    def fetch(self, key: bytes, namespace: bytes | None = None) -> tuple[bytearray, bytes] | None:
         """(raw payload, namespace digest), or None (missing, or damaged and removed)."""
-        data = self.read_file(key)
-        if data is None:
-            return None
-        try:
-            got = fmt.decode(data, key, decompressor=self._dctx())
-        except fmt.DamagedChunk as e:
-            self._damaged(_name(key), key, e.reason)
-            return None
-        self._touch(key)
-        return got
+        return self.fetch_into(key, namespace, lambda n, _ns: bytearray(n))
 
-    def fetch_into(self, key: bytes, namespace: bytes, alloc: Callable[[int, bytes], Any]) -> tuple[Any, bytes] | None:
+    def fetch_into(self, key: bytes, namespace: bytes | None,
+                   alloc: Callable[[int, bytes], Any]) -> tuple[Any, bytes] | None:
         """Decode a chunk straight into alloc(raw_len, namespace)'s buffer:
         (that buffer, namespace), or None (missing, no room, or damaged and
         removed; what alloc gave must then be discarded)."""

@@ -147,26 +147,9 @@ class RemoteTier:
             self._count("remote_misses", 1)  # one per lookup that did not find all it asked for
         return flags
 
-    def fetch(self, key: bytes, namespace: bytes) -> tuple[bytes, bytes] | None:
+    def fetch(self, key: bytes, namespace: bytes) -> tuple[bytearray, bytes] | None:
         """(raw payload, namespace) of a checked chunk, or None (missing, damaged, down)."""
-        rkey = chunk_key(key, namespace)
-        ok, data = self._call("get", lambda: self._client.get(rkey))
-        if not ok or data is None:
-            self._count("remote_misses", 1)
-            return None
-        self._count("remote_get_bytes", len(data))
-        try:
-            raw, ns = fmt.decode(data, key)
-            if ns != namespace:
-                raise fmt.DamagedChunk("value names another namespace")
-        except fmt.DamagedChunk as e:
-            log.warning("shmkv: remote chunk %s rejected (%s): removed", rkey.decode(), e.reason)
-            self._count("remote_damaged", 1)
-            self._call("unlink", lambda: self._client.unlink(rkey))
-            return None
-        if self.capacity:
-            self._call("touch", lambda: self._client.zadd(_LRU, {rkey: time.time()}, xx=True))
-        return raw, ns
+        return self.fetch_into(key, namespace, lambda n, _ns: bytearray(n))
 
     def fetch_into(self, key: bytes, namespace: bytes, alloc: Callable[[int, bytes], Any]) -> tuple[Any, bytes] | None:
         """Like fetch, decoded straight into alloc(raw_len, namespace)'s buffer."""

@@ -40,16 +40,21 @@ def start_daemon(cache_name: str) -> tuple[Daemon, threading.Thread]:
     return d, t
 
 
-@pytest.fixture
-def served(cache_name):
+def serve_filled(cache_name: str):
+    """A served daemon holding 5 chunks in each of two namespaces; stopped after."""
     d, t = start_daemon(cache_name)
-    for i in range(10):  # 5 chunks in each of two namespaces
+    for i in range(10):
         k = bytes([i]) * 16
         d.store.put(k, payload_for(k, 4096), namespace=NS[i % 2].root_key())
     yield d
     d.request_stop()
     t.join(timeout=30)
     d.close()
+
+
+@pytest.fixture
+def served(cache_name):
+    yield from serve_filled(cache_name)
 
 
 def raw_request(addr, data: bytes, *, half_close: bool = False, timeout: float = 10) -> tuple[int | None, dict]:
@@ -142,14 +147,7 @@ def quick(monkeypatch, cache_name):
     """A daemon with a 0.5 s transport timeout and a 4 KiB body limit."""
     monkeypatch.setattr(transport, "IO_TIMEOUT_S", 0.5)
     monkeypatch.setattr(transport, "MAX_BODY_BYTES", 4096)
-    d, t = start_daemon(cache_name)
-    for i in range(10):
-        k = bytes([i]) * 16
-        d.store.put(k, payload_for(k, 4096), namespace=NS[i % 2].root_key())
-    yield d
-    d.request_stop()
-    t.join(timeout=30)
-    d.close()
+    yield from serve_filled(cache_name)
 
 
 def test_a_slow_request_head_loses_its_connection_while_others_are_answered(quick):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from helpers import cuda_missing
 
 from shmkv import Store
 
@@ -21,18 +21,8 @@ SRC = [[2, 3, 7, 8], [11, 12, 13, 1]]  # A's blocks of each chunk (any order, as
 DST = [[20, 5, 6, 9], [0, 4, 15, 16]]  # where B's scheduler put them
 
 
-def _cuda_missing() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA GPU on this machine (CI never has one)"
-    try:
-        import shmkv._C_cuda  # noqa: F401
-    except ImportError as e:
-        return f"shmkv was built without its CUDA part: {e}"
-    return None
-
-
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    _cuda_missing() is not None, reason=_cuda_missing() or "")])]
+    cuda_missing() is not None, reason=cuda_missing() or "")])]
 
 STEP = """
     import json, sys, types

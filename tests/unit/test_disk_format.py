@@ -54,13 +54,18 @@ def damaged_variants(data: bytes) -> dict[str, bytes]:
     }
 
 
+DECODERS = {"decode": lambda data: fmt.decode(data, KEY),
+            "decode_into": lambda data: fmt.decode_into(data, KEY, lambda n, ns: bytearray(n))}
+
+
+@pytest.mark.parametrize("decoder", list(DECODERS))
 @pytest.mark.parametrize("codec", ["zstd", "none"])
 @pytest.mark.parametrize("kind", list(damaged_variants(b"x" * 200)))
-def test_damage_is_detected(kind, codec):
+def test_damage_is_detected(kind, codec, decoder):
     raw = np.random.default_rng(0).standard_normal(5000).astype(np.float32).tobytes()
     bad = damaged_variants(fmt.encode(KEY, NS, raw, element_size=4, codec=codec))[kind]
     with pytest.raises(fmt.DamagedChunk):
-        fmt.decode(bad, KEY)
+        DECODERS[decoder](bad)
 
 
 def _reheader(data: bytes, **fields) -> bytes:
@@ -114,15 +119,6 @@ def test_decode_into_a_given_buffer(codec, es):
     assert fmt.decode_into(data, KEY, lambda n, ns: None) is None, "no room: nothing decoded"
     with pytest.raises(fmt.DamagedChunk, match="another namespace"):
         fmt.decode_into(data, KEY, alloc, namespace=b"x" * 16)
-
-
-@pytest.mark.parametrize("codec", ["zstd", "none"])
-@pytest.mark.parametrize("kind", list(damaged_variants(b"x" * 200)))
-def test_decode_into_detects_damage(kind, codec):
-    raw = np.random.default_rng(0).standard_normal(5000).astype(np.float32).tobytes()
-    bad = damaged_variants(fmt.encode(KEY, NS, raw, element_size=4, codec=codec))[kind]
-    with pytest.raises(fmt.DamagedChunk):
-        fmt.decode_into(bad, KEY, lambda n, ns: bytearray(n))
 
 
 def test_unshuffle_into_needs_the_same_size():

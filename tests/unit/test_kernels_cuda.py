@@ -7,24 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import cuda_missing
 from kv_reference import DTYPES, make_cache, ref_gather, ref_scatter
 
 from shmkv import Store
 from shmkv.layout import KINDS, KVLayout
 
-
-def _cuda_missing() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA GPU on this machine (CI never has one)"
-    try:
-        import shmkv._C_cuda  # noqa: F401
-    except ImportError as e:
-        return f"shmkv was built without its CUDA part: {e}"
-    return None
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_missing() is not None,
-                                                  reason=_cuda_missing() or "")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_missing() is not None, reason=cuda_missing() or "")]
 
 
 @pytest.fixture

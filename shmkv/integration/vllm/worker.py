@@ -179,7 +179,7 @@ class KVWorker:
 
                 # NOTE: pinned, so the copy kernels read it through unified addressing
                 # (untested on a GPU so far).
-                batch.sources[j] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).pin_memory()
+                batch.sources[j] = torch.frombuffer(raw, dtype=torch.uint8).pin_memory()
             else:
                 batch.sources[j] = raw
             self.counters["load_decoded"] += 1
