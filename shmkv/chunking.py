@@ -10,6 +10,11 @@ piece.
 
 Keys are computed per tensor-parallel rank: one namespace root per rank,
 `Unit.keys[r]` is rank r's key (each rank stores its own shard).
+
+With a lossy form (an engine that opted in to lossy KV), every unit is keyed
+by shmkv.keys.lossy_key of its exact key, and tagged with the lossy root;
+the chain itself (what the next unit and the tail piece hash from) stays the
+exact one, in `Unit.links`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shmkv.keys import ExtraInputs, chunk_keys, piece_key
+from shmkv.keys import ExtraInputs, chunk_keys, lossy_key, piece_key
 
 
 @dataclass(frozen=True)
@@ -29,43 +34,57 @@ class Unit:
     start: int
     end: int
     keys: tuple[bytes, ...]  # one per TP rank
+    links: tuple[bytes, ...] | None = None  # the exact keys later units chain from (None: `keys`)
 
     @property
     def tokens(self) -> int:
         return self.end - self.start
 
+    @property
+    def chain(self) -> tuple[bytes, ...]:
+        return self.keys if self.links is None else self.links
+
 
 class Chunker:
     """Units of prompts for one namespace root per TP rank."""
 
-    def __init__(self, roots: Sequence[bytes], chunk_size: int, piece_size: int | None = None):
-        """`piece_size`: granularity of the tail piece (None: full chunks only)."""
+    def __init__(self, roots: Sequence[bytes], chunk_size: int, piece_size: int | None = None,
+                 lossy_form: str | None = None):
+        """`piece_size`: granularity of the tail piece (None: full chunks only);
+        `lossy_form`: key units as that lossy form of the exact chunks."""
         if not roots:
             raise ValueError("need one namespace root per TP rank")
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
         if piece_size is not None and (piece_size <= 0 or chunk_size % piece_size):
             raise ValueError(f"chunk_size {chunk_size} must be a multiple of the piece size {piece_size}")
-        self.roots = tuple(roots)
+        self.chain_roots = tuple(roots)  # what the first unit hashes from
+        self.lossy_form = lossy_form
+        self.roots = tuple(lossy_key(r, lossy_form) for r in roots) if lossy_form else self.chain_roots  # tags
         self.chunk_size = chunk_size
         self.piece_size = piece_size
 
     def units(self, tokens: Sequence[int] | np.ndarray, extras: ExtraInputs | None = None) -> list[Unit]:
         """Full chunks, then the tail piece (if any whole piece remains)."""
-        per_rank = [chunk_keys(root, tokens, self.chunk_size, extras) for root in self.roots]
-        units = [Unit(s, e, tuple(r[i][2] for r in per_rank)) for i, (s, e, _) in enumerate(per_rank[0])]
+        per_rank = [chunk_keys(root, tokens, self.chunk_size, extras) for root in self.chain_roots]
+        units = [self._unit(s, e, tuple(r[i][2] for r in per_rank)) for i, (s, e, _) in enumerate(per_rank[0])]
         if self.piece_size:
             start = len(units) * self.chunk_size
             n = (len(tokens) - start) // self.piece_size
             if n > 0:
                 units.append(self._piece(tokens, start, start + n * self.piece_size,
-                                         units[-1].keys if units else self.roots, extras))
+                                         units[-1].chain if units else self.chain_roots, extras))
         return units
+
+    def _unit(self, start: int, end: int, exact: tuple[bytes, ...]) -> Unit:
+        if not self.lossy_form:
+            return Unit(start, end, exact)
+        return Unit(start, end, tuple(lossy_key(k, self.lossy_form) for k in exact), links=exact)
 
     def piece_candidates(self, tokens: Sequence[int] | np.ndarray, start: int, prev: tuple[bytes, ...],
                          extras: ExtraInputs | None = None) -> list[Unit]:
         """Pieces that could extend a hit of full chunks ending at `start`
-        (whose last keys are `prev`), longest first."""
+        (whose last unit's `chain` is `prev`; chain_roots when none), longest first."""
         if not self.piece_size:
             return []
         out = []
@@ -75,8 +94,7 @@ class Chunker:
                 out.append(self._piece(tokens, start, end, prev, extras))
         return out
 
-    @staticmethod
-    def _piece(tokens: Sequence[int] | np.ndarray, start: int, end: int, prev: tuple[bytes, ...],
+    def _piece(self, tokens: Sequence[int] | np.ndarray, start: int, end: int, prev: tuple[bytes, ...],
                extras: ExtraInputs | None) -> Unit:
         ex = extras.for_range(start, end) if extras is not None else b""
-        return Unit(start, end, tuple(piece_key(p, tokens[start:end], ex) for p in prev))
+        return self._unit(start, end, tuple(piece_key(p, tokens[start:end], ex) for p in prev))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmkv.errors import ConfigError
+from shmkv.keys import LOSSY_FORMS
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
                "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
@@ -114,6 +115,7 @@ class ShmkvConfig:
     populate: bool = True  # pre-fault the mapping at attach
     lock_timeout: float = 0.3  # seconds any wait for the segment's table lock may take
     load_failure_policy: str = "recompute"  # what vLLM does if a planned load misses
+    lossy_form: str = ""  # "fp8": this engine reads and writes the lossy form of chunks only; "": exact
     disk_dir: str = ""  # empty: no disk tier
     disk_capacity: int = 64 << 30  # byte cap of the disk tier
     disk_level: int = 1  # zstd level
@@ -147,6 +149,7 @@ class ShmkvConfig:
             "populate": _parse_bool,
             "lock_timeout": lambda k, v: _parse_float(k, v, lambda x: 0.001 <= x <= 60, "seconds in [0.001, 60]"),
             "load_failure_policy": lambda k, v: _parse_choice(k, v, ("recompute", "fail")),
+            "lossy_form": lambda k, v: "" if v in (None, "") else _parse_choice(k, v, LOSSY_FORMS),
             "log_level": lambda k, v: _parse_choice(k, v, ("debug", "info", "warning", "error")),
             "log_summary_s": lambda k, v: _parse_float(k, v, lambda x: 0 <= x <= 86400, "seconds in [0, 86400]"),
             "disk_dir": lambda k, v: os.path.expanduser(str(v)),

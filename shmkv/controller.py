@@ -16,6 +16,13 @@
                        (zstd of the byte-shuffled payload, checked like a disk chunk); loads
                        decode them exactly
     POST /decompress   the same fields -> compressed chunks put back raw
+                       /compress with "form": "fp8" makes the lossy form instead: each exact
+                       chunk quantized (float8, a scale per 1,024 values) into the namespace's
+                       lossy form, the exact chunk dropped (unless "keep_exact": true)
+
+Every endpoint taking a namespace also takes "lossy_form": "fp8": then it
+means that namespace's lossy form (the chunks only engines with the shmkv
+setting `lossy_form: fp8` read; shmkv.keys.lossy_key).
 
 A namespace N is either the 32-hex root key of a registered namespace
 (`/namespaces`), or an object of Namespace fields (shmkv.keys.Namespace, with
@@ -45,6 +52,7 @@ from shmkv.chunking import Chunker, Unit
 from shmkv.config import ShmkvConfig, io_threads
 from shmkv.disk.tier import DiskTier
 from shmkv.errors import ConfigError, LockTimeoutError, RequestError
+from shmkv.keys import lossy_key
 from shmkv.maintainer import Maintainer, MaintainerRole
 from shmkv.namespaces import known, namespace_from_dict
 from shmkv.stats import render_prometheus, snapshot
@@ -82,6 +90,7 @@ class NamespaceArgs(_Body):
     namespace: Any = None
     chunk_size: Size | None = None  # only with a root key that is not registered
     block_size: Size | None = None
+    lossy_form: Literal["fp8"] | None = None  # the namespace's lossy form
 
 
 class TokensArgs(NamespaceArgs):
@@ -94,8 +103,12 @@ class MoveArgs(TokensArgs):
 
 class RecodeArgs(NamespaceArgs):
     """POST /compress and /decompress: a namespace, and optionally the tokens
-    whose cached prefix is meant (else every chunk of the namespace)."""
+    whose cached prefix is meant (else every chunk of the namespace); for
+    /compress, the form: "zstd" (lossless, in place) or "fp8" (lossy, into
+    the namespace's lossy form)."""
     tokens: list[TokenId] | None = Field(None, max_length=MAX_TOKENS)
+    form: Literal["zstd", "fp8"] = "zstd"
+    keep_exact: bool = False  # with form fp8: keep the exact chunks too
 
 
 def request_error(errors: list[Any], model: type[BaseModel]) -> RequestError:
@@ -139,9 +152,11 @@ def _json_type(value: Any) -> str:
 class _Resolved:
     """A request's namespace, ready to compute keys."""
 
-    def __init__(self, root: bytes, chunk_size: int, block_size: int | None) -> None:
-        self.root = root
-        self.chunker = Chunker([root], chunk_size, block_size)
+    def __init__(self, root: bytes, chunk_size: int, block_size: int | None, *, lossy_form: str | None = None,
+                 dtype: str | None = None) -> None:
+        self.chunker = Chunker([root], chunk_size, block_size, lossy_form)
+        self.root = self.chunker.roots[0]  # the tag of its chunks (the lossy root with a lossy form)
+        self.dtype = dtype  # of its KV, when the registry or the request says
 
 
 class Controller:
@@ -336,6 +351,10 @@ class Controller:
         return self._recode(args, compress=False)
 
     def _recode(self, args: RecodeArgs, *, compress: bool) -> dict[str, Any]:
+        if not compress and (args.form != "zstd" or args.keep_exact):
+            raise RequestError("form and keep_exact are for /compress; /decompress puts compressed chunks back raw")
+        if compress and args.form != "zstd":
+            return self._make_lossy(args)
         ns = self._namespace(args)
         element_size = self.cfg.disk_shuffle_bytes or _element_size(known(self.store.name).get(ns.root.hex()))
         with self._mutate:
@@ -362,6 +381,48 @@ class Controller:
                  ns.root.hex(), before, after, outcomes or "none")
         return {"namespace": ns.root.hex(), f"{verb}_chunks": n, "bytes_before": before, "bytes_after": after,
                 "skipped": outcomes}
+
+    def _make_lossy(self, args: RecodeArgs) -> dict[str, Any]:
+        """/compress with a lossy form: the namespace's exact chunks (or the
+        cached prefix of `tokens`) quantized into its lossy form."""
+        if args.lossy_form is not None:
+            raise RequestError(f"form={args.form!r} makes the lossy form of exact chunks; leave lossy_form out")
+        ns = self._namespace(args)
+        dtype = str(ns.dtype or "").replace("torch.", "")
+        from shmkv.disk.format import FP8_SOURCES
+
+        if dtype not in FP8_SOURCES:
+            raise RequestError(f"form={args.form!r}: the namespace's KV dtype is {dtype or 'unknown'}; the fp8 "
+                               f"form is made of {sorted(FP8_SOURCES)} (give the namespace as an object of its "
+                               "fields, or a registered root)", 409)
+        lossy = _Resolved(ns.root, ns.chunker.chunk_size, ns.chunker.piece_size, lossy_form=args.form)
+        with self._mutate:
+            entries = [e for e in self.store.entries() if e["state"] == "ready" and e["namespace"] == ns.root]
+            if args.tokens is not None:
+                wanted = {u.keys[0] for u in self._units(ns, args.tokens)}
+                entries = [e for e in entries if e["key"] in wanted]
+            outcomes: dict[str, int] = {}
+            errors: list[float] = []
+            made: set[bytes] = set()
+            before = 0
+            for e in entries:
+                got, err = self.chain.shared.make_lossy(e, args.form, dtype, keep_exact=args.keep_exact)
+                outcomes[got] = outcomes.get(got, 0) + 1
+                if got == "made":
+                    errors.append(err)
+                    made.add(lossy_key(e["key"], args.form))
+                    before += e["size"]
+            after = sum(e["size"] for e in self.store.entries() if e["key"] in made and e["state"] == "ready")
+        n = outcomes.pop("made", 0)
+        worst = max(errors, default=0.0)
+        log.info("shmkv: controller made the %s form of %d chunks of namespace %s into %s (%d bytes; relative RMS "
+                 "error up to %.4f; exact chunks %s; left as they were: %s)", args.form, n, ns.root.hex(),
+                 lossy.root.hex(), before, worst, "kept" if args.keep_exact else "dropped", outcomes or "none")
+        return {"namespace": ns.root.hex(), "lossy_namespace": lossy.root.hex(), "form": args.form,
+                "compressed_chunks": n, "bytes_before": before, "bytes_after": after,
+                "relative_rms_error_max": worst,
+                "relative_rms_error_mean": sum(errors) / len(errors) if errors else 0.0,
+                "exact_kept": args.keep_exact, "skipped": outcomes}
 
     # ---------------------------------------------------------- internals --
     def _controller_counters(self) -> dict[str, Any]:
@@ -401,9 +462,11 @@ class Controller:
             if len(root) != 16:
                 raise RequestError(f"namespace={value!r}: expected 32 hex digits (a root key) or an object")
             fields = known(self.store.name).get(root.hex())
+            dtype = None
             if fields is not None:
                 chunk_size = fields.get("chunk_size") if chunk_size is None else chunk_size
                 block_size = (fields.get("block_size") or None) if block_size is None else block_size
+                dtype = fields.get("dtype")
             chunk_size = self.cfg.chunk_size if chunk_size is None else chunk_size
         elif isinstance(value, dict):
             if chunk_size is not None or block_size is not None:
@@ -412,7 +475,7 @@ class Controller:
                 nso = namespace_from_dict(value)
             except (ConfigError, TypeError) as e:
                 raise RequestError(str(e)) from e
-            root, chunk_size, block_size = nso.root_key(), nso.chunk_size, nso.block_size or None
+            root, chunk_size, block_size, dtype = nso.root_key(), nso.chunk_size, nso.block_size or None, nso.dtype
         else:
             raise RequestError(f"namespace: expected a 32-hex string or an object, got {type(value).__name__}")
         chunk_size = _int_in("chunk_size", chunk_size, 1, 1 << 16)
@@ -420,7 +483,7 @@ class Controller:
             block_size = _int_in("block_size", block_size, 1, chunk_size)
             if chunk_size % block_size:
                 raise RequestError(f"chunk_size {chunk_size} is not a multiple of block_size {block_size}")
-        return _Resolved(root, chunk_size, block_size)
+        return _Resolved(root, chunk_size, block_size, lossy_form=args.lossy_form, dtype=dtype)
 
     def _cached(self, ns: _Resolved, tokens: list[int], *, lower: bool) -> list[tuple[Unit, str]]:
         """The cached prefix as (unit, tier); below the shared tier only with `lower`."""

@@ -24,6 +24,13 @@ vLLM's own block hash uses, vllm/v1/core/kv_cache_utils.py):
     every hash input keeps the fixed shape of 16 key bytes then the tokens:
     no choice of token ids can stand in for an extra input, and a difference
     in any chunk changes the keys of that chunk and of every one after it.
+A *lossy* form of a chunk (POST /compress with "lossy": "fp8") is never
+stored under the chunk's key: it lives under lossy_key(k, form), a hash of
+a tag, the form and k, in the namespace lossy_key(root, form). Only an engine
+whose shmkv config sets `lossy_form` looks those keys up (and stores what it
+computes from them there too); an exact engine never computes them, so no
+request that did not opt in can load lossy KV.
+
 Why not vLLM's own block hashes: they are per block (16 or 128 tokens, not
 our chunks), their algorithm and seed are engine settings (Python's hash()
 with a random PYTHONHASHSEED differs between processes), and they do not name
@@ -55,6 +62,18 @@ from shmkv.errors import ConfigError
 PAYLOAD_FORMAT_VERSION = 1
 KEY_BYTES = 16
 EXTRA_TAG = b"\x00shmkv-extra-inputs-v1\x00"
+LOSSY_TAG = b"\x00shmkv-lossy-v1\x00"
+LOSSY_FORMS = ("fp8",)  # float8 e4m3 with a float32 scale per 1,024 values (shmkv.disk.format)
+
+
+def lossy_key(key: bytes, form: str) -> bytes:
+    """The key of the lossy `form` of the chunk (or namespace root) keyed
+    `key`: a hash input no exact key has (it starts with a tag, not a key)."""
+    if form not in LOSSY_FORMS:
+        raise ConfigError(f"lossy form {form!r}: expected one of {list(LOSSY_FORMS)}")
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a key is {KEY_BYTES} bytes, got {len(key)}")
+    return xxhash.xxh3_128_digest(LOSSY_TAG + form.encode() + b"\x00" + key)
 
 
 def mix_extras(prev: bytes, extras: bytes) -> bytes:

@@ -78,7 +78,7 @@ class SharedTier:
         if lease is None:
             return None
         with lease:
-            raw = decoded(lease, key) if lease.compressed else bytes(lease.view())
+            raw = decoded(lease, key, lossy_ok=True) if lease.compressed else bytes(lease.view())
         return None if raw is None else (raw, namespace)
 
     def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview, tokens: int = 0) -> bool:
@@ -106,6 +106,51 @@ class SharedTier:
         ("missing", "already", "pinned", "damaged", "raced")."""
         return self._recode(entry, compress=False)
 
+    def make_lossy(self, entry: dict[str, Any], form: str, dtype: str, *, keep_exact: bool = False
+                   ) -> tuple[str, float]:
+        """Put the lossy `form` of one exact chunk in the lossy namespace
+        (shmkv.keys.lossy_key of its key and namespace), flagged compressed,
+        and drop the exact chunk unless `keep_exact`. (outcome, relative RMS
+        error of the form): "made", or why not ("missing", "pinned", "exists",
+        "not_finite", "raced", "full")."""
+        from shmkv.disk import format as fmt
+        from shmkv.keys import lossy_key
+
+        store = self.store
+        key, namespace = entry["key"], entry["namespace"]
+        if entry["pins"]:
+            return "pinned", 0.0
+        to = lossy_key(key, form)
+        if store.contains([to])[0]:
+            return "exists", 0.0
+        leases = store.acquire_prefix([key], count_lookup=False)
+        if not leases:
+            return "missing", 0.0
+        lease = leases[0]
+        data: bytes | None = None
+        err = 0.0
+        try:
+            tokens = lease.tokens
+            raw = decoded(lease, key) if lease.compressed else lease.view()
+            if raw is not None:
+                try:
+                    data, err = fmt.encode_fp8(to, lossy_key(namespace, form), raw, dtype)
+                except ValueError:
+                    return "not_finite", 0.0
+        finally:
+            if not lease.release(cold=True):
+                data = None
+        if data is None:
+            return "raced", 0.0
+        got = store.put(to, data, namespace=lossy_key(namespace, form), tokens=tokens, compressed=True)
+        if got is PutResult.EXISTS:
+            return "exists", 0.0
+        if got is not PutResult.OK:
+            return ("full" if got is PutResult.FULL else "raced"), 0.0
+        if not keep_exact:
+            store.delete(key)
+        return "made", err
+
     def _recode(self, entry: dict[str, Any], *, compress: bool, element_size: int = 2, level: int = 1) -> str:
         from shmkv.disk import format as fmt
 
@@ -127,7 +172,7 @@ class SharedTier:
                 if len(data) >= memoryview(view).nbytes:
                     return "incompressible"
             else:
-                data = decoded(lease, key)
+                data = decoded(lease, key, lossy_ok=True)  # a lossy chunk stays under its lossy key
                 if data is None:
                     return "damaged"
         finally:
@@ -185,7 +230,7 @@ class TierChain:
         full = [u for u in units if u.tokens == chunker.chunk_size]
         found = self._full_chunks(full, chunker.roots, count, lower)
         if chunker.piece_size and chunker.piece_size < chunker.chunk_size:
-            prev = found[-1][0].keys if found else chunker.roots
+            prev = found[-1][0].chain if found else chunker.chain_roots
             cands = chunker.piece_candidates(tokens, len(found) * chunker.chunk_size, prev, extras)
             held = self.first_held(cands, chunker.roots, lower)
             if held is not None:
@@ -331,12 +376,12 @@ class TierChain:
         return {t.name: t.clear(namespace) for t in self.tiers}
 
 
-def decoded(lease: Any, key: bytes) -> bytes | None:
+def decoded(lease: Any, key: bytes, *, lossy_ok: bool = False) -> bytes | None:
     """The raw payload of a compressed chunk under `lease` (every check of
-    shmkv.disk.format), or None if it is damaged."""
+    shmkv.disk.format), or None if it is damaged (or lossy, unless `lossy_ok`)."""
     from shmkv.disk import format as fmt
 
     try:
-        return fmt.decode(lease.view(), key)[0]
+        return fmt.decode(lease.view(), key, lossy_ok=lossy_ok)[0]
     except fmt.DamagedChunk:
         return None

@@ -182,7 +182,9 @@ class DiskTier:
         if data is None:
             return None
         try:
-            got = fmt.decode_into(data, key, alloc, decompressor=self._dctx())
+            # NOTE: lossy_ok: a lossy chunk is keyed by shmkv.keys.lossy_key, so moving it between
+            # tiers under its own key never hands it to an exact request
+            got = fmt.decode_into(data, key, alloc, decompressor=self._dctx(), lossy_ok=True)
         except fmt.DamagedChunk as e:
             self._damaged(_name(key), key, e.reason)
             return None

@@ -160,7 +160,7 @@ class RemoteTier:
             return None
         self._count("remote_get_bytes", len(data))
         try:
-            got = fmt.decode_into(data, key, alloc, namespace=namespace)
+            got = fmt.decode_into(data, key, alloc, namespace=namespace, lossy_ok=True)  # see DiskTier.fetch_into
         except fmt.DamagedChunk as e:
             log.warning("shmkv: remote chunk %s rejected (%s): removed", rkey.decode(), e.reason)
             self._count("remote_damaged", 1)
@@ -304,7 +304,7 @@ class RemoteTier:
         if self.disk is not None:
             data = self.disk.read_file(key)  # a sound header; decode() checks the rest on read
             if data is not None:
-                if fmt.codec_of(data) == "zstd" or codec == "none":
+                if fmt.codec_of(data) != "none" or codec == "none":  # compressed (or lossy): as it is
                     return data, None
                 try:  # a raw file: its checked body is the payload
                     raw = fmt.decode(data, key)[0]

@@ -108,13 +108,13 @@ class RequestPlan:
 
 class Planner:
     def __init__(self, namespaces: Sequence[Namespace | bytes], block_size: int, *, store_tail: bool = True,
-                 chunk_size: int | None = None, windows: Sequence[int] = (0,)):
+                 chunk_size: int | None = None, windows: Sequence[int] = (0,), lossy_form: str | None = None):
         """One namespace (or its 16-byte root key, then give chunk_size) per TP
         rank; `windows`: per KV-cache group, its sliding window in tokens (0:
-        full attention)."""
+        full attention); `lossy_form`: plan with that lossy form of the chunks."""
         if not namespaces:
             raise ValueError("need one namespace per TP rank")
-        self.roots = tuple(ns if isinstance(ns, bytes) else ns.root_key() for ns in namespaces)
+        exact_roots = tuple(ns if isinstance(ns, bytes) else ns.root_key() for ns in namespaces)
         first = namespaces[0]
         self.chunk_size = chunk_size or (first.chunk_size if isinstance(first, Namespace) else 0)
         if self.chunk_size <= 0:
@@ -126,7 +126,8 @@ class Planner:
         self.windows = tuple(int(w) for w in windows)
         if self.chunk_size % block_size:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of block_size {block_size}")
-        self.chunker = Chunker(self.roots, self.chunk_size, block_size if store_tail else None)
+        self.chunker = Chunker(exact_roots, self.chunk_size, block_size if store_tail else None, lossy_form)
+        self.roots = self.chunker.roots  # the tags of its chunks (lossy roots with a lossy form)
 
     # ------------------------------------------------------------- units --
     def units(self, tokens: Sequence[int] | np.ndarray, extras: ExtraInputs | None = None) -> list[Unit]:

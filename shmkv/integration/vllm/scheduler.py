@@ -32,7 +32,7 @@ from shmkv.integration.vllm.engine_inputs import (
 )
 from shmkv.integration.vllm.metadata import RequestSummary, ShmKVMetadata
 from shmkv.integration.vllm.planner import NULL_BLOCK, Planner, RequestPlan
-from shmkv.keys import Namespace
+from shmkv.keys import Namespace, lossy_key
 from shmkv.namespaces import register
 from shmkv.remote import open_remote
 from shmkv.store import Store
@@ -103,6 +103,11 @@ class SchedulerSide:
             # operators name a namespace by this root in the controller API (lookup, clear, pin...)
             log.info("shmkv: namespace of TP rank %d: root %s (model %s, %s, %d layers)", rank,
                      register(self.cfg.cache_name, ns), ns.model_id, ns.dtype, ns.num_layers)
+        if self.cfg.lossy_form:
+            log.warning("shmkv: lossy_form=%s: this engine loads and stores only the %s form of chunks (made by "
+                        "POST /compress with form %s; roots %s); its outputs are not those of exact KV",
+                        self.cfg.lossy_form, self.cfg.lossy_form, self.cfg.lossy_form,
+                        ", ".join(r.hex() for r in self._base_roots()))
         self.disk = open_disk(self.cfg, store=self.store, element_size=self._dtype_bytes())
         self.remote = open_remote(self.cfg, store=self.store, disk=self.disk, element_size=self._dtype_bytes())
         self.chain = TierChain(self.store, [self.disk, self.remote], threads=io_threads(cfg))
@@ -139,7 +144,8 @@ class SchedulerSide:
             self._planners.move_to_end((salt, lora))
             return p
         ns = [dataclasses.replace(n.with_salt(salt), extra=n.extra + lora) for n in self._base_ns]
-        p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail, windows=[g.window for g in self._groups])
+        p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail, windows=[g.window for g in self._groups],
+                    lossy_form=self.cfg.lossy_form or None)
         self._planners[(salt, lora)] = p
         if len(self._planners) > MAX_PLANNERS:
             self._planners.popitem(last=False)
@@ -153,6 +159,11 @@ class SchedulerSide:
                             "reset_cache() reaches only the %d most recent", MAX_USED_ROOTS, MAX_USED_ROOTS)
             self._roots_forgotten += 1
         return p
+
+    def _base_roots(self) -> list[bytes]:
+        """The tags of the engine's own chunks (no salt, no adapter), per rank."""
+        roots = [ns.root_key() for ns in self._base_ns]
+        return [lossy_key(r, self.cfg.lossy_form) for r in roots] if self.cfg.lossy_form else roots
 
     def _dtype_bytes(self) -> int:
         """Element size of the byte-plane shuffle of stored chunks."""
@@ -356,7 +367,7 @@ class SchedulerSide:
         from shmkv.errors import LockTimeoutError
 
         roots = set(self._used_roots)
-        roots |= {ns.root_key() for ns in self._base_ns}
+        roots |= set(self._base_roots())
         removed = {"shm": 0, "disk": 0, "remote": 0}
         try:
             for root in sorted(roots):

@@ -98,9 +98,12 @@ class KVWorker:
     """Loads and stores units for one worker (one TP rank)."""
 
     def __init__(self, store: Store, layouts: KVLayout | Sequence[KVLayout], tp_rank: int, *,
-                 digest_file: str = "", remote=None, layer_order: Sequence[str] | None = None):
+                 digest_file: str = "", remote=None, layer_order: Sequence[str] | None = None,
+                 lossy_ok: bool = False):
         """`layouts`: one per KV-cache group, in vLLM's group order;
-        `layer_order`: every layer name in forward order (default: group by group)."""
+        `layer_order`: every layer name in forward order (default: group by group);
+        `lossy_ok`: the engine opted in to lossy KV (lossy_form), else a lossy
+        chunk is never loaded."""
         self.cache = store
         self.remote = remote  # write-through: committed chunks are queued for the remote tier
         self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
@@ -117,6 +120,7 @@ class KVWorker:
         self.counters: Counter[str] = Counter()
         self.tallies: dict[str, RequestTally] = defaultdict(RequestTally)
         self.digest_file = digest_file
+        self.lossy_ok = lossy_ok
         self.on_gpu = layout.on_gpu  # the copy backend chosen with the layout
         self._pending: list[_PendingStore] = []
         self._side_stream = None
@@ -168,9 +172,10 @@ class KVWorker:
         for j, (it, lease) in enumerate(batch.jobs):
             if not lease.compressed:
                 continue
-            raw = decoded(lease, it.keys[self.rank])
+            raw = decoded(lease, it.keys[self.rank], lossy_ok=self.lossy_ok)
             if raw is None:
-                log.warning("shmkv: a compressed chunk of request %s is damaged; vLLM recomputes it", it.req_id)
+                log.warning("shmkv: a compressed chunk of request %s is damaged%s; vLLM recomputes it", it.req_id,
+                            "" if self.lossy_ok else " (or lossy)")
                 batch.broken.add(j)
                 self.counters["load_damaged"] += 1
                 continue
@@ -478,7 +483,7 @@ class WorkerSide:
             remote = open_remote(self.cfg, store=self.store, disk=None,
                                  element_size=self.cfg.disk_shuffle_bytes or first.element_size())
         self.worker = KVWorker(self.store, layouts, self.tp_rank, digest_file=self.cfg.debug_digest_file,
-                               remote=remote, layer_order=list(kv_caches))
+                               remote=remote, layer_order=list(kv_caches), lossy_ok=bool(self.cfg.lossy_form))
         log.info("shmkv: registered %d KV layers in %d group(s) (%s layout, %s, %.1f KiB per token)",
                  len(kv_caches), len(layouts), kind, str(first.dtype).replace("torch.", ""),
                  sum(lay.bytes_per_token() for lay in layouts) / 1024)
