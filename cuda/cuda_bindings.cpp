@@ -40,18 +40,21 @@ PYBIND11_MODULE(_C_cuda, m) {
            py::arg("layer_bases"), py::arg("geometry"))
       .def("copy",
            [](const CudaLayout& self, bool gather, std::vector<int64_t> idx, uintptr_t payload,
-              uint64_t payload_bytes, uintptr_t stream) {
+              uint64_t payload_bytes, uintptr_t stream, int64_t layer_begin, int64_t layer_end) {
              std::string err;
              Status s;
              {
                py::gil_scoped_release nogil;
                s = launch_paged_copy(self.L, self.token_mode, gather, idx.data(), int64_t(idx.size()),
-                                     reinterpret_cast<uint8_t*>(payload), payload_bytes, stream, &err);
+                                     reinterpret_cast<uint8_t*>(payload), payload_bytes, stream, &err,
+                                     layer_begin, layer_end);
              }
              check(s, err);
            },
            py::arg("gather"), py::arg("index"), py::arg("payload"), py::arg("payload_bytes"), py::arg("stream"),
-           "Launch a gather (cache -> payload) or scatter on `stream`; asynchronous.");
+           py::arg("layer_begin") = 0, py::arg("layer_end") = -1,
+           "Launch a gather (cache -> payload) or scatter of layers [layer_begin, layer_end) (-1: to the "
+           "last) on `stream`; asynchronous.");
   m.def("register_host", [](uintptr_t ptr, uint64_t bytes) {
     std::string err;
     check(register_host_memory(reinterpret_cast<void*>(ptr), bytes, &err), err);

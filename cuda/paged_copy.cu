@@ -40,27 +40,27 @@ __device__ __forceinline__ void block_copy(uint8_t* __restrict__ dst,
   }
 }
 
-// grid: (n_blocks, num_layers)
+// grid: (n_blocks, layers copied); layer l = l0 + blockIdx.y
 // layer_base: [num_layers] device addresses; ids: [n]; payload: [layers][n][block_bytes]
 template <bool kGather>
 __global__ void copy_blocks_kernel(const uint64_t* __restrict__ layer_base,
                                    const int64_t* __restrict__ ids, int64_t n,
                                    int64_t block_stride, int64_t block_bytes,
-                                   uint8_t* __restrict__ payload) {
-  int64_t k = blockIdx.x, l = blockIdx.y;
+                                   uint8_t* __restrict__ payload, int64_t l0) {
+  int64_t k = blockIdx.x, l = l0 + blockIdx.y;
   uint8_t* blk = reinterpret_cast<uint8_t*>(layer_base[l]) + ids[k] * block_stride;
   uint8_t* p = payload + (l * n + k) * block_bytes;
   if (kGather) block_copy(p, blk, block_bytes);
   else block_copy(blk, p, block_bytes);
 }
 
-// grid: (n_tokens, num_layers); slots: [n] (negative: skipped)
+// grid: (n_tokens, layers copied); layer l = l0 + blockIdx.y; slots: [n] (negative: skipped)
 // payload: [layers][n][runs_i][runs_j][run_bytes]
 template <bool kGather>
 __global__ void copy_tokens_kernel(const uint64_t* __restrict__ layer_base,
                                    const int64_t* __restrict__ slots, int64_t n,
-                                   PagedLayout L, uint8_t* __restrict__ payload) {
-  int64_t t = blockIdx.x, l = blockIdx.y;
+                                   PagedLayout L, uint8_t* __restrict__ payload, int64_t l0) {
+  int64_t t = blockIdx.x, l = l0 + blockIdx.y;
   int64_t tok_bytes = L.runs_i * L.runs_j * L.run_bytes;
   uint8_t* p = payload + (l * n + t) * tok_bytes;
   int64_t slot = slots[t];
@@ -89,7 +89,14 @@ std::string cuda_error(const char* what, cudaError_t e) {
 
 Status launch_paged_copy(const PagedLayout& L, bool token_mode, bool gather, const int64_t* idx,
                          int64_t n, uint8_t* payload_host, uint64_t payload_bytes,
-                         uintptr_t stream_handle, std::string* err) {
+                         uintptr_t stream_handle, std::string* err, int64_t layer_begin,
+                         int64_t layer_end) {
+  if (layer_end < 0) layer_end = L.num_layers;
+  if (layer_begin < 0 || layer_begin >= layer_end || layer_end > L.num_layers) {
+    *err = "layer range [" + std::to_string(layer_begin) + ", " + std::to_string(layer_end) +
+           ") is not within the " + std::to_string(L.num_layers) + " layers";
+    return Status::kInvalidArgument;
+  }
   BlockWindow w;  // whole payload (the connector's CUDA path uses token payloads)
   Status s = token_mode ? check_token_copy(L, idx, n, payload_bytes, err)
                         : check_block_copy(L, idx, n, payload_bytes, &w, err);
@@ -120,16 +127,15 @@ Status launch_paged_copy(const PagedLayout& L, bool token_mode, bool gather, con
   if (e == cudaSuccess) {
     auto* d_idx = static_cast<const int64_t*>(scratch);
     auto* d_base = reinterpret_cast<const uint64_t*>(static_cast<uint8_t*>(scratch) + idx_bytes);
-    dim3 grid(unsigned(n), unsigned(L.num_layers));
+    dim3 grid(unsigned(n), unsigned(layer_end - layer_begin));
     auto* p = static_cast<uint8_t*>(payload_dev);
+    int64_t l0 = layer_begin, bs = L.block_stride, bb = L.block_bytes;
     if (token_mode) {
-      if (gather) copy_tokens_kernel<true><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L, p);
-      else copy_tokens_kernel<false><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L, p);
+      if (gather) copy_tokens_kernel<true><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L, p, l0);
+      else copy_tokens_kernel<false><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L, p, l0);
     } else {
-      if (gather)
-        copy_blocks_kernel<true><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L.block_stride, L.block_bytes, p);
-      else
-        copy_blocks_kernel<false><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L.block_stride, L.block_bytes, p);
+      if (gather) copy_blocks_kernel<true><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, bs, bb, p, l0);
+      else copy_blocks_kernel<false><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, bs, bb, p, l0);
     }
     e = cudaGetLastError();
   }

@@ -13,10 +13,13 @@ namespace shmkv {
 // failure), then copies between the device KV cache described by L (layer
 // bases are device addresses) and `payload_host`, a host pointer inside memory
 // registered with register_host_memory. Asynchronous on `stream_handle`
-// (a cudaStream_t as an integer; 0 = the legacy default stream).
+// (a cudaStream_t as an integer; 0 = the legacy default stream). Only layers
+// [layer_begin, layer_end) are copied (layer_end -1: to the last); the
+// payload keeps its full [layers] shape, as on the CPU (BlockWindow).
 Status launch_paged_copy(const PagedLayout& L, bool token_mode, bool gather, const int64_t* idx,
                          int64_t n, uint8_t* payload_host, uint64_t payload_bytes,
-                         uintptr_t stream_handle, std::string* err);
+                         uintptr_t stream_handle, std::string* err, int64_t layer_begin = 0,
+                         int64_t layer_end = -1);
 
 // Pin (and map for the device) a host range, e.g. a whole shmkv segment.
 Status register_host_memory(void* ptr, uint64_t bytes, std::string* err);

@@ -5,7 +5,8 @@ payloads, chosen once per KV layout by the device the cache lives on
   CpuCopy   shmkv._C kernels, synchronous, the GIL released; block windows
             and layer ranges (layer-by-layer pipelining) supported.
   CudaCopy  shmkv._C_cuda kernels, asynchronous on a CUDA stream; the
-            payload must be pinned (the segment registered: shmkv.gpu).
+            payload must be pinned (the segment registered: shmkv.gpu);
+            layer ranges supported (per-layer loads with CUDA events).
 
 Both take the layout's geometry as one object (shmkv.layout.LayoutGeometry),
 read by the same C++ helper (cpp/paged_layout_py.h). Every index and the
@@ -102,8 +103,9 @@ class CudaCopy:
     def copy(self, idx: np.ndarray, payload: Any, gather: bool, *, stream: Any = None, first: int = 0,
              blocks: int = -1, layers: tuple[int, int] | None = None, part: tuple[int, int] | None = None) -> None:
         """Asynchronous: keep the payload's lease or reservation until the stream has passed it."""
-        if first or blocks >= 0 or layers is not None:
-            raise InvalidArgumentError("block windows and layer ranges are CPU-only")
+        if first or blocks >= 0:
+            raise InvalidArgumentError("block windows are CPU-only (the CUDA path copies token payloads)")
+        l0, l1 = layers if layers is not None else (0, -1)
         if isinstance(payload, torch.Tensor):
             address, nbytes = payload.data_ptr(), payload.numel() * payload.element_size()
         else:
@@ -115,7 +117,7 @@ class CudaCopy:
             address, nbytes = address + off, n
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
-        self._c.copy(gather, idx.tolist(), address, nbytes, int(getattr(stream, "cuda_stream", stream)))
+        self._c.copy(gather, idx.tolist(), address, nbytes, int(getattr(stream, "cuda_stream", stream)), l0, l1)
 
 
 def backend_for(device: torch.device, bases: list[int], geometry: Any) -> CpuCopy | CudaCopy:

@@ -77,11 +77,14 @@ class EngineProcess:
         return reply
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, salts: list[str | None] | None = None,
-                 loras: list[tuple[str, int, str] | None] | None = None) -> dict[str, Any]:
+                 loras: list[tuple[str, int, str] | None] | None = None, logprobs: int = 0) -> dict[str, Any]:
         """Greedy outputs, num_cached_tokens and the wall time of one batch;
         `loras`: per prompt (name, int id, path) of a LoRA adapter, or None
-        (the engine needs llm_kwargs enable_lora=True)."""
-        return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens, salts=salts, loras=loras)
+        (the engine needs llm_kwargs enable_lora=True); `logprobs` > 0: also
+        "logprobs", per prompt and output position {token id: logprob} of
+        the top `logprobs` tokens (and the one chosen)."""
+        return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens, salts=salts, loras=loras,
+                         logprobs=logprobs)
 
     def generate_embeds(self, specs: list[dict[str, int]], max_tokens: int = 16) -> dict[str, Any]:
         """Like generate, with prompts given as embeddings made in the engine:
@@ -257,7 +260,8 @@ def _serve(spec: EngineSpec) -> None:
                 if salt is not None:
                     p["cache_salt"] = salt
                 prompts.append(p)
-            sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+            sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
+                                logprobs=cmd.get("logprobs") or None)
             loras = None
             if cmd.get("loras"):
                 from vllm.lora.request import LoRARequest
@@ -266,9 +270,13 @@ def _serve(spec: EngineSpec) -> None:
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
             wall = time.perf_counter() - t0
-            say({"outputs": [list(o.outputs[0].token_ids) for o in outs],
-                 "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
-                 "wall_s": wall})
+            reply: dict[str, Any] = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                                     "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+                                     "wall_s": wall}
+            if cmd.get("logprobs"):
+                reply["logprobs"] = [[{str(t): float(lp.logprob) for t, lp in pos.items()}
+                                      for pos in (o.outputs[0].logprobs or [])] for o in outs]
+            say(reply)
         except Exception as e:  # report, keep serving
             say({"error": f"{type(e).__name__}: {e}"})
 

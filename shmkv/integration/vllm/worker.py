@@ -9,7 +9,11 @@ full, another process writing it) is skipped. Every such path has a counter.
 
 On a GPU, stores must not stall the next forward pass: the gather runs on a
 side stream and the chunk is committed when its CUDA event has completed; the
-scheduler keeps the request's blocks until `finished_sending` says so.
+scheduler keeps the request's blocks until `finished_sending` says so. Loads
+run on another side stream, one copy per chunk and layer in forward order,
+with one CUDA event per layer: wait_layer makes the compute stream wait on
+its layer's event (the host never waits), and the leases are released once
+the last event has completed.
 
 A hybrid model's KV cache is several groups (one KVLayout each, with its own
 block ids); a unit's payload is the groups' sections in group order, each
@@ -86,11 +90,20 @@ class LoadBatch:
         self._positions = positions  # layer name -> forward position
         self.layer_done = [threading.Event() for _ in range(len(positions))]
         self.loader: threading.Thread | None = None
+        self.cuda_events: list[Any] = []  # GPU: per forward position, recorded on the load stream
+        self.device: Any = None
 
     def wait_layer(self, name: str) -> None:
-        """Block until this layer's loads are in place (no-op unless pipelined)."""
+        """Until this layer's loads are in place: on the CPU the caller blocks
+        (only when pipelined); on a GPU the compute stream waits on the device."""
         idx = self._positions.get(name)
-        if idx is not None and self.loader is not None:
+        if idx is None:
+            return
+        if self.cuda_events:
+            import torch
+
+            torch.cuda.current_stream(self.device).wait_event(self.cuda_events[idx])
+        elif self.loader is not None:
             self.layer_done[idx].wait()
 
 
@@ -124,6 +137,7 @@ class KVWorker:
         self.on_gpu = layout.on_gpu  # the copy backend chosen with the layout
         self._pending: list[_PendingStore] = []
         self._side_stream = None
+        self._load_stream = None
         if self.on_gpu:
             import torch
 
@@ -131,6 +145,7 @@ class KVWorker:
 
             gpu.register_segment(store)
             self._side_stream = torch.cuda.Stream(layout.device)
+            self._load_stream = torch.cuda.Stream(layout.device)
 
     # ------------------------------------------------------------ loads --
     # A step's loads are one LoadBatch, pipelined with the forward pass on the
@@ -209,24 +224,33 @@ class KVWorker:
             batch.layer_done[pos].set()
 
     def _load_all_layers(self, batch: LoadBatch) -> None:
-        """GPU: one scatter per unit and group, all layers at once (the CUDA
-        kernels take no layer range), then wait for the stream."""
+        """GPU: on the load stream, layer by layer in forward order, one
+        scatter per unit and layer, then that layer's event (nothing waits here)."""
         import torch
 
-        for j, (it, lease) in enumerate(batch.jobs):
-            if j in batch.broken:
-                continue
-            try:
-                self._scatter(it, batch.sources.get(j, lease))
-            except Exception:
-                log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
-                batch.broken.add(j)
-                self.counters["load_errors"] += 1
-        if batch.jobs:
-            # NOTE: a host sync: the leases are released only once the copies are done.
-            torch.cuda.current_stream(self.layout.device).synchronize()
-        for ev in batch.layer_done:
-            ev.set()
+        device = self.layout.device
+        stream = self._load_stream
+        # NOTE: the blocks being filled may still be read by work queued before on the compute stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        events = []
+        with torch.cuda.stream(stream):
+            for g, layer in self._order:
+                for j, (it, lease) in enumerate(batch.jobs):
+                    if j in batch.broken:
+                        continue
+                    try:
+                        self._scatter(it, batch.sources.get(j, lease), g, (layer, layer + 1))
+                    except Exception:
+                        log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
+                        batch.broken.add(j)
+                        self.counters["load_errors"] += 1
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                events.append(ev)
+        batch.device = device
+        batch.cuda_events = events if batch.jobs else []
+        for done in batch.layer_done:
+            done.set()
 
     def finish_load(self, batch: LoadBatch) -> tuple[set[int], dict[str, tuple[int, float]]]:
         """Wait for the batch, release its leases; (block ids that failed, per
@@ -234,6 +258,11 @@ class KVWorker:
         if batch.loader is not None:
             batch.loader.join()
             batch.loader = None
+        if batch.cuda_events:
+            # NOTE: the leases (and decoded sources) are released only once every copy is done;
+            # by now the forward pass has waited on every layer, so this rarely waits
+            batch.cuda_events[-1].synchronize()
+            batch.cuda_events = []
         bs = self.layout.block_size
         loaded: dict[str, int] = defaultdict(int)
         for j, (it, lease) in enumerate(batch.jobs):
