@@ -538,6 +538,23 @@ PYBIND11_MODULE(_C, m) {
         flush_events(*t.t);
         return py::make_tuple(int(s), err);
       }, "Grow a truncated segment file back and reset the table; (status, message).")
+      .def("reserve_more", [](PyTable& t, uint64_t max_bytes, bool map_pages) -> py::tuple {
+        std::string err;
+        uint64_t now = 0;
+        Status s;
+        {
+          py::gil_scoped_release nogil;
+          s = t.t->segment()->reserve_more(max_bytes, map_pages, &now, &err);
+        }
+        return py::make_tuple(int(s), err, now);
+      }, py::arg("max_bytes"), py::arg("map_pages"),
+         "Reserve up to max_bytes more of the arena's pages (then map them with map_pages); "
+         "(status, message, arena bytes reserved now).")
+      .def("map_arena", [](PyTable& t, uint64_t offset, uint64_t bytes) {
+        py::gil_scoped_release nogil;
+        return t.t->segment()->map_arena(offset, bytes);
+      }, py::arg("offset"), py::arg("bytes"),
+         "Map the reserved pages of arena bytes [offset, offset + bytes) into this process now.")
       .def_property_readonly("name", [](const PyTable& t) { return t.t->segment()->name(); })
       .def_property_readonly("arena_address", [](const PyTable& t) {
         return reinterpret_cast<uintptr_t>(t.t->segment()->arena());

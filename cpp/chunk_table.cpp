@@ -350,12 +350,15 @@ Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t nee
   // leases and half-writes are reclaimed first (cheap unless someone died).
   check(c().bytes_used.load(std::memory_order_relaxed) <= g.arena_bytes && hd->evictable_bytes <= g.arena_bytes,
         "bytes_used or evictable_bytes exceed the arena");
+  // Only the reserved part of the arena is usable (Header::arena_reserved).
+  uint64_t usable = std::min(hd->arena_reserved.load(std::memory_order_acquire), g.arena_bytes);
   auto room = [&] {
-    return g.arena_bytes - c().bytes_used.load(std::memory_order_relaxed) + hd->evictable_bytes;
+    uint64_t used = c().bytes_used.load(std::memory_order_relaxed);
+    return (usable > used ? usable - used : 0) + hd->evictable_bytes;
   };
   if (room() < need) do_reclaim_locked(false);
   if (room() < need) {
-    c().put_full.fetch_add(1, std::memory_order_relaxed);
+    (usable < g.arena_bytes ? c().put_unreserved : c().put_full).fetch_add(1, std::memory_order_relaxed);
     return Status::kFull;
   }
   uint64_t offset = 0;
@@ -703,6 +706,7 @@ std::map<std::string, uint64_t> ChunkTable::stats() {
     if (nc.member != nullptr) m[nc.name] = (k.*nc.member).load(std::memory_order_relaxed);
   m["capacity_bytes"] = g.capacity_bytes;
   m["arena_bytes"] = g.arena_bytes;
+  m["arena_reserved_bytes"] = std::min(hd->arena_reserved.load(std::memory_order_acquire), g.arena_bytes);
   m["max_payload_bytes"] = g.max_payload_bytes;
   m["max_entries"] = g.max_entries;
   m["max_leases"] = g.max_leases;

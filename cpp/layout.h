@@ -42,7 +42,7 @@
 namespace shmkv {
 
 constexpr uint64_t kMagic = 0x31564b4d48535f5fULL;  // "__SHMKV1" little-endian
-constexpr uint32_t kFormatVersion = 5;
+constexpr uint32_t kFormatVersion = 6;
 constexpr uint32_t kNone = 0xffffffffu;       // null record index
 constexpr uint32_t kIndexEmpty = 0xffffffffu;  // index slot never used
 constexpr uint32_t kIndexTomb = 0xfffffffeu;   // index slot whose entry left
@@ -183,7 +183,9 @@ struct Counters {
   std::atomic<uint64_t> put_tokens;
   std::atomic<uint64_t> spill_tokens;
   std::atomic<uint64_t> remote_put_tokens;
-  std::atomic<uint64_t> reserved_counters[8];
+  std::atomic<uint64_t> put_unreserved;   // FULL only because the arena was still being reserved
+  std::atomic<uint64_t> reserve_errors;   // background reservations that failed (/dev/shm full)
+  std::atomic<uint64_t> reserved_counters[6];
   // gauges (maintained under the lock, rebuilt on recovery)
   std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries
   std::atomic<uint64_t> entries;          // non-FREE entries
@@ -204,6 +206,11 @@ struct alignas(64) Header {
   uint32_t reserved0;
   uint64_t created_unix_ns;
   std::atomic<uint64_t> epoch;   // bumped by every segment reset
+  // Bytes from the arena's start whose pages are reserved in /dev/shm
+  // (posix_fallocate): the allocator hands out nothing beyond, so no write
+  // ever lands on a page that could SIGBUS. Only grows (creation reserves a
+  // first part; Segment::reserve_more the rest, in the background).
+  std::atomic<uint64_t> arena_reserved;
   alignas(64) pthread_mutex_t lock;
   // Who holds `lock` now (0: nobody), and since when: written by the holder
   // right after taking it and cleared before giving it back, so a process

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -23,6 +24,12 @@ namespace {
 
 constexpr off_t kInitByte = 0;   // exclusive while (re)initialising or validating
 constexpr off_t kAliveByte = 1;  // shared by every attached process
+// Arena bytes a new segment reserves before it is handed out; the rest is
+// reserved by Segment::reserve_more, in the background (shmkv.store).
+constexpr uint64_t kFirstReserve = 256ull << 20;
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL
+#endif
 
 uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
@@ -83,9 +90,17 @@ void init_mutex(pthread_mutex_t* m) {
   pthread_mutexattr_destroy(&a);
 }
 
-// Lay out a fresh segment. The metadata region must already be zero.
-void initialise(uint8_t* base, const Geometry& g) {
+// Map the (reserved) pages of [addr, addr + bytes) into this process now, so
+// first copies pay no page faults. False on a kernel without MADV_POPULATE_WRITE.
+bool prefault(uint8_t* addr, uint64_t bytes) {
+  return bytes == 0 || madvise(addr, bytes, MADV_POPULATE_WRITE) == 0 || errno != EINVAL;
+}
+
+// Lay out a fresh segment whose metadata and first `reserved` arena bytes
+// are reserved. The metadata region must already be zero.
+void initialise(uint8_t* base, const Geometry& g, uint64_t reserved) {
   auto* h = reinterpret_cast<Header*>(base);
+  h->arena_reserved.store(reserved);
   h->format_version = kFormatVersion;
   h->header_bytes = sizeof(Header);
   h->build_fingerprint = build_fingerprint();
@@ -251,11 +266,12 @@ struct SegmentOpener {
     if (fd >= 0) close(fd);
   }
 
+  // Never MAP_POPULATE the whole file: pages past the reserved part would be
+  // allocated by this process, synchronously (see prefault_reserved).
   Status map(uint64_t bytes) {
     if (base) munmap(base, mapped);
     base = nullptr;
-    int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, flags, fd, 0);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
       *err = errno_text(("mmap of segment '" + name + "'").c_str(), errno);
       return Status::kSystem;
@@ -269,13 +285,17 @@ struct SegmentOpener {
   Status initialise_fresh(const Geometry& g) {
     if (base) munmap(base, mapped);
     base = nullptr;
-    // Drop whatever a previous incarnation left, then reserve every page now,
-    // so a too-small /dev/shm fails here and never as SIGBUS on first touch.
+    // Drop whatever a previous incarnation left, then reserve the metadata and
+    // a first part of the arena now; the allocator hands out nothing beyond
+    // Header::arena_reserved, so no write can SIGBUS, and the rest is reserved
+    // in the background (Segment::reserve_more). A /dev/shm too small for the
+    // whole capacity fails here.
     if (ftruncate(fd, 0) != 0 || ftruncate(fd, off_t(g.capacity_bytes)) != 0) {
       *err = errno_text(("ftruncate of segment '" + name + "'").c_str(), errno);
       return Status::kSystem;
     }
-    int rc = posix_fallocate(fd, 0, off_t(g.capacity_bytes));
+    uint64_t first = std::min(g.arena_bytes, kFirstReserve);
+    int rc = shm_free_bytes() < g.capacity_bytes ? ENOSPC : posix_fallocate(fd, 0, off_t(g.arena_offset + first));
     if (rc != 0) {
       uint64_t free_now = shm_free_bytes();
       ftruncate(fd, 0);
@@ -288,9 +308,19 @@ struct SegmentOpener {
     Status s = map(g.capacity_bytes);
     if (s != Status::kOk) return s;
     // ftruncate(0) dropped the old pages, so metadata is zero here.
-    initialise(base, g);
+    initialise(base, g, first);
     madvise(base + g.arena_offset, g.capacity_bytes - g.arena_offset, MADV_DONTDUMP);
     return Status::kOk;
+  }
+
+  // With `populate`: map the metadata and the reserved part of the arena now.
+  void prefault_reserved() {
+    if (!populate || !base) return;
+    const auto* h = reinterpret_cast<const Header*>(base);
+    uint64_t reserved = std::min(h->arena_reserved.load(std::memory_order_acquire), h->geo.arena_bytes);
+    uint64_t bytes = std::min(mapped, h->geo.arena_offset + reserved);
+    if (!prefault(base, bytes))  // an older kernel: the same range mapped again, populated
+      mmap(base, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd, 0);
   }
 
   // Check an existing segment's header. `want` (may be null) is the geometry
@@ -464,6 +494,7 @@ struct SegmentOpener {
         return s;  // destructor closes fd: our locks go with it
       }
       ofd_lock(fd, kInitByte, F_UNLCK, false);
+      prefault_reserved();  // after the init lock: attachers waiting need not wait for this
       auto seg = std::shared_ptr<Segment>(new Segment());
       seg->name_ = name;
       seg->fd_ = fd;
@@ -518,12 +549,43 @@ Status Segment::restore_size(std::string* err) {
     *err = errno_text(("ftruncate of segment '" + name_ + "'").c_str(), errno);
     return Status::kSystem;
   }
-  int rc = posix_fallocate(fd_, 0, off_t(geo_.capacity_bytes));
+  uint64_t reserved = std::min(header()->arena_reserved.load(std::memory_order_acquire), geo_.arena_bytes);
+  int rc = posix_fallocate(fd_, 0, off_t(geo_.arena_offset + reserved));
   if (rc != 0) {
     *err = "cannot reserve the pages of segment '" + name_ + "' again (posix_fallocate: " +
            std::strerror(rc) + ")";
     return rc == ENOSPC ? Status::kNoSpace : Status::kSystem;
   }
+  return Status::kOk;
+}
+
+bool Segment::map_arena(uint64_t offset, uint64_t bytes) {
+  uint64_t reserved = std::min(header()->arena_reserved.load(std::memory_order_acquire), geo_.arena_bytes);
+  if (offset >= reserved) return true;
+  return prefault(arena() + offset, std::min(bytes, reserved - offset));
+}
+
+Status Segment::reserve_more(uint64_t max_bytes, bool map_pages, uint64_t* reserved_now, std::string* err) {
+  std::atomic<uint64_t>& reserved = header()->arena_reserved;
+  uint64_t from = std::min(reserved.load(std::memory_order_acquire), geo_.arena_bytes);
+  *reserved_now = from;
+  if (from >= geo_.arena_bytes || max_bytes == 0) return Status::kOk;
+  uint64_t len = std::min(max_bytes, geo_.arena_bytes - from);
+  int rc = posix_fallocate(fd_, off_t(geo_.arena_offset + from), off_t(len));
+  if (rc != 0) {
+    header()->counters.reserve_errors.fetch_add(1, std::memory_order_relaxed);
+    *err = "cannot reserve " + format_bytes(len) + " more of segment '" + name_ + "' (" + format_bytes(from) +
+           " of its " + format_bytes(geo_.arena_bytes) + " arena reserved; /dev/shm has " +
+           format_bytes(shm_free_bytes()) + " free; posix_fallocate: " + std::strerror(rc) +
+           "): the cache works with the part reserved";
+    return rc == ENOSPC ? Status::kNoSpace : Status::kSystem;
+  }
+  // Publish, then map: another process may already have gone further (both reserved the same pages).
+  uint64_t to = from + len, cur = reserved.load(std::memory_order_relaxed);
+  while (cur < to && !reserved.compare_exchange_weak(cur, to, std::memory_order_release)) {
+  }
+  *reserved_now = std::max(cur, to);
+  if (map_pages) prefault(arena() + from, len);  // without MADV_POPULATE_WRITE: first touch maps them
   return Status::kOk;
 }
 

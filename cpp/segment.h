@@ -1,7 +1,10 @@
 // segment.h — owning one mapping of a shmkv POSIX shared-memory segment.
 //
 // A Segment is the file /dev/shm/<name>, exactly geo.capacity_bytes long,
-// reserved with posix_fallocate at creation, mode 0600, owned by our uid.
+// mode 0600, owned by our uid. Its pages are reserved with posix_fallocate:
+// the metadata and a first part of the arena at creation, the rest by
+// reserve_more (in the background); Header::arena_reserved says how far, and
+// the allocator hands out nothing beyond it.
 // Liveness is tracked by the kernel, not by pids: every attached process holds
 // a shared open-file-description lock on byte 1 of the file for as long as it
 // has the segment open. Whoever can take that byte exclusively knows nobody
@@ -53,8 +56,8 @@ class Segment {
   //   is kAlreadyExists. kAttach: an existing, initialised segment with this
   //   build's layout (config ignored). kOpenOrCreate: attach if a segment with
   //   the same geometry exists; adopt a stale one with the same geometry after
-  //   a rebuild; otherwise create or re-initialise. `populate` pre-faults the
-  //   mapping so the first copy into a chunk does not pay page faults.
+  //   a rebuild; otherwise create or re-initialise. `populate` maps the
+  //   reserved pages now so the first copy into a chunk does not pay page faults.
   static Status open(const std::string& name, OpenMode mode, const SegmentConfig& cfg,
                      bool populate, std::shared_ptr<Segment>* out, std::string* err);
   static Status unlink(const std::string& name, std::string* err);
@@ -79,6 +82,15 @@ class Segment {
   // Grow a truncated file back to capacity_bytes and reserve its pages again
   // (the bytes past the old end read as zero). kNoSpace if /dev/shm is full.
   Status restore_size(std::string* err);
+  // Reserve up to `max_bytes` more of the arena's pages (posix_fallocate),
+  // publish them to the allocator, then (with `map_pages`) map them into
+  // this process. Any process may call it, concurrently: it only grows the
+  // reserved part. kNoSpace (counted in reserve_errors) if /dev/shm is full.
+  Status reserve_more(uint64_t max_bytes, bool map_pages, uint64_t* reserved_now, std::string* err);
+  // Map the reserved pages of arena bytes [offset, offset + bytes) into this
+  // process now (clipped to the reserved part); false if the kernel cannot
+  // (no MADV_POPULATE_WRITE: first touch maps them).
+  bool map_arena(uint64_t offset, uint64_t bytes);
   const std::string& name() const { return name_; }
   OpenOutcome outcome() const { return outcome_; }
   // True when the header was adopted from a stale segment: the table must be

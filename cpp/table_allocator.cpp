@@ -5,6 +5,7 @@
 #include "chunk_table.h"
 #include "table_internal.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace shmkv {
@@ -17,12 +18,15 @@ bool ChunkTable::do_alloc_locked(uint64_t need, uint64_t* offset) {
   const Geometry& g = geo();
   Extent* ex = extents();
   uint64_t n = h()->num_extents;
+  // nothing beyond the reserved part of the arena (its pages may not exist yet)
+  uint64_t limit = std::min(h()->arena_reserved.load(std::memory_order_acquire), g.arena_bytes);
   check(n <= uint64_t(g.max_entries) + 1, "more free extents than the extent table holds");
   for (uint64_t i = 0; i < n; ++i) {
-    if (ex[i].length < need) continue;
     check(ex[i].offset <= g.arena_bytes && ex[i].length <= g.arena_bytes - ex[i].offset &&
               ex[i].offset % g.alignment == 0,
           "a free extent lies outside the arena");
+    if (ex[i].offset >= limit) break;  // sorted by offset: the rest lie beyond too
+    if (std::min(ex[i].length, limit - ex[i].offset) < need) continue;
     *offset = ex[i].offset;
     ex[i].offset += need;
     ex[i].length -= need;

@@ -67,6 +67,8 @@ std::vector<std::string> ChunkTable::do_check_consistency_locked() {
       }
       if (st == kEntryDoomed && en.refcount == 0) fail("doomed entry " + std::to_string(e) + " has no lease");
       allocs.emplace_back(en.offset, en.alloc_size);
+      if (en.offset + en.alloc_size > hd->arena_reserved.load(std::memory_order_acquire))
+        fail("entry " + std::to_string(e) + " lies beyond the reserved part of the arena");
       bool indexed = false;
       try {
         indexed = do_find_locked(en.key) == e;

@@ -17,6 +17,20 @@ if TYPE_CHECKING:
     from shmkv.store import Store
 
 
+def unavailable() -> str | None:
+    """Why the CUDA path cannot run in this process (no GPU, or shmkv built
+    without _C_cuda), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine"
+    try:
+        import shmkv._C_cuda  # noqa: F401
+    except ImportError as e:
+        return f"shmkv was built without its CUDA part: {e}"
+    return None
+
+
 def extension() -> Any:
     """shmkv._C_cuda, or a clear error naming the fix."""
     try:

@@ -100,7 +100,10 @@ def render_table(snap: dict[str, Any]) -> str:
         f"shmkv cache '{snap['cache']}'",
         "",
         "shared tier (/dev/shm)",
-        f"  capacity          {_fmt_bytes(s['capacity_bytes'])} (payload cap {_fmt_bytes(s['arena_bytes'])})",
+        f"  capacity          {_fmt_bytes(s['capacity_bytes'])} (payload cap {_fmt_bytes(s['arena_bytes'])}"
+        + ("" if s.get("arena_reserved_bytes", s["arena_bytes"]) >= s["arena_bytes"] else
+           f"; {_fmt_bytes(s['arena_reserved_bytes'])} reserved so far, the rest being reserved "
+           f"({s.get('reserve_errors', 0)} failed attempts)") + ")",
         f"  used              {_fmt_bytes(s['bytes_used'])} ({100 * s['bytes_used'] / max(1, s['arena_bytes']):.1f}%)",
         f"  entries           {s['entries']} ({s['pinned_entries']} pinned, {s['leases_held']} leases held)",
         f"  hit rate          {100 * s['hit_rate']:.1f}% ({s['hits']} hits / {s['lookups']} lookups)",

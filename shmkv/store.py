@@ -13,6 +13,12 @@ Two-phase operations, never a payload copy under the table lock:
     with store.acquire(key) as lease:        # None on a miss
         data = lease.numpy(np.uint16)        # zero-copy, read-only
 
+A new segment reserves its metadata and a first part of its arena (256 MiB)
+before it is handed out, and the rest in the background (a thread of every
+process that opens it while some is left; a process that dies midway leaves
+the rest to the next): the allocator never hands out bytes whose pages are not
+reserved, so creation takes a fraction of a second whatever the capacity.
+
 "Miss" (None), "full", "exists" and "busy" (PutResult) are ordinary results.
 Errors raise from the hierarchy in shmkv.errors. Keys are 16-byte `bytes`
 (see shmkv.keys).
@@ -23,6 +29,8 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import threading
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +61,7 @@ Keys = Sequence[bytes] | bytes | bytearray | memoryview
 _MODE_CREATE, _MODE_ATTACH, _MODE_OPEN_OR_CREATE = 0, 1, 2
 DEFAULT_LOCK_TIMEOUT_S = 0.3
 INIT_WAIT_S = 120.0  # bound of the wait for another process initialising the segment (Store.create/attach)
+RESERVE_STEP = 256 << 20  # arena bytes the background reserver reserves (and maps) per call
 FLAG_SPILLED = int(_C.FLAG_SPILLED)  # Entry flag: a copy is in the disk tier
 FLAG_COMPRESSED = int(_C.FLAG_COMPRESSED)  # Entry flag: the payload is an encoded chunk (shmkv.disk.format)
 
@@ -286,11 +295,15 @@ class Store:
         self._t = table
         self.outcome = outcome
         self.name: str = table.name
+        self._reserver: threading.Thread | None = None
+        self._stop_reserving = threading.Event()
+        self._reserve_ended = threading.Event()
 
     # ------------------------------------------------------------ opening --
     @classmethod
     def _open(cls, name: str, mode: int, geometry: SegmentGeometry, populate: bool,
-              lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, init_wait_s: float = INIT_WAIT_S) -> Store:
+              lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, init_wait_s: float = INIT_WAIT_S,
+              background_reserve: bool = True) -> Store:
         g = geometry
         g.check()
         if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, (int, float)) \
@@ -304,6 +317,10 @@ class Store:
             _raise(code, msg)
         store = cls(table, OpenOutcome(outcome))
         st = table.stats()
+        if background_reserve and st["arena_reserved_bytes"] < st["arena_bytes"]:
+            store._reserver = threading.Thread(target=store._reserve_rest, args=(populate,),
+                                               name="shmkv-reserve", daemon=True)
+            store._reserver.start()
         log.debug(
             "%s shared-memory segment '%s': capacity %s, payload arena %s, max payload %s, "
             "%d entries max",
@@ -316,33 +333,36 @@ class Store:
     @classmethod
     def create(cls, name: str, capacity_bytes: int, *, populate: bool = True,
                lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, init_wait_s: float = INIT_WAIT_S,
-               **geometry: int) -> Store:
+               background_reserve: bool = True, **geometry: int) -> Store:
         """Create a fresh, empty segment. A stale one (no live process
         attached) is re-initialised; a live one raises SegmentExistsError.
         `lock_timeout_s` bounds every wait for the table lock (module doc);
         `init_wait_s` the wait for another process initialising the segment
-        (then LockTimeoutError naming it)."""
+        (then LockTimeoutError naming it); `background_reserve`: reserve
+        the rest of the arena in a thread of this process (module doc; off:
+        only the first part is usable until someone calls reserve_more)."""
         return cls._open(name, _MODE_CREATE, SegmentGeometry(capacity_bytes, **geometry), populate,
-                         lock_timeout_s, init_wait_s)
+                         lock_timeout_s, init_wait_s, background_reserve)
 
     @classmethod
     def attach(cls, name: str, *, populate: bool = True, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
-               init_wait_s: float = INIT_WAIT_S) -> Store:
+               init_wait_s: float = INIT_WAIT_S, background_reserve: bool = True) -> Store:
         """Attach to an existing segment, live or stale, whatever its geometry
         (read from it; a stale one is adopted with its chunks). Raises
         SegmentNotFoundError or SegmentMismatchError (nothing written)."""
-        return cls._open(name, _MODE_ATTACH, SegmentGeometry(1 << 20), populate, lock_timeout_s, init_wait_s)
+        return cls._open(name, _MODE_ATTACH, SegmentGeometry(1 << 20), populate, lock_timeout_s, init_wait_s,
+                         background_reserve)
 
     @classmethod
     def open_or_create(cls, name: str, capacity_bytes: int, *, populate: bool = True,
                        lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, init_wait_s: float = INIT_WAIT_S,
-                       **geometry: int) -> Store:
+                       background_reserve: bool = True, **geometry: int) -> Store:
         """Attach if a segment with this geometry exists, else create it. A
         live segment with another geometry raises SegmentMismatchError naming
         the differences; a stale one is adopted if it matches (its chunks
         survive), else re-initialised."""
         return cls._open(name, _MODE_OPEN_OR_CREATE, SegmentGeometry(capacity_bytes, **geometry),
-                         populate, lock_timeout_s, init_wait_s)
+                         populate, lock_timeout_s, init_wait_s, background_reserve)
 
     @staticmethod
     def unlink(name: str, *, missing_ok: bool = True) -> bool:
@@ -356,9 +376,61 @@ class Store:
 
     def close(self) -> None:
         """Detach this process (the mapping goes when the last view does)."""
+        if self._reserver is not None:
+            self._stop_reserving.set()
+            self._reserver.join()  # at most one step (RESERVE_STEP bytes)
+            self._reserver = None
         if self._t is not None:
             self._t.detach()
             self._t = None
+
+    def _reserve_rest(self, map_pages: bool) -> None:
+        """Background: reserve the rest of the arena step by step (each step
+        usable at once), until it is all reserved, /dev/shm refuses, or
+        close(); then, with map_pages, map it into this process."""
+        t0 = time.perf_counter()
+        t = self._t
+        arena = t.stats()["arena_bytes"]
+        start = None
+        try:
+            while not self._stop_reserving.is_set():
+                code, msg, now = t.reserve_more(RESERVE_STEP, False)
+                start = now if start is None else start
+                if code:
+                    log.warning("shmkv: %s", msg)
+                    return
+                if now >= arena:
+                    break
+            else:
+                return
+        finally:
+            self._reserve_ended.set()
+        dt = time.perf_counter() - t0
+        log.info("shmkv: segment '%s': the rest of its arena (%s) reserved in the background in %.2f s (%.2f GB/s)",
+                 self.name, _fmt_bytes(arena - start), dt, (arena - start) / max(dt, 1e-9) / 1e9)
+        off = 0
+        while map_pages and off < arena and not self._stop_reserving.is_set():
+            if not t.map_arena(off, RESERVE_STEP):
+                return  # no MADV_POPULATE_WRITE here: first touch maps the pages
+            off += RESERVE_STEP
+
+    def wait_reserved(self, timeout_s: float | None = None) -> bool:
+        """Wait (at most timeout_s) until this process's background
+        reservation of the arena has ended; True if the whole arena is reserved."""
+        if self._reserver is not None:
+            self._reserve_ended.wait(timeout_s)
+        st = self.stats()
+        return st["arena_reserved_bytes"] >= st["arena_bytes"]
+
+    def reserve_more(self, max_bytes: int, *, map_pages: bool = False) -> int:
+        """Reserve up to `max_bytes` more of the arena's pages now (what the
+        background reservation does step by step); returns the arena bytes
+        reserved. Raises (e.g. NoSpaceError naming /dev/shm) when the pages
+        cannot be had; the cache keeps working with the part reserved."""
+        code, msg, now = self.table.reserve_more(int(max_bytes), bool(map_pages))
+        if code:
+            _raise(code, msg)
+        return int(now)
 
     def __enter__(self) -> Store:
         return self

@@ -20,15 +20,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def cuda_missing() -> str | None:
     """Why the CUDA tests cannot run here (their skip reason), or None."""
-    import torch
+    from shmkv.gpu import unavailable
 
-    if not torch.cuda.is_available():
-        return "no CUDA GPU on this machine (CI never has one)"
-    try:
-        import shmkv._C_cuda  # noqa: F401
-    except ImportError as e:
-        return f"shmkv was built without its CUDA part: {e}"
-    return None
+    why = unavailable()
+    return None if why is None else why + (" (CI never has one)" if why.startswith("no CUDA") else "")
 
 
 def key(i: int | str) -> bytes:

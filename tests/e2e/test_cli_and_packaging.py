@@ -51,3 +51,16 @@ def test_one_version_and_the_vllm_plugin_entry_point():
     assert version("shmkv") == shmkv.__version__, "pyproject takes the version from shmkv/__init__.py"
     plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert plugins.get("shmkv") == "shmkv.integration.vllm:register"
+
+
+def test_bench_gpu_without_a_gpu_says_so_on_one_line():
+    from helpers import cuda_missing
+
+    if cuda_missing() is None:
+        pytest.skip("a CUDA GPU is here: `python -m shmkv.bench gpu` measures instead")
+    for extra in ([], ["--json"]):
+        r = subprocess.run([sys.executable, "-m", "shmkv.bench", "gpu", *extra], capture_output=True, text=True,
+                           timeout=120, cwd=REPO)
+        assert r.returncode == 0, r.stderr[-2000:]
+        lines = r.stdout.strip().splitlines()
+        assert len(lines) == 1 and "no CUDA GPU" in lines[0], r.stdout

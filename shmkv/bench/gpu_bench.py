@@ -1,0 +1,196 @@
+"""The CUDA path through the connector's worker (not the raw kernels), against
+pinned cudaMemcpy of the same bytes in the same run. Without a CUDA GPU (or
+without shmkv._C_cuda) it says so on one line and exits 0.
+
+Shape: a FlashAttention-sized cache, 32 layers of vLLM's view [blocks, 8 KV
+heads, 16-token blocks, K and V of a 128-wide head] bf16 in NHD order;
+256-token chunks of 32 MiB, 16 of them.
+
+  store_gbps            KVWorker.store of 16 chunks, until every one is committed
+  load_gbps, load_ms    KVWorker.start_load + finish_load of those 16 chunks into other blocks
+  first_layer_ready_ms  from start_load to the first layer's CUDA event
+  h2d_gbps, d2h_gbps    pinned cudaMemcpy of the same 512 MiB
+  overlap_slowdown      a compute-bound loop (bf16 matmuls) with the 16 stores issued
+                        beside it, over the loop alone
+  create_gbps, ready_s  segment creation (shmkv.bench.segment), --segment-gib
+  register_s_per_gib    cudaHostRegister of the segment's arena, per GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import uuid
+
+MiB, GiB = 1 << 20, 1 << 30
+LAYERS, HEADS, BS, CONTENT = 32, 8, 16, 256  # CONTENT: bf16 values per head and token (K and V)
+CHUNK_TOKENS, CHUNKS = 256, 16
+
+
+def run(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m shmkv.bench gpu")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--segment-gib", type=int, default=32, help="segment size for create/ready/register")
+    ap.add_argument("--matmul", type=int, default=8192, help="matrix size of the compute-bound loop")
+    a = ap.parse_args(argv)
+    from shmkv.gpu import unavailable
+
+    why = unavailable()
+    if why is not None:
+        return {"skipped": why}
+    out = _worker_figures(a.repeats, a.matmul)
+    out.update(_segment_figures(a.segment_gib))
+    out["load_gbps_over_h2d"] = out["load_gbps"] / out["h2d_gbps"]
+    out["store_gbps_over_d2h"] = out["store_gbps"] / out["d2h_gbps"]
+    out["first_layer_target_ms"] = out["load_ms"] / LAYERS + 1
+    return out
+
+
+def _worker_figures(repeats: int, n: int) -> dict:
+    import torch
+
+    from shmkv import Store
+    from shmkv.config import load_config
+    from shmkv.integration.vllm.engine_inputs import KVGroup
+    from shmkv.integration.vllm.planner import GroupWindow, LoadItem, StoreItem
+    from shmkv.integration.vllm.worker import WorkerSide
+
+    dev = torch.device("cuda", 0)
+    blocks_per_chunk = CHUNK_TOKENS // BS
+    num_blocks = 2 * CHUNKS * blocks_per_chunk + 8
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    # NHD physical order, seen through vLLM's [blocks, heads, block tokens, content] view
+    caches = {nm: torch.randn(num_blocks, BS, HEADS, CONTENT, device=dev, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+              for nm in names}
+    chunk_bytes = LAYERS * CHUNK_TOKENS * HEADS * CONTENT * 2
+    total = CHUNKS * chunk_bytes
+    name = f"shmkv-bench-gpu-{uuid.uuid4().hex[:8]}"
+    store = Store.create(name, 4 * total + GiB, max_payload_bytes=chunk_bytes)
+    store.wait_reserved(timeout_s=600)
+    try:
+        side = WorkerSide(load_config({"cache_name": name}, env={}), store, [KVGroup(tuple(names))], 0, BS)
+        side.register_kv_caches(caches)
+        if side.worker is None:
+            raise RuntimeError(f"the connector refused the cache: {side.off_reason}")
+        w = side.worker
+        src = [list(range(i * blocks_per_chunk, (i + 1) * blocks_per_chunk)) for i in range(CHUNKS)]
+        dst = [[b + CHUNKS * blocks_per_chunk for b in bl] for bl in src]
+        ns = (b"G" * 16,)
+        round_no = iter(range(1 << 30))
+
+        def store_items() -> list:
+            r = next(round_no)
+            return [StoreItem("r", (bytes([r % 256, r // 256 % 256, i]) + b"k" * 13,), CHUNK_TOKENS,
+                              (GroupWindow(0, len(b), tuple(b)),), namespaces=ns) for i, b in enumerate(src)]
+
+        def store_all() -> list:
+            items = store_items()
+            w.store(items)
+            while w.pending_requests():
+                w.poll()
+            return items
+
+        def timed(fn):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            got = fn()
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0, got
+
+        store_all()  # warm-up
+        store_s = [timed(store_all)[0] for _ in range(repeats)]
+        items = store_all()
+        loads = [LoadItem("q", it.keys, (GroupWindow(0, len(b), tuple(b)),)) for it, b in zip(items, dst)]
+        first, whole = [], []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            batch = w.start_load(loads)
+            batch.cuda_events[0].synchronize()
+            t1 = time.perf_counter()
+            failed, _ = w.finish_load(batch)
+            t2 = time.perf_counter()
+            if failed:
+                raise RuntimeError(f"{len(failed)} blocks failed to load")
+            first.append(t1 - t0)
+            whole.append(t2 - t0)
+        first, whole = first[1:], whole[1:]
+        for nm in names:
+            same = torch.equal(caches[nm][src[0][0]].view(torch.uint8), caches[nm][dst[0][0]].view(torch.uint8))
+            if not same:
+                raise RuntimeError("the loaded blocks differ from the stored ones")
+
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        devbuf = torch.empty(total, dtype=torch.uint8, device=dev)
+        h2d = [timed(lambda: devbuf.copy_(host, non_blocking=True))[0] for _ in range(repeats)]
+        d2h = [timed(lambda: host.copy_(devbuf, non_blocking=True))[0] for _ in range(repeats)]
+
+        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+
+        def compute() -> None:
+            for _ in range(40):
+                a @ b
+
+        timed(compute)
+        alone = [timed(compute)[0] for _ in range(repeats)]
+
+        def both() -> None:
+            items = store_items()
+            w.store(items)  # side stream: issued first, then the compute runs beside it
+            compute()
+            while w.pending_requests():
+                w.poll()
+
+        together = [timed(both)[0] for _ in range(repeats)]
+        side.shutdown()
+        med = statistics.median
+        return {
+            "chunk_bytes": chunk_bytes, "chunks": CHUNKS, "layers": LAYERS,
+            "store_gbps": total / med(store_s) / 1e9, "load_gbps": total / med(whole) / 1e9,
+            "load_ms": med(whole) * 1e3, "first_layer_ready_ms": med(first) * 1e3,
+            "h2d_gbps": total / med(h2d) / 1e9, "d2h_gbps": total / med(d2h) / 1e9,
+            "compute_alone_ms": med(alone) * 1e3, "compute_with_stores_ms": med(together) * 1e3,
+            "overlap_slowdown": med(together) / med(alone),
+            "device": torch.cuda.get_device_name(dev),
+        }
+    finally:
+        store.close()
+        Store.unlink(name)
+
+
+def _segment_figures(gib: int) -> dict:
+    import shutil
+
+    from shmkv import Store, gpu
+    from shmkv.bench.segment_bench import measure
+
+    size = min(gib * GiB, shutil.disk_usage("/dev/shm").free // 3 // GiB * GiB)
+    seg = measure(size, repeats=1)
+    name = f"shmkv-bench-gpu-reg-{uuid.uuid4().hex[:8]}"
+    store = Store.create(name, size)
+    try:
+        store.wait_reserved(timeout_s=600)
+        t0 = time.perf_counter()
+        gpu.register_segment(store)
+        reg = time.perf_counter() - t0
+        gpu.unregister_segment(store)
+    finally:
+        store.close()
+        Store.unlink(name)
+    return {"segment_bytes": size, "create_gbps": seg["create_gbps"], "ready_s": seg["ready_s"],
+            "populate_write_gbps": seg["populate_write_gbps"], "register_s_per_gib": reg / (size / GiB)}
+
+
+def report(r: dict) -> None:
+    print(f"{r['device']}: {r['chunks']} chunks of {r['chunk_bytes'] / MiB:.0f} MiB, {r['layers']} layers")
+    print(f"  store {r['store_gbps']:.1f} GB/s ({r['store_gbps_over_d2h']:.2f}x pinned D2H {r['d2h_gbps']:.1f}), "
+          f"load {r['load_gbps']:.1f} GB/s ({r['load_gbps_over_h2d']:.2f}x pinned H2D {r['h2d_gbps']:.1f})")
+    print(f"  load of 16 chunks {r['load_ms']:.1f} ms, first layer ready at {r['first_layer_ready_ms']:.2f} ms "
+          f"(target <= {r['first_layer_target_ms']:.2f})")
+    print(f"  compute {r['compute_alone_ms']:.1f} ms alone, {r['compute_with_stores_ms']:.1f} ms with the stores "
+          f"(slowdown {r['overlap_slowdown']:.3f})")
+    print(f"  segment of {r['segment_bytes'] / GiB:.0f} GiB: ready in {r['ready_s']:.2f} s, reserved at "
+          f"{r['create_gbps']:.2f} GB/s (MADV_POPULATE_WRITE {r['populate_write_gbps']}), cudaHostRegister "
+          f"{r['register_s_per_gib']:.3f} s/GiB")
