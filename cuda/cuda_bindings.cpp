@@ -40,21 +40,24 @@ PYBIND11_MODULE(_C_cuda, m) {
            py::arg("layer_bases"), py::arg("geometry"))
       .def("copy",
            [](const CudaLayout& self, bool gather, std::vector<int64_t> idx, uintptr_t payload,
-              uint64_t payload_bytes, uintptr_t stream, int64_t layer_begin, int64_t layer_end) {
+              uint64_t payload_bytes, uintptr_t stream, int64_t layer_begin, int64_t layer_end, bool dma) {
              std::string err;
              Status s;
              {
                py::gil_scoped_release nogil;
-               s = launch_paged_copy(self.L, self.token_mode, gather, idx.data(), int64_t(idx.size()),
-                                     reinterpret_cast<uint8_t*>(payload), payload_bytes, stream, &err,
-                                     layer_begin, layer_end);
+               auto* p = reinterpret_cast<uint8_t*>(payload);
+               auto n = int64_t(idx.size());
+               s = dma ? launch_paged_copy_dma(self.L, self.token_mode, gather, idx.data(), n, p, payload_bytes,
+                                               stream, &err, layer_begin, layer_end)
+                       : launch_paged_copy(self.L, self.token_mode, gather, idx.data(), n, p, payload_bytes,
+                                           stream, &err, layer_begin, layer_end);
              }
              check(s, err);
            },
            py::arg("gather"), py::arg("index"), py::arg("payload"), py::arg("payload_bytes"), py::arg("stream"),
-           py::arg("layer_begin") = 0, py::arg("layer_end") = -1,
+           py::arg("layer_begin") = 0, py::arg("layer_end") = -1, py::arg("dma") = false,
            "Launch a gather (cache -> payload) or scatter of layers [layer_begin, layer_end) (-1: to the "
-           "last) on `stream`; asynchronous.");
+           "last) on `stream`, by kernels or (dma) by the copy engines; asynchronous.");
   m.def("register_host", [](uintptr_t ptr, uint64_t bytes) {
     std::string err;
     check(register_host_memory(reinterpret_cast<void*>(ptr), bytes, &err), err);

@@ -147,6 +147,115 @@ Status launch_paged_copy(const PagedLayout& L, bool token_mode, bool gather, con
   return Status::kOk;
 }
 
+namespace {
+
+// One contiguous copy: device address, payload offset, bytes.
+struct Run {
+  uint64_t dev;
+  uint64_t off;
+  uint64_t bytes;
+};
+
+// Append a run, merged with the previous one when both ends continue it.
+void add_run(std::vector<Run>* runs, uint64_t dev, uint64_t off, uint64_t bytes) {
+  if (!runs->empty()) {
+    Run& r = runs->back();
+    if (r.dev + r.bytes == dev && r.off + r.bytes == off) {
+      r.bytes += bytes;
+      return;
+    }
+  }
+  runs->push_back(Run{dev, off, bytes});
+}
+
+cudaError_t issue_batch(const std::vector<Run>& runs, bool gather, uint8_t* payload, cudaStream_t stream) {
+  std::vector<void*> dsts(runs.size());
+  std::vector<const void*> srcs(runs.size());
+  std::vector<size_t> sizes(runs.size());
+  for (size_t i = 0; i < runs.size(); ++i) {
+    void* dev = reinterpret_cast<void*>(runs[i].dev);
+    void* host = payload + runs[i].off;
+    dsts[i] = gather ? host : dev;
+    srcs[i] = gather ? dev : host;
+    sizes[i] = runs[i].bytes;
+  }
+#if CUDART_VERSION >= 12080
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_idx = 0;
+#if CUDART_VERSION >= 13000
+  cudaError_t e = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), runs.size(), &attr, &attr_idx, 1,
+                                       stream);
+#else
+  size_t fail_idx = 0;
+  cudaError_t e = cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(), runs.size(),
+                                       &attr, &attr_idx, 1, &fail_idx, stream);
+#endif
+  if (e == cudaSuccess) return e;
+  cudaGetLastError();  // not supported here (driver, stream kind): one copy per run instead
+#endif
+  for (size_t i = 0; i < runs.size(); ++i) {
+    cudaError_t e2 = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream);
+    if (e2 != cudaSuccess) return e2;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+Status launch_paged_copy_dma(const PagedLayout& L, bool token_mode, bool gather, const int64_t* idx,
+                             int64_t n, uint8_t* payload_host, uint64_t payload_bytes,
+                             uintptr_t stream_handle, std::string* err, int64_t layer_begin,
+                             int64_t layer_end) {
+  if (layer_end < 0) layer_end = L.num_layers;
+  if (layer_begin < 0 || layer_begin >= layer_end || layer_end > L.num_layers) {
+    *err = "layer range [" + std::to_string(layer_begin) + ", " + std::to_string(layer_end) +
+           ") is not within the " + std::to_string(L.num_layers) + " layers";
+    return Status::kInvalidArgument;
+  }
+  if (stream_handle == 0) {
+    *err = "copy-engine copies need a stream other than the legacy default stream";
+    return Status::kInvalidArgument;
+  }
+  BlockWindow w;
+  Status s = token_mode ? check_token_copy(L, idx, n, payload_bytes, err)
+                        : check_block_copy(L, idx, n, payload_bytes, &w, err);
+  if (s != Status::kOk) return s;
+  if (n == 0) return Status::kOk;
+  std::vector<Run> runs;
+  for (int64_t l = layer_begin; l < layer_end; ++l) {
+    uint64_t base = L.layer_base[l];
+    if (!token_mode) {
+      for (int64_t k = 0; k < n; ++k)
+        add_run(&runs, base + uint64_t(idx[k] * L.block_stride), uint64_t((l * n + k) * L.block_bytes),
+                uint64_t(L.block_bytes));
+      continue;
+    }
+    int64_t tok_bytes = L.token_payload_bytes();
+    for (int64_t t = 0; t < n; ++t) {
+      uint64_t p = uint64_t((l * n + t) * tok_bytes);
+      if (idx[t] < 0) {
+        if (gather) std::memset(payload_host + p, 0, size_t(tok_bytes));  // host memory: no copy needed
+        continue;
+      }
+      uint64_t tok = base + uint64_t((idx[t] / L.block_size) * L.block_stride + (idx[t] % L.block_size) * L.token_stride);
+      for (int64_t i = 0; i < L.runs_i; ++i)
+        for (int64_t j = 0; j < L.runs_j; ++j)
+          add_run(&runs, tok + uint64_t(i * L.stride_i + j * L.stride_j),
+                  p + uint64_t((i * L.runs_j + j) * L.run_bytes), uint64_t(L.run_bytes));
+    }
+  }
+  cudaError_t e = runs.empty() ? cudaSuccess
+                               : issue_batch(runs, gather, payload_host, reinterpret_cast<cudaStream_t>(stream_handle));
+  if (e != cudaSuccess) {
+    *err = cuda_error("copy-engine copy", e);
+    cudaGetLastError();
+    return Status::kSystem;
+  }
+  return Status::kOk;
+}
+
 Status register_host_memory(void* ptr, uint64_t bytes, std::string* err) {
   cudaError_t e = cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
   if (e != cudaSuccess && e != cudaErrorHostMemoryAlreadyRegistered) {

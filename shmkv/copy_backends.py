@@ -4,9 +4,11 @@ payloads, chosen once per KV layout by the device the cache lives on
 
   CpuCopy   shmkv._C kernels, synchronous, the GIL released; block windows
             and layer ranges (layer-by-layer pipelining) supported.
-  CudaCopy  shmkv._C_cuda kernels, asynchronous on a CUDA stream; the
-            payload must be pinned (the segment registered: shmkv.gpu);
-            layer ranges supported (per-layer loads with CUDA events).
+  CudaCopy  shmkv._C_cuda, asynchronous on a CUDA stream, by kernels or
+            by the copy engines (DMA, batched: holds no SMs, so it overlaps
+            compute), chosen per direction (`engines`); the payload must be
+            pinned (the segment registered: shmkv.gpu); layer ranges
+            supported (per-layer loads with CUDA events).
 
 Both take the layout's geometry as one object (shmkv.layout.LayoutGeometry),
 read by the same C++ helper (cpp/paged_layout_py.h). Every index and the
@@ -99,6 +101,14 @@ class CudaCopy:
         checked_layout(bases, geometry)  # the same geometry checks as on the CPU
         self._c = gpu.extension().PagedLayout(bases, geometry)
         self.device = device
+        self.dma_gather, self.dma_scatter = True, False  # stores by the copy engines, loads by kernels
+
+    def engines(self, *, store: str, load: str) -> None:
+        """How each direction copies: "dma" (copy engines) or "kernel"."""
+        for what, v in (("store", store), ("load", load)):
+            if v not in ("dma", "kernel"):
+                raise InvalidArgumentError(f"{what} copy engine {v!r}: expected dma or kernel")
+        self.dma_gather, self.dma_scatter = store == "dma", load == "dma"
 
     def copy(self, idx: np.ndarray, payload: Any, gather: bool, *, stream: Any = None, first: int = 0,
              blocks: int = -1, layers: tuple[int, int] | None = None, part: tuple[int, int] | None = None) -> None:
@@ -117,7 +127,8 @@ class CudaCopy:
             address, nbytes = address + off, n
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
-        self._c.copy(gather, idx.tolist(), address, nbytes, int(getattr(stream, "cuda_stream", stream)), l0, l1)
+        self._c.copy(gather, idx.tolist(), address, nbytes, int(getattr(stream, "cuda_stream", stream)), l0, l1,
+                     self.dma_gather if gather else self.dma_scatter)
 
 
 def backend_for(device: torch.device, bases: list[int], geometry: Any) -> CpuCopy | CudaCopy:

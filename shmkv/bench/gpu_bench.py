@@ -8,6 +8,8 @@ heads, 16-token blocks, K and V of a 128-wide head] bf16 in NHD order;
 
   store_gbps            KVWorker.store of 16 chunks, until every one is committed
   load_gbps, load_ms    KVWorker.start_load + finish_load of those 16 chunks into other blocks
+                        (top level: the default engines, stores by DMA and loads by
+                        kernels; "engines": both candidates for each direction)
   first_layer_ready_ms  from start_load to the first layer's CUDA event
   h2d_gbps, d2h_gbps    pinned cudaMemcpy of the same 512 MiB
   overlap_slowdown      a compute-bound loop (bf16 matmuls) with the 16 stores issued
@@ -98,28 +100,40 @@ def _worker_figures(repeats: int, n: int) -> dict:
             torch.cuda.synchronize()
             return time.perf_counter() - t0, got
 
-        store_all()  # warm-up
-        store_s = [timed(store_all)[0] for _ in range(repeats)]
-        items = store_all()
-        loads = [LoadItem("q", it.keys, (GroupWindow(0, len(b), tuple(b)),)) for it, b in zip(items, dst)]
-        first, whole = [], []
-        for _ in range(repeats + 1):
+        def use(engine: str) -> None:
+            for lay in w.layouts:
+                lay.copier.engines(store=engine, load=engine)
+
+        def loads_of(items: list) -> tuple[list[float], list[float]]:
+            loads = [LoadItem("q", it.keys, (GroupWindow(0, len(b), tuple(b)),)) for it, b in zip(items, dst)]
+            first, whole = [], []
+            for _ in range(repeats + 1):
+                for nm in names:
+                    caches[nm][dst[0][0]].zero_()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                batch = w.start_load(loads)
+                batch.cuda_events[0].synchronize()
+                t1 = time.perf_counter()
+                failed, _ = w.finish_load(batch)
+                t2 = time.perf_counter()
+                if failed:
+                    raise RuntimeError(f"{len(failed)} blocks failed to load")
+                first.append(t1 - t0)
+                whole.append(t2 - t0)
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            batch = w.start_load(loads)
-            batch.cuda_events[0].synchronize()
-            t1 = time.perf_counter()
-            failed, _ = w.finish_load(batch)
-            t2 = time.perf_counter()
-            if failed:
-                raise RuntimeError(f"{len(failed)} blocks failed to load")
-            first.append(t1 - t0)
-            whole.append(t2 - t0)
-        first, whole = first[1:], whole[1:]
-        for nm in names:
-            same = torch.equal(caches[nm][src[0][0]].view(torch.uint8), caches[nm][dst[0][0]].view(torch.uint8))
-            if not same:
-                raise RuntimeError("the loaded blocks differ from the stored ones")
+            for nm in names:
+                if not torch.equal(caches[nm][src[0][0]].view(torch.uint8), caches[nm][dst[0][0]].view(torch.uint8)):
+                    raise RuntimeError("the loaded blocks differ from the stored ones")
+            return first[1:], whole[1:]
+
+        engines: dict[str, dict] = {}
+        for engine in ("dma", "kernel"):
+            use(engine)
+            store_all()  # warm-up
+            store_s = [timed(store_all)[0] for _ in range(repeats)]
+            first, whole = loads_of(store_all())
+            engines[engine] = {"store_s": store_s, "first": first, "whole": whole}
 
         host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         devbuf = torch.empty(total, dtype=torch.uint8, device=dev)
@@ -143,17 +157,26 @@ def _worker_figures(repeats: int, n: int) -> dict:
             while w.pending_requests():
                 w.poll()
 
-        together = [timed(both)[0] for _ in range(repeats)]
-        side.shutdown()
         med = statistics.median
+        for engine in ("dma", "kernel"):
+            use(engine)
+            e = engines[engine]
+            together = [timed(both)[0] for _ in range(repeats)]
+            engines[engine] = {
+                "store_gbps": total / med(e["store_s"]) / 1e9, "load_gbps": total / med(e["whole"]) / 1e9,
+                "load_ms": med(e["whole"]) * 1e3, "first_layer_ready_ms": med(e["first"]) * 1e3,
+                "compute_with_stores_ms": med(together) * 1e3, "overlap_slowdown": med(together) / med(alone),
+            }
+        side.shutdown()
+        store_e, load_e = engines["dma"], engines["kernel"]  # the defaults (cuda_store_copy, cuda_load_copy)
         return {
-            "chunk_bytes": chunk_bytes, "chunks": CHUNKS, "layers": LAYERS,
-            "store_gbps": total / med(store_s) / 1e9, "load_gbps": total / med(whole) / 1e9,
-            "load_ms": med(whole) * 1e3, "first_layer_ready_ms": med(first) * 1e3,
+            "chunk_bytes": chunk_bytes, "chunks": CHUNKS, "layers": LAYERS, "engines": engines,
+            "store_gbps": store_e["store_gbps"], "overlap_slowdown": store_e["overlap_slowdown"],
+            "compute_with_stores_ms": store_e["compute_with_stores_ms"],
+            "load_gbps": load_e["load_gbps"], "load_ms": load_e["load_ms"],
+            "first_layer_ready_ms": load_e["first_layer_ready_ms"],
             "h2d_gbps": total / med(h2d) / 1e9, "d2h_gbps": total / med(d2h) / 1e9,
-            "compute_alone_ms": med(alone) * 1e3, "compute_with_stores_ms": med(together) * 1e3,
-            "overlap_slowdown": med(together) / med(alone),
-            "device": torch.cuda.get_device_name(dev),
+            "compute_alone_ms": med(alone) * 1e3, "device": torch.cuda.get_device_name(dev),
         }
     finally:
         store.close()
@@ -191,6 +214,9 @@ def report(r: dict) -> None:
           f"(target <= {r['first_layer_target_ms']:.2f})")
     print(f"  compute {r['compute_alone_ms']:.1f} ms alone, {r['compute_with_stores_ms']:.1f} ms with the stores "
           f"(slowdown {r['overlap_slowdown']:.3f})")
+    for name, e in r["engines"].items():
+        print(f"  engine {name:6s}: store {e['store_gbps']:.1f} GB/s (slowdown {e['overlap_slowdown']:.3f}), load "
+              f"{e['load_gbps']:.1f} GB/s ({e['load_ms']:.1f} ms, first layer {e['first_layer_ready_ms']:.2f} ms)")
     print(f"  segment of {r['segment_bytes'] / GiB:.0f} GiB: ready in {r['ready_s']:.2f} s, reserved at "
           f"{r['create_gbps']:.2f} GB/s (MADV_POPULATE_WRITE {r['populate_write_gbps']}), cudaHostRegister "
           f"{r['register_s_per_gib']:.3f} s/GiB")

@@ -36,6 +36,9 @@ def test_sizes(text, n):
     ("chunk_size", "x", "integer in [16"),
     ("store_tail", "maybe", "true or false"),
     ("load_failure_policy", "retry", "recompute, fail"),
+    ("lossy_form", "int4", "fp8"),
+    ("cuda_store_copy", "memcpy", "dma, kernel"),
+    ("cuda_load_copy", "fast", "kernel, dma"),
     ("cache_name", "a/b", "A-Za-z0-9"),
 ])
 def test_bad_values_name_key_value_and_what_is_accepted(key, value, accepted):

@@ -68,3 +68,45 @@ def test_cuda_bad_index_launches_nothing(gpu_store):
     # compare bytes: random bf16 bits include NaNs, and NaN != NaN for torch.equal
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, layers))
     r.abort()
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "cpu"])
+@pytest.mark.parametrize("engine", ["dma", "kernel"])
+def test_cuda_engines_and_layer_ranges_copy_the_same_bytes(gpu_store, kind, engine):
+    """The copy engines (DMA, batched) and the kernels, whole or layer by
+    layer (the per-layer loads), on a side stream: the reference's bytes."""
+    rng = np.random.default_rng(5)
+    layers = make_cache(kind, 4, 12, 16, 2, 64, torch.bfloat16, device="cuda")
+    layout = KVLayout(kind, layers)
+    layout.copier.engines(store=engine, load=engine)
+    tokens = 2 * 16 + 5
+    idx = layout.slots_for_blocks(rng.permutation(12)[:3].astype(np.int64), tokens)
+    idx[3] = -1  # a slot outside the window: zeros in the payload, skipped by a scatter
+    side = torch.cuda.Stream()
+    r = gpu_store.reserve(rng.bytes(16), layout.payload_bytes(tokens))
+    with torch.cuda.stream(side):
+        layout.gather(idx, r)
+    side.synchronize()
+    got = torch.frombuffer(bytearray(r.view()), dtype=torch.uint8)
+    assert torch.equal(got, ref_gather(kind, [t.cpu() for t in layers], torch.from_numpy(idx)))
+    fresh = [torch.zeros_like(t) for t in layers]
+    ref = [torch.zeros_like(t).cpu() for t in layers]
+    target = KVLayout(kind, fresh)
+    target.copier.engines(store=engine, load=engine)
+    with torch.cuda.stream(side):
+        for layer in range(len(fresh)):
+            target.scatter(idx, r, layers=(layer, layer + 1))
+    side.synchronize()
+    ref_scatter(kind, ref, torch.from_numpy(idx), got)
+    assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fresh, ref))
+    r.abort()
+
+
+def test_cuda_dma_refuses_the_legacy_default_stream(gpu_store):
+    layers = make_cache("nhd", 2, 4, 16, 2, 8, torch.bfloat16, device="cuda")
+    layout = KVLayout("nhd", layers)
+    layout.copier.engines(store="dma", load="dma")
+    r = gpu_store.reserve(b"d" * 16, layout.payload_bytes(16))
+    with pytest.raises(ValueError, match="default stream"):
+        layout.gather(layout.slots_for_blocks(np.array([0]), 16), r, stream=0)
+    r.abort()

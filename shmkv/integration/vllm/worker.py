@@ -505,6 +505,9 @@ class WorkerSide:
             log.error("shmkv: cannot copy this engine's KV cache (%s); the connector stores nothing and every "
                       "hit is recomputed by vLLM", e)
             return
+        if first.device.type == "cuda":
+            for lay in layouts:
+                lay.copier.engines(store=self.cfg.cuda_store_copy, load=self.cfg.cuda_load_copy)
         remote = None
         if self.cfg.remote_write_through:
             from shmkv.remote import open_remote
