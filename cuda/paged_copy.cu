@@ -85,21 +85,28 @@ std::string cuda_error(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorString(e);
 }
 
+// The checks both launchers make before anything is issued: the layer range
+// (layer_end -1: to the last, resolved here), every index, the payload size.
+Status check_copy(const PagedLayout& L, bool token_mode, const int64_t* idx, int64_t n, uint64_t payload_bytes,
+                  int64_t layer_begin, int64_t* layer_end, std::string* err) {
+  if (*layer_end < 0) *layer_end = L.num_layers;
+  if (layer_begin < 0 || layer_begin >= *layer_end || *layer_end > L.num_layers) {
+    *err = "layer range [" + std::to_string(layer_begin) + ", " + std::to_string(*layer_end) +
+           ") is not within the " + std::to_string(L.num_layers) + " layers";
+    return Status::kInvalidArgument;
+  }
+  BlockWindow w;  // whole payload (the connector's CUDA path uses token payloads)
+  return token_mode ? check_token_copy(L, idx, n, payload_bytes, err)
+                    : check_block_copy(L, idx, n, payload_bytes, &w, err);
+}
+
 }  // namespace
 
 Status launch_paged_copy(const PagedLayout& L, bool token_mode, bool gather, const int64_t* idx,
                          int64_t n, uint8_t* payload_host, uint64_t payload_bytes,
                          uintptr_t stream_handle, std::string* err, int64_t layer_begin,
                          int64_t layer_end) {
-  if (layer_end < 0) layer_end = L.num_layers;
-  if (layer_begin < 0 || layer_begin >= layer_end || layer_end > L.num_layers) {
-    *err = "layer range [" + std::to_string(layer_begin) + ", " + std::to_string(layer_end) +
-           ") is not within the " + std::to_string(L.num_layers) + " layers";
-    return Status::kInvalidArgument;
-  }
-  BlockWindow w;  // whole payload (the connector's CUDA path uses token payloads)
-  Status s = token_mode ? check_token_copy(L, idx, n, payload_bytes, err)
-                        : check_block_copy(L, idx, n, payload_bytes, &w, err);
+  Status s = check_copy(L, token_mode, idx, n, payload_bytes, layer_begin, &layer_end, err);
   if (s != Status::kOk) return s;
   if (n == 0) return Status::kOk;
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
@@ -208,19 +215,11 @@ Status launch_paged_copy_dma(const PagedLayout& L, bool token_mode, bool gather,
                              int64_t n, uint8_t* payload_host, uint64_t payload_bytes,
                              uintptr_t stream_handle, std::string* err, int64_t layer_begin,
                              int64_t layer_end) {
-  if (layer_end < 0) layer_end = L.num_layers;
-  if (layer_begin < 0 || layer_begin >= layer_end || layer_end > L.num_layers) {
-    *err = "layer range [" + std::to_string(layer_begin) + ", " + std::to_string(layer_end) +
-           ") is not within the " + std::to_string(L.num_layers) + " layers";
-    return Status::kInvalidArgument;
-  }
   if (stream_handle == 0) {
     *err = "copy-engine copies need a stream other than the legacy default stream";
     return Status::kInvalidArgument;
   }
-  BlockWindow w;
-  Status s = token_mode ? check_token_copy(L, idx, n, payload_bytes, err)
-                        : check_block_copy(L, idx, n, payload_bytes, &w, err);
+  Status s = check_copy(L, token_mode, idx, n, payload_bytes, layer_begin, &layer_end, err);
   if (s != Status::kOk) return s;
   if (n == 0) return Status::kOk;
   std::vector<Run> runs;

@@ -56,7 +56,7 @@ CONTROLLER_METRICS = [
 
 def collect(cache: str, disk_dir: str | None = None) -> dict[str, Any]:
     """A snapshot of one cache: {"cache", "shm": {...}, "disk": {...}}."""
-    store = Store.attach(cache, populate=False)
+    store = Store.attach(cache, populate=False, background_reserve=False)  # a reader: reserves nothing
     try:
         return snapshot(store, disk_dir, count_self=False)
     finally:

@@ -647,7 +647,8 @@ def _open_explicit(cfg: Any, kw: dict[str, Any]) -> Store:
     name = cfg.cache_name
     want = SegmentGeometry(cfg.capacity, cfg.max_payload).resolved()
     try:
-        probe: Store | None = Store.attach(name, populate=False, lock_timeout_s=kw["lock_timeout_s"])
+        probe: Store | None = Store.attach(name, populate=False, lock_timeout_s=kw["lock_timeout_s"],
+                                             background_reserve=False)
     except (SegmentNotFoundError, SegmentMismatchError, SegmentCorruptError):
         probe = None  # none, or one open_or_create re-creates (stale) or refuses (live)
     if probe is not None:

@@ -212,16 +212,21 @@ class KVWorker:
             self._load_all_layers(batch)
             return
         for pos, (g, layer) in enumerate(self._order):
-            for j, (it, lease) in enumerate(batch.jobs):
-                if j in batch.broken:
-                    continue
-                try:
-                    self._scatter(it, batch.sources.get(j, lease), g, (layer, layer + 1))
-                except Exception:
-                    log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
-                    batch.broken.add(j)
-                    self.counters["load_errors"] += 1
+            self._load_layer(batch, g, layer)
             batch.layer_done[pos].set()
+
+    def _load_layer(self, batch: LoadBatch, group: int, layer: int) -> None:
+        """One layer of every unit of the batch; a unit whose copy fails is
+        broken (its blocks recomputed), the others go on."""
+        for j, (it, lease) in enumerate(batch.jobs):
+            if j in batch.broken:
+                continue
+            try:
+                self._scatter(it, batch.sources.get(j, lease), group, (layer, layer + 1))
+            except Exception:
+                log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
+                batch.broken.add(j)
+                self.counters["load_errors"] += 1
 
     def _load_all_layers(self, batch: LoadBatch) -> None:
         """GPU: on the load stream, layer by layer in forward order, one
@@ -235,15 +240,7 @@ class KVWorker:
         events = []
         with torch.cuda.stream(stream):
             for g, layer in self._order:
-                for j, (it, lease) in enumerate(batch.jobs):
-                    if j in batch.broken:
-                        continue
-                    try:
-                        self._scatter(it, batch.sources.get(j, lease), g, (layer, layer + 1))
-                    except Exception:
-                        log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
-                        batch.broken.add(j)
-                        self.counters["load_errors"] += 1
+                self._load_layer(batch, g, layer)
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 events.append(ev)
