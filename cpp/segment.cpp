@@ -319,8 +319,13 @@ struct SegmentOpener {
     const auto* h = reinterpret_cast<const Header*>(base);
     uint64_t reserved = std::min(h->arena_reserved.load(std::memory_order_acquire), h->geo.arena_bytes);
     uint64_t bytes = std::min(mapped, h->geo.arena_offset + reserved);
-    if (!prefault(base, bytes))  // an older kernel: the same range mapped again, populated
-      mmap(base, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd, 0);
+    if (prefault(base, bytes)) return;
+    // An older kernel: read one byte of every page (it maps them; a first write is then a minor
+    // fault). Never a MAP_FIXED remap: a failed one would leave the range unmapped.
+    long page = sysconf(_SC_PAGESIZE);
+    volatile uint8_t sink = 0;
+    for (uint64_t off = 0; off < bytes; off += uint64_t(page > 0 ? page : 4096)) sink ^= base[off];
+    (void)sink;
   }
 
   // Check an existing segment's header. `want` (may be null) is the geometry

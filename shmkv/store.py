@@ -390,12 +390,11 @@ class Store:
         close(); then, with map_pages, map it into this process."""
         t0 = time.perf_counter()
         t = self._t
-        arena = t.stats()["arena_bytes"]
-        start = None
+        st = t.stats()
+        arena, start = st["arena_bytes"], st["arena_reserved_bytes"]
         try:
             while not self._stop_reserving.is_set():
                 code, msg, now = t.reserve_more(RESERVE_STEP, False)
-                start = now if start is None else start
                 if code:
                     log.warning("shmkv: %s", msg)
                     return
