@@ -87,6 +87,7 @@ class LoadBatch:
         self.failed: set[int] = set()  # block ids vLLM must recompute
         self.broken: set[int] = set()  # job indices whose copy failed
         self.sources: dict[int, Any] = {}  # job index -> decoded payload (compressed entries)
+        self.plans: dict[int, list] = {}  # job index -> its copies (KVWorker._scatter_plan), made once
         self._positions = positions  # layer name -> forward position
         self.layer_done = [threading.Event() for _ in range(len(positions))]
         self.loader: threading.Thread | None = None
@@ -222,7 +223,10 @@ class KVWorker:
             if j in batch.broken:
                 continue
             try:
-                self._scatter(it, batch.sources.get(j, lease), group, (layer, layer + 1))
+                plan = batch.plans.get(j)
+                if plan is None:
+                    plan = batch.plans[j] = self._scatter_plan(it)
+                self._scatter(it, batch.sources.get(j, lease), group, (layer, layer + 1), plan)
             except Exception:
                 log.exception("shmkv: loading a chunk of request %s failed; vLLM recomputes it", it.req_id)
                 batch.broken.add(j)
@@ -277,6 +281,7 @@ class KVWorker:
         self.counters["loaded_tokens"] += sum(loaded.values())
         batch.jobs = []
         batch.sources = {}
+        batch.plans = {}
         return batch.failed, {r: (loaded[r], seconds) for r in batch.by_request}
 
     def _sections(self, groups: Sequence[GroupWindow]) -> list[tuple[int, int]]:
@@ -288,19 +293,30 @@ class KVWorker:
             off += n
         return out
 
-    def _scatter(self, it: LoadItem, lease: Any, group: int | None = None,
-                 layers: tuple[int, int] | None = None) -> None:
-        """Copy the item's window of one group (all groups when None) into the paged cache."""
+    def _scatter_plan(self, it: LoadItem) -> list[tuple[int, KVLayout, Any, dict[str, Any]]]:
+        """(group, layout, index, copy options) of each group the item fills:
+        computed once per item, then used for every layer."""
+        import numpy as np
+
         sections = self._sections(it.groups)
-        for g in range(len(self.layouts)) if group is None else (group,):
-            w, lay = it.groups[g], self.layouts[g]
+        plan = []
+        for g, (lay, w) in enumerate(zip(self.layouts, it.groups)):
             if not w.block_ids:
                 continue  # nothing of this group is needed (outside its sliding window)
-            if not lay.token_mode:
-                lay.scatter(list(w.block_ids), lease, payload_first=w.payload_first,
-                            payload_blocks=w.payload_blocks, layers=layers, part=sections[g])
-                continue
-            lay.scatter(self._window_slots(lay, w), lease, layers=layers, part=sections[g])
+            if lay.token_mode:
+                plan.append((g, lay, self._window_slots(lay, w), {"part": sections[g]}))
+            else:
+                plan.append((g, lay, np.asarray(w.block_ids, dtype=np.int64),
+                             {"payload_first": w.payload_first, "payload_blocks": w.payload_blocks,
+                              "part": sections[g]}))
+        return plan
+
+    def _scatter(self, it: LoadItem, lease: Any, group: int | None = None,
+                 layers: tuple[int, int] | None = None, plan: list | None = None) -> None:
+        """Copy the item's window of one group (all groups when None) into the paged cache."""
+        for g, lay, index, options in self._scatter_plan(it) if plan is None else plan:
+            if group is None or g == group:
+                lay.scatter(index, lease, layers=layers, **options)
 
     @staticmethod
     def _window_slots(lay: KVLayout, w: GroupWindow):
