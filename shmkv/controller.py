@@ -358,10 +358,7 @@ class Controller:
         ns = self._namespace(args)
         element_size = self.cfg.disk_shuffle_bytes or _element_size(known(self.store.name).get(ns.root.hex()))
         with self._mutate:
-            entries = [e for e in self.store.entries() if e["state"] == "ready" and e["namespace"] == ns.root]
-            if args.tokens is not None:
-                wanted = {u.keys[0] for u in self._units(ns, args.tokens)}
-                entries = [e for e in entries if e["key"] in wanted]
+            entries = self._ready_entries(ns, args.tokens)
             shared = self.chain.shared
             verb = "compressed" if compress else "decompressed"
             outcomes: dict[str, int] = {}
@@ -395,12 +392,9 @@ class Controller:
             raise RequestError(f"form={args.form!r}: the namespace's KV dtype is {dtype or 'unknown'}; the fp8 "
                                f"form is made of {sorted(FP8_SOURCES)} (give the namespace as an object of its "
                                "fields, or a registered root)", 409)
-        lossy = _Resolved(ns.root, ns.chunker.chunk_size, ns.chunker.piece_size, lossy_form=args.form)
+        lossy_root = lossy_key(ns.root, args.form)
         with self._mutate:
-            entries = [e for e in self.store.entries() if e["state"] == "ready" and e["namespace"] == ns.root]
-            if args.tokens is not None:
-                wanted = {u.keys[0] for u in self._units(ns, args.tokens)}
-                entries = [e for e in entries if e["key"] in wanted]
+            entries = self._ready_entries(ns, args.tokens)
             outcomes: dict[str, int] = {}
             errors: list[float] = []
             made: set[bytes] = set()
@@ -417,8 +411,8 @@ class Controller:
         worst = max(errors, default=0.0)
         log.info("shmkv: controller made the %s form of %d chunks of namespace %s into %s (%d bytes; relative RMS "
                  "error up to %.4f; exact chunks %s; left as they were: %s)", args.form, n, ns.root.hex(),
-                 lossy.root.hex(), before, worst, "kept" if args.keep_exact else "dropped", outcomes or "none")
-        return {"namespace": ns.root.hex(), "lossy_namespace": lossy.root.hex(), "form": args.form,
+                 lossy_root.hex(), before, worst, "kept" if args.keep_exact else "dropped", outcomes or "none")
+        return {"namespace": ns.root.hex(), "lossy_namespace": lossy_root.hex(), "form": args.form,
                 "compressed_chunks": n, "bytes_before": before, "bytes_after": after,
                 "relative_rms_error_max": worst,
                 "relative_rms_error_mean": sum(errors) / len(errors) if errors else 0.0,
@@ -484,6 +478,15 @@ class Controller:
             if chunk_size % block_size:
                 raise RequestError(f"chunk_size {chunk_size} is not a multiple of block_size {block_size}")
         return _Resolved(root, chunk_size, block_size, lossy_form=args.lossy_form, dtype=dtype)
+
+    def _ready_entries(self, ns: _Resolved, tokens: list[int] | None) -> list[dict[str, Any]]:
+        """The namespace's readable entries in the shared tier (with `tokens`:
+        those of the cached prefix of these tokens only)."""
+        entries = [e for e in self.store.entries() if e["state"] == "ready" and e["namespace"] == ns.root]
+        if tokens is not None:
+            wanted = {u.keys[0] for u in self._units(ns, tokens)}
+            entries = [e for e in entries if e["key"] in wanted]
+        return entries
 
     def _cached(self, ns: _Resolved, tokens: list[int], *, lower: bool) -> list[tuple[Unit, str]]:
         """The cached prefix as (unit, tier); below the shared tier only with `lower`."""

@@ -55,6 +55,7 @@ CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 FP8_GROUP = 1024  # values per scale
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 FP8_SOURCES = {"bfloat16": 1, "float16": 2, "float32": 3}  # dtype -> header code
+FP8_DTYPES = {v: k for k, v in FP8_SOURCES.items()}
 _HEADER = struct.Struct("<8sHBBi16s16sQQ16s")  # 80 bytes
 HEADER_BYTES = _HEADER.size + 8
 assert _HEADER.size == 80
@@ -89,8 +90,6 @@ def encode_parts(key: bytes, namespace: bytes, raw: bytes | memoryview, *, eleme
                  codec: str = "zstd") -> tuple[bytes, bytes | memoryview]:
     """(header, body) of one chunk: with codec "none" the body is `raw`
     itself, not a copy (a writer gives both to writev)."""
-    if len(key) != 16 or len(namespace) != 16:
-        raise ValueError("key and namespace digest must be 16 bytes")
     if codec == "none":
         body: bytes | memoryview = raw
         level = 0
@@ -100,9 +99,17 @@ def encode_parts(key: bytes, namespace: bytes, raw: bytes | memoryview, *, eleme
         body = (compressor or zstandard.ZstdCompressor(level=level)).compress(shuffle(raw, element_size))
     else:
         raise ValueError(f"codec {codec!r}: expected one of {sorted(CODEC_IDS)}")
-    head = _HEADER.pack(MAGIC, VERSION, element_size, CODEC_IDS[codec], level, namespace, key, len(raw), len(body),
-                        xxhash.xxh3_128_digest(raw))
-    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)), body
+    return _header(key, namespace, element_size, CODEC_IDS[codec], level, raw, len(body)), body
+
+
+def _header(key: bytes, namespace: bytes, element_size: int, codec: int, level: int, raw: Any, body_len: int
+            ) -> bytes:
+    """The checked header of a chunk whose (decoded) payload is `raw`."""
+    if len(key) != 16 or len(namespace) != 16:
+        raise ValueError("key and namespace digest must be 16 bytes")
+    head = _HEADER.pack(MAGIC, VERSION, element_size, codec, level, namespace, key, memoryview(raw).nbytes,
+                        body_len, xxhash.xxh3_128_digest(raw))
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
 
 def encode_fp8(key: bytes, namespace: bytes, raw: bytes | memoryview, dtype: str) -> tuple[bytes, float]:
@@ -113,8 +120,6 @@ def encode_fp8(key: bytes, namespace: bytes, raw: bytes | memoryview, dtype: str
 
     if dtype not in FP8_SOURCES:
         raise ValueError(f"fp8 form of {dtype!r} KV: expected one of {sorted(FP8_SOURCES)}")
-    if len(key) != 16 or len(namespace) != 16:
-        raise ValueError("key and namespace digest must be 16 bytes")
     src = torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype))  # NOTE: a copy; raw may be read-only
     x = src.float()
     if not bool(torch.isfinite(x).all()):
@@ -128,10 +133,9 @@ def encode_fp8(key: bytes, namespace: bytes, raw: bytes | memoryview, dtype: str
     body = scales.numpy().tobytes() + q.view(torch.uint8).numpy().tobytes()
     out = _dequantize(q, scales, src.dtype)
     err = float(torch.linalg.vector_norm(out.float() - x) / max(float(torch.linalg.vector_norm(x)), 1e-30))
-    raw_out = out.view(torch.uint8).numpy()
-    head = _HEADER.pack(MAGIC, VERSION, src.element_size(), CODEC_FP8, FP8_SOURCES[dtype], namespace, key,
-                        raw_out.nbytes, len(body), xxhash.xxh3_128_digest(raw_out))
-    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + body, err
+    head = _header(key, namespace, src.element_size(), CODEC_FP8, FP8_SOURCES[dtype], out.view(torch.uint8).numpy(),
+                   len(body))
+    return head + body, err
 
 
 def _dequantize(q: Any, scales: Any, dtype: Any) -> Any:
@@ -147,7 +151,7 @@ def _decode_fp8(body: memoryview, es: int, source: int, raw_len: int, out: memor
     """The fp8 body into `out` (raw_len bytes of the source dtype)."""
     import torch
 
-    dtype = {v: k for k, v in FP8_SOURCES.items()}.get(source)
+    dtype = FP8_DTYPES.get(source)
     if dtype is None or getattr(torch, dtype).itemsize != es or raw_len % es:
         raise DamagedChunk(f"fp8 chunk of source dtype code {source} and element size {es}")
     n = raw_len // es
