@@ -6,8 +6,8 @@ Shape: a FlashAttention-sized cache, 32 layers of vLLM's view [blocks, 8 KV
 heads, 16-token blocks, K and V of a 128-wide head] bf16 in NHD order;
 256-token chunks of 32 MiB, 16 of them.
 
-  store_gbps            KVWorker.store of 16 chunks, until every one is committed
-  load_gbps, load_ms    KVWorker.start_load + finish_load of those 16 chunks into other blocks
+  store_gbps            TransferEngine.store of 16 chunks, until every one is committed
+  load_gbps, load_ms    TransferEngine.submit_load of those 16 chunks until its leases are released into other blocks
                         (top level: the default engines, stores by DMA and loads by
                         kernels; "engines": both candidates for each direction)
   first_layer_ready_ms  from start_load to the first layer's CUDA event
@@ -55,7 +55,7 @@ def _worker_figures(repeats: int, n: int) -> dict:
     from shmkv import Store
     from shmkv.config import load_config
     from shmkv.integration.vllm.engine_inputs import KVGroup
-    from shmkv.integration.vllm.planner import GroupWindow, LoadItem, StoreItem
+    from shmkv.transfer import GroupWindow, LoadItem, StoreItem
     from shmkv.integration.vllm.worker import WorkerSide
 
     dev = torch.device("cuda", 0)
@@ -88,9 +88,7 @@ def _worker_figures(repeats: int, n: int) -> dict:
 
         def store_all() -> list:
             items = store_items()
-            w.store(items)
-            while w.pending_requests():
-                w.poll()
+            w.store(items)  # issue, wait for every copy, commit
             return items
 
         def timed(fn):
@@ -112,10 +110,11 @@ def _worker_figures(repeats: int, n: int) -> dict:
                     caches[nm][dst[0][0]].zero_()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                batch = w.start_load(loads)
-                batch.cuda_events[0].synchronize()
+                job = w.submit_load(loads)
+                job.events[0].synchronize()
                 t1 = time.perf_counter()
-                failed, _ = w.finish_load(batch)
+                job.events[-1].synchronize()
+                [(_, failed)] = w.poll_loads()
                 t2 = time.perf_counter()
                 if failed:
                     raise RuntimeError(f"{len(failed)} blocks failed to load")
@@ -152,10 +151,9 @@ def _worker_figures(repeats: int, n: int) -> dict:
 
         def both() -> None:
             items = store_items()
-            w.store(items)  # side stream: issued first, then the compute runs beside it
+            w.submit_store(items)  # store stream: issued first, then the compute runs beside it
             compute()
-            while w.pending_requests():
-                w.poll()
+            w.wait_stores()
 
         med = statistics.median
         for engine in ("dma", "kernel"):

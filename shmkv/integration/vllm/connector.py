@@ -10,8 +10,10 @@ vLLM builds this class twice, once per role (vllm/distributed/kv_transfer/kv_con
     the segment for the longest cached prefix (one batched lookup), tells vLLM
     how many tokens it can load, and each step ships the load/store plan to the
     workers in ShmKVMetadata.
-  * WORKER role (one per TP rank): loads synchronously in start_load_kv
-    (before the forward pass) and stores in wait_for_save (after it).
+  * WORKER role (one per TP rank): issues loads in start_load_kv (before
+    the forward pass; each attention layer waits for its own) and stores in
+    wait_for_save (after it); stores complete asynchronously on every
+    platform, through vLLM's delayed frees (worker.py).
 The two halves share nothing but that metadata and the segment itself. With
 no daemon running, the first process to start creates the segment and the
 others attach (embedded default). This class is a thin front, as vLLM's own
@@ -104,6 +106,16 @@ def _require_cuda_kernels_if_on_cuda() -> None:
                           "connector") from e
 
 
+def _replays_full_graph(forward_context: Any) -> bool:
+    """Whether this step's forward is a FULL CUDA graph replay (vLLM's
+    cudagraph_mode FULL_AND_PIECEWISE uses one for uniform-decode-shaped
+    batches, which a load step can be: a full hit leaving one token, or k+1
+    with speculative decoding)."""
+    from vllm.config import CUDAGraphMode
+
+    return getattr(forward_context, "cudagraph_runtime_mode", CUDAGraphMode.NONE) == CUDAGraphMode.FULL
+
+
 class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
@@ -162,7 +174,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        return
+        if self._sched is not None:
+            self._sched.update_connector_output(connector_output)
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
@@ -194,6 +207,14 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """No: a step whose forward replays a FULL CUDA graph (no Python runs
+        inside it, so no wait_for_layer_load) makes the compute stream wait
+        for all its loads in start_load_kv instead (_replays_full_graph);
+        decode batches keep their full graphs."""
+        return False
+
     # ============================================================== metrics
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data = self._work.take_transfer_stats() if self._work is not None else None
@@ -218,9 +239,14 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._work is not None:
             self._work.bind(connector_metadata)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before vLLM reuses the blocks of preempted requests (this step)."""
+        if self._work is not None:
+            self._work.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._work is not None:
-            self._work.start_load(self._connector_metadata)
+            self._work.start_load(self._connector_metadata, whole_forward=_replays_full_graph(forward_context))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._work is not None:

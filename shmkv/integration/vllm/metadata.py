@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from shmkv.integration.vllm.planner import LoadItem, StoreItem
+from shmkv.transfer.items import LoadItem, StoreItem
 
 
 @dataclass
@@ -26,3 +26,5 @@ class ShmKVMetadata(KVConnectorMetadata):
     summaries: dict[str, RequestSummary] = field(default_factory=dict)
     # blocks promised to vLLM whose loads could not be planned: the worker reports them as load errors
     failed_blocks: set[int] = field(default_factory=set)
+    # requests vLLM preempted this step: their blocks may be reused by this step's forward
+    preempted: set[str] = field(default_factory=set)

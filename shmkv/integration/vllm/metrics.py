@@ -31,7 +31,7 @@ COUNTERS = {  # stats key -> (metric, help)
 }
 HISTOGRAMS = {  # stats key -> (metric, help)
     "load_seconds": ("vllm:shmkv_load_seconds", "Time to load one step's hits into the paged cache"),
-    "store_seconds": ("vllm:shmkv_store_seconds", "Time to store one step's new chunks in the shared tier"),
+    "store_seconds": ("vllm:shmkv_store_seconds", "Time from issuing a chunk's store to its commit in the shared tier"),
 }
 _BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 

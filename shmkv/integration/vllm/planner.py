@@ -37,53 +37,9 @@ import numpy as np
 from shmkv.chunking import Chunker, Unit
 from shmkv.keys import ExtraInputs, Namespace
 from shmkv.tiers import TierChain
+from shmkv.transfer.items import GroupWindow, LoadItem, StoreItem
 
 NULL_BLOCK = 0  # vLLM's null block (the block pool's first): a freed or skipped position
-
-
-@dataclass(frozen=True)
-class GroupWindow:
-    """One KV-cache group's part of a copy: that group's section of the unit's
-    payload holds `payload_blocks` blocks per layer; the copy moves blocks
-    [payload_first, payload_first + len(block_ids)) of it to or from
-    `block_ids` of the paged cache."""
-
-    payload_first: int
-    payload_blocks: int
-    block_ids: tuple[int, ...]
-
-
-def _all_blocks(groups: tuple[GroupWindow, ...]) -> tuple[int, ...]:
-    return tuple(b for g in groups for b in g.block_ids)
-
-
-@dataclass(frozen=True)
-class LoadItem:
-    """Fill each group's window of the paged cache from the stored unit."""
-
-    req_id: str
-    keys: tuple[bytes, ...]
-    groups: tuple[GroupWindow, ...]  # one per KV-cache group
-
-    @property
-    def block_ids(self) -> tuple[int, ...]:
-        """Every block this item fills (all groups): what vLLM recomputes if it fails."""
-        return _all_blocks(self.groups)
-
-
-@dataclass(frozen=True)
-class StoreItem:
-    """Store a unit of `tokens` tokens: each group's window, whole."""
-
-    req_id: str
-    keys: tuple[bytes, ...]
-    tokens: int
-    groups: tuple[GroupWindow, ...]  # one per KV-cache group, payload_first 0
-    namespaces: tuple[bytes, ...] = ()  # root key per rank: tags the entry (clear by namespace, tiers)
-
-    @property
-    def block_ids(self) -> tuple[int, ...]:
-        return _all_blocks(self.groups)
 
 
 @dataclass
@@ -98,7 +54,6 @@ class RequestPlan:
     hit_units: list[Unit] = field(default_factory=list)  # what the lookup found
     block_ids: list[list[int]] = field(default_factory=lambda: [[]])  # per KV-cache group
     next_store: int = 0  # first unit not yet considered for storing
-    stored_any: bool = False
     window_skipped: int = 0  # units not stored: a sliding window held vLLM's null block
     roots: tuple[bytes, ...] = ()  # namespace root key per rank (the request's cache salt included)
     extras: ExtraInputs | None = None  # multimodal items / prompt embeddings (in the keys of the chunks they cover)
@@ -231,6 +186,4 @@ class Planner:
                 plan.window_skipped += 1  # vLLM's own prefix hit padded the window with null blocks
                 continue
             items.append(StoreItem(plan.req_id, u.keys, u.tokens, tuple(groups), plan.roots))
-        if items:
-            plan.stored_any = True
         return items

@@ -92,7 +92,12 @@ class SchedulerSide:
         self._asked: set[str] = set()
         self._promotions: dict[str, Future] = {}
         self._promoted: set[str] = set()  # promotion done: look up in memory only
-        self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0}
+        self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0, "delayed_frees": 0,
+                                         "finished_sending": 0, "unexpected_finished_sending": 0}
+        # Delayed frees (worker.py): requests whose store items were shipped, then those
+        # whose blocks vLLM keeps until the workers report them in finished_sending.
+        self._shipped_stores: set[str] = set()
+        self.delayed: set[str] = set()
         self.disk = None
         self._promoter: ThreadPoolExecutor | None = None
         if groups_field(self._groups):
@@ -292,6 +297,10 @@ class SchedulerSide:
         except Exception:
             log.exception("shmkv: planning the stores of this step failed; they are skipped")
             meta.stores = []
+        # NOTE: the delay decision (request_finished) rests on what is shipped, the
+        # same predicate the workers use to report finished_sending
+        self._shipped_stores.update(it.req_id for it in meta.stores)
+        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         return meta
 
     def _plan_loads(self, meta: ShmKVMetadata) -> None:
@@ -351,12 +360,31 @@ class SchedulerSide:
         self._promotions.pop(request.request_id, None)
         self._promoted.discard(request.request_id)
         self._pending_loads.pop(request.request_id, None)
-        # GPU stores complete asynchronously: keep the blocks until the worker
-        # reports the request in finished_sending.
-        from vllm.platforms import current_platform
-
-        delay = bool(plan and plan.stored_any and not current_platform.is_cpu())
+        # Stores complete asynchronously (on every platform): keep the blocks of a
+        # request with stores shipped until the workers report it in finished_sending.
+        delay = request.request_id in self._shipped_stores
+        self._shipped_stores.discard(request.request_id)
+        if delay:
+            self.delayed.add(request.request_id)
+            self.counters["delayed_frees"] += 1
         return delay, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Check the workers' finished_sending against the delays: vLLM asserts
+        on an id it did not delay (EngineCore would die), so such an id is
+        dropped here, logged and counted."""
+        sending = getattr(connector_output, "finished_sending", None)
+        if not sending:
+            return
+        for req_id in list(sending):
+            if req_id in self.delayed:
+                self.delayed.discard(req_id)
+                self.counters["finished_sending"] += 1
+            else:
+                sending.discard(req_id)
+                self.counters["unexpected_finished_sending"] += 1
+                log.error("shmkv: a worker reported request %s as finished sending, but its free was never "
+                          "delayed (a bookkeeping bug); ignored", req_id)
 
     def reset_cache(self) -> bool | None:
         """vLLM's reset_prefix_cache(reset_connector=True) (and the server's

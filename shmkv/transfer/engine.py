@@ -1,0 +1,455 @@
+"""The transfer engine: moves units between one worker's paged KV cache and
+the shared segment, asynchronously on every platform. Knows nothing of vLLM
+(shaped like vLLM's OffloadingWorker): submit loads and stores, per-layer
+readiness of loads, poll for completed work, and an ordering barrier
+(compute after the pending stores).
+
+One code path above the copy primitive (shmkv.transfer.streams): a CUDA
+stream and events on a GPU, a copy thread and completion flags on the CPU.
+
+  loads   submit_load acquires the leases, then issues one copy per layer
+          (every unit of the batch) on the load stream, in forward order,
+          each followed by an event; LoadJob.wait_layer(name) makes the
+          compute wait on that layer's event. The leases are released once
+          the last event has completed (poll), never by blocking the host.
+  stores  submit_store reserves each unit's room, issues its gather on the
+          store stream after the compute, and records an event. poll
+          commits a store whose event has completed, or aborts it if any of
+          its copies failed: never while a copy issued for it may still run
+          (a freed extent is never written). Until then its source blocks
+          must stay untouched: `pending_requests` says whose, and
+          `order_compute_after_stores` orders the compute after them (the
+          caller uses it before those blocks are reused: preemption, sliding
+          windows).
+
+Nothing here raises into the caller for a unit: a unit that cannot be loaded
+(evicted since the lookup, lease gone stale, a failed copy) reports its
+blocks as failed and is recomputed; a unit that cannot be stored (store
+full, another process writing it, a failed copy) is skipped. Every such path
+has a counter. A hybrid model's KV cache is several groups (one KVLayout
+each, with its own block ids); a unit's payload is the groups' sections in
+group order, each `[layers of the group][its stored blocks][block bytes]`
+(or per token).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from shmkv.layout import KVLayout
+from shmkv.store import PutResult, Reservation, Store
+from shmkv.tiers import decoded
+from shmkv.transfer.items import GroupWindow, LoadItem, StoreItem
+from shmkv.transfer.streams import backend_for
+
+log = logging.getLogger("shmkv.transfer")
+
+
+@dataclass
+class StoreJob:
+    """One unit being stored: its room, and the event after its copies."""
+
+    item: StoreItem
+    reservation: Reservation
+    namespace: bytes | None
+    t0: float
+    event: Any = None
+    failed: bool = False  # a copy could not be issued: aborted once the event completes
+    seconds: float = 0.0  # from issue to commit (or abort)
+
+
+@dataclass
+class RequestTally:
+    stored_tokens: int = 0
+    stored_units: int = 0
+    already_cached: int = 0
+    not_stored: int = 0
+    store_s: float = 0.0
+    t_first: float = field(default_factory=time.perf_counter)
+
+
+class LoadJob:
+    """One step's loads: the leased units, which layers are in place, what failed."""
+
+    def __init__(self, items: list[LoadItem], positions: dict[str, int], backend: Any) -> None:
+        self.t0 = time.perf_counter()
+        self.by_request: dict[str, list[LoadItem]] = defaultdict(list)
+        for it in items:
+            self.by_request[it.req_id].append(it)
+        self.jobs: list[tuple[LoadItem, Any]] = []  # (item, its lease)
+        self.failed: set[int] = set()  # block ids the caller must recompute
+        self.broken: set[int] = set()  # job indices whose copy failed (written by the copies)
+        self.sources: dict[int, Any] = {}  # job index -> decoded payload (compressed entries)
+        self.plans: dict[int, list] = {}  # job index -> its copies, made once per batch
+        self.events: list[Any] = []  # per forward position, once issued
+        self._positions = positions  # layer name -> forward position
+        self._backend = backend
+        self.seconds = 0.0  # from submit to completion
+        self.loaded: dict[str, int] = {}  # request -> tokens loaded, once complete
+
+    def wait_layer(self, name: str) -> None:
+        """The compute goes on only once this layer's loads are in place (the
+        host blocks on the CPU; on a GPU the compute stream waits)."""
+        idx = self._positions.get(name)
+        if idx is not None and idx < len(self.events):
+            self._backend.compute_waits(self.events[idx])
+
+    def wait_all(self) -> None:
+        """The compute goes on only once every layer is in place (a forward
+        that cannot wait layer by layer, e.g. a whole CUDA graph)."""
+        if self.events:
+            self._backend.compute_waits(self.events[-1])
+
+    def done(self) -> bool:
+        return not self.events or self.events[-1].query()
+
+
+class TransferEngine:
+    """Loads and stores units for one worker (one TP rank)."""
+
+    def __init__(self, store: Store, layouts: KVLayout | Sequence[KVLayout], tp_rank: int, *,
+                 digest_file: str = "", remote=None, layer_order: Sequence[str] | None = None,
+                 lossy_ok: bool = False, deferred: bool = False):
+        """`layouts`: one per KV-cache group, in the caller's group order;
+        `layer_order`: every layer name in forward order (default: group by
+        group); `lossy_ok`: lossy chunks may be loaded (else never);
+        `deferred` (tests): CPU copies run only when something waits for them."""
+        self.cache = store
+        self.remote = remote  # write-through: committed chunks are queued for the remote tier
+        self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
+        self.layout = layout = self.layouts[0]
+        if len({lay.block_size for lay in self.layouts}) != 1:
+            raise ValueError("every KV-cache group must have the same block size")
+        where = {name: (g, li) for g, lay in enumerate(self.layouts) for li, name in enumerate(lay.names)}
+        order = list(layer_order) if layer_order is not None else list(where)
+        if sorted(order) != sorted(where):
+            raise ValueError("layer_order must name every layer of the groups once")
+        self._order = [where[name] for name in order]  # forward position -> (group, layer in group)
+        self._position = {name: i for i, name in enumerate(order)}
+        self.rank = tp_rank
+        self.counters: Counter[str] = Counter()
+        self.tallies: dict[str, RequestTally] = defaultdict(RequestTally)
+        self.digest_file = digest_file
+        self.lossy_ok = lossy_ok
+        self.on_gpu = layout.on_gpu
+        self.backend = backend_for(layout.device, deferred=deferred)
+        self._store_stream = self.backend.stream("store")
+        self._load_stream = self.backend.stream("load")
+        self._stores: list[StoreJob] = []  # issued, not yet committed or aborted (issue order)
+        self._loads: list[LoadJob] = []  # issued, leases not yet released
+
+    # ------------------------------------------------------------ loads --
+    def submit_load(self, items: list[LoadItem]) -> LoadJob:
+        """Lease the units and issue their copies, layer by layer."""
+        job = LoadJob(items, self._position, self.backend)
+        for req_id, its in job.by_request.items():
+            try:
+                leases = self.cache.acquire_prefix([it.keys[self.rank] for it in its], count_lookup=False)
+            except Exception:
+                log.exception("shmkv: lookup for loading request %s failed; it is recomputed", req_id)
+                self.counters["load_errors"] += 1
+                leases = []
+            for i, it in enumerate(its):
+                if i < len(leases):
+                    job.jobs.append((it, leases[i]))
+                else:
+                    job.failed.update(it.block_ids)
+                    self.counters["load_missing_units"] += 1
+        self._loads.append(job)  # completed by poll_loads, in issue order (at once when nothing is leased)
+        if not job.jobs:
+            return job
+        self._decode_compressed(job)
+        # NOTE: the blocks being filled may still be read by compute issued before
+        self._load_stream.after_compute()
+        for g, layer in self._order:
+            try:
+                self._load_stream.run(lambda s, g=g, layer=layer: self._load_layer(job, g, layer, s))
+            except Exception:
+                log.exception("shmkv: issuing a load failed; its units are recomputed")
+                self.counters["load_errors"] += 1
+                job.broken.update(range(len(job.jobs)))
+            job.events.append(self._load_stream.record())
+        return job
+
+    def _decode_compressed(self, job: LoadJob) -> None:
+        """Decode the compressed entries of the batch (POST /compress) into
+        host buffers the copies read from; a damaged one is recomputed."""
+        for j, (it, lease) in enumerate(job.jobs):
+            if not lease.compressed:
+                continue
+            raw = decoded(lease, it.keys[self.rank], lossy_ok=self.lossy_ok)
+            if raw is None:
+                log.warning("shmkv: a compressed chunk of request %s is damaged%s; it is recomputed", it.req_id,
+                            "" if self.lossy_ok else " (or lossy)")
+                job.broken.add(j)
+                self.counters["load_damaged"] += 1
+                continue
+            if self.on_gpu:
+                import torch
+
+                # NOTE: pinned, so the copy kernels read it through unified addressing
+                job.sources[j] = torch.frombuffer(raw, dtype=torch.uint8).pin_memory()
+            else:
+                job.sources[j] = raw
+            self.counters["load_decoded"] += 1
+
+    def _load_layer(self, job: LoadJob, group: int, layer: int, stream: Any) -> None:
+        """One layer of every unit of the batch (on the load stream); a unit
+        whose copy fails is broken (its blocks recomputed), the others go on."""
+        for j, (it, lease) in enumerate(job.jobs):
+            if j in job.broken:
+                continue
+            try:
+                plan = job.plans.get(j)
+                if plan is None:
+                    plan = job.plans[j] = self._copy_plan(it.groups)
+                for g, lay, index, options in plan:
+                    if g == group:
+                        lay.scatter(index, job.sources.get(j, lease), stream, layers=(layer, layer + 1), **options)
+            except Exception:
+                log.exception("shmkv: loading a chunk of request %s failed; it is recomputed", it.req_id)
+                job.broken.add(j)
+                self.counters["load_errors"] += 1
+
+    def _complete_load(self, job: LoadJob) -> set[int]:
+        """Its copies have run: release the leases; the blocks that failed."""
+        if job.events and job.events[-1].error is not None:
+            log.error("shmkv: a load copy failed (%s); its units are recomputed", job.events[-1].error)
+            self.counters["load_errors"] += 1
+            job.broken.update(range(len(job.jobs)))
+        bs = self.layout.block_size
+        loaded: dict[str, int] = defaultdict(int)
+        for j, (it, lease) in enumerate(job.jobs):
+            ok = j not in job.broken
+            if ok and self.digest_file:
+                self._digest_load(it)
+            if not lease.release():  # reclaimed meanwhile: the bytes may be wrong
+                self.counters["load_stale"] += 1
+                ok = False
+            if ok:
+                loaded[it.req_id] += max(len(w.block_ids) for w in it.groups) * bs
+            else:
+                job.failed.update(it.block_ids)
+        job.seconds = time.perf_counter() - job.t0
+        job.loaded = {r: loaded[r] for r in job.by_request}
+        self.counters["loaded_tokens"] += sum(loaded.values())
+        job.jobs, job.sources, job.plans = [], {}, {}
+        return job.failed
+
+    def load(self, items: list[LoadItem]) -> tuple[set[int], dict[str, tuple[int, float]]]:
+        """Load now (submit, wait, complete): (block ids that failed, per
+        request (tokens loaded, seconds))."""
+        job = self.submit_load(items)
+        if job.events:
+            job.events[-1].synchronize()  # and so every job issued before it
+        self.poll_loads()
+        return job.failed, {r: (job.loaded.get(r, 0), job.seconds) for r in job.by_request}
+
+    def poll_loads(self) -> list[tuple[LoadJob, set[int]]]:
+        """Complete the load jobs whose copies have run (in issue order)."""
+        out = []
+        while self._loads and self._loads[0].done():
+            job = self._loads.pop(0)
+            out.append((job, self._complete_load(job)))
+        return out
+
+    def _sections(self, groups: Sequence[GroupWindow]) -> list[tuple[int, int]]:
+        """(byte offset, bytes) of each group's section of a unit's payload."""
+        out, off = [], 0
+        for lay, w in zip(self.layouts, groups):
+            n = lay.payload_bytes(w.payload_blocks * lay.block_size)
+            out.append((off, n))
+            off += n
+        return out
+
+    def _copy_plan(self, groups: Sequence[GroupWindow]) -> list[tuple[int, KVLayout, Any, dict[str, Any]]]:
+        """(group, layout, index, copy options) of each group a unit's copy
+        touches: computed once per unit, then used for every layer."""
+        import numpy as np
+
+        sections = self._sections(groups)
+        plan = []
+        for g, (lay, w) in enumerate(zip(self.layouts, groups)):
+            if not w.block_ids:
+                continue  # nothing of this group is needed (outside its sliding window)
+            if lay.token_mode:
+                plan.append((g, lay, self._window_slots(lay, w), {"part": sections[g]}))
+            else:
+                plan.append((g, lay, np.asarray(w.block_ids, dtype=np.int64),
+                             {"payload_first": w.payload_first, "payload_blocks": w.payload_blocks,
+                              "part": sections[g]}))
+        return plan
+
+    @staticmethod
+    def _window_slots(lay: KVLayout, w: GroupWindow):
+        """Token payloads: the slot of every token of the section; -1 outside the window."""
+        import numpy as np
+
+        bs = lay.block_size
+        slots = np.full(w.payload_blocks * bs, -1, dtype=np.int64)
+        inside = lay.slots_for_blocks(list(w.block_ids), len(w.block_ids) * bs)
+        slots[w.payload_first * bs:w.payload_first * bs + len(inside)] = inside
+        return slots
+
+    # ----------------------------------------------------------- stores --
+    def submit_store(self, items: Iterable[StoreItem]) -> None:
+        """Reserve each unit's room and issue its gather after the compute
+        issued so far; poll() commits it once its copies have run."""
+        ordered = False
+        for it in items:
+            t0 = time.perf_counter()
+            tally = self.tallies[it.req_id]
+            try:
+                nbytes = sum(n for _, n in self._sections(it.groups))
+                ns = it.namespaces[self.rank] if it.namespaces else None
+                r = self.cache.reserve(it.keys[self.rank], nbytes, namespace=ns, tokens=it.tokens)
+            except Exception:
+                log.exception("shmkv: storing a chunk of request %s failed; continuing without it", it.req_id)
+                self.counters["store_errors"] += 1
+                tally.not_stored += 1
+                continue
+            if isinstance(r, PutResult):
+                if r in (PutResult.EXISTS, PutResult.BUSY):
+                    tally.already_cached += 1
+                else:
+                    tally.not_stored += 1
+                self.counters[f"store_{r.name.lower()}"] += 1
+                continue
+            if not ordered:
+                # NOTE: the gathers must see the KV the forward pass just wrote
+                self._store_stream.after_compute()
+                ordered = True
+            job = StoreJob(it, r, ns, t0)
+            try:
+                self._store_stream.run(lambda s, it=it, r=r: self._gather(it, r, s))
+            except Exception:
+                log.exception("shmkv: storing a chunk of request %s failed; continuing without it", it.req_id)
+                job.failed = True
+            # NOTE: recorded even after a failed issue: the room is given back only
+            # once every copy issued before has run (an earlier group's may be queued)
+            job.event = self._store_stream.record()
+            self._stores.append(job)
+
+    def _gather(self, it: StoreItem, r: Reservation, stream: Any) -> None:
+        """Every group's window into its section of the reservation."""
+        for _, lay, index, options in self._copy_plan(it.groups):
+            lay.gather(index, r, stream, **options)
+
+    def poll_stores(self) -> list[StoreJob]:
+        """Commit (or abort) the stores whose copies have run; those stores."""
+        still, done = [], []
+        for job in self._stores:
+            if job.event.query():
+                self._complete_store(job)
+                done.append(job)
+            else:
+                still.append(job)
+        self._stores = still
+        return done
+
+    def _complete_store(self, job: StoreJob) -> None:
+        it, r = job.item, job.reservation
+        tally = self.tallies[it.req_id]
+        job.seconds = time.perf_counter() - job.t0
+        tally.store_s += job.seconds
+        error = job.event.error
+        if job.failed or error is not None:
+            if error is not None:
+                log.error("shmkv: storing a chunk of request %s failed (%s); continuing without it", it.req_id,
+                          error)
+            r.abort()
+            self.counters["store_errors"] += 1
+            tally.not_stored += 1
+            return
+        if self.digest_file:
+            self._digest_store(it, r)
+        if r.commit() is not PutResult.OK:
+            self.counters["store_stale"] += 1
+            tally.not_stored += 1
+            return
+        if self.remote is not None and job.namespace is not None:
+            self.remote.enqueue(r.key, job.namespace, it.tokens)
+        tally.stored_units += 1
+        tally.stored_tokens += it.tokens
+        self.counters["stored_units"] += 1
+        self.counters["stored_tokens"] += it.tokens
+
+    def store(self, items: Iterable[StoreItem]) -> None:
+        """Store now (submit, wait, commit)."""
+        self.submit_store(items)
+        self.wait_stores()
+
+    def wait_stores(self) -> None:
+        """Block until every pending store is committed or aborted."""
+        for job in self._stores:
+            job.event.synchronize()
+        self.poll_stores()
+
+    def order_compute_after_stores(self, req_ids: Iterable[str] | None = None) -> int:
+        """The compute goes on only after the pending stores (of `req_ids`, or
+        all) have read their blocks: on a GPU the compute stream waits on the
+        device, on the CPU the host waits. How many stores it waited for."""
+        want = None if req_ids is None else set(req_ids)
+        n = 0
+        for job in self._stores:
+            if (want is None or job.item.req_id in want) and not job.event.query():
+                self.backend.compute_waits(job.event)
+                n += 1
+        return n
+
+    def pending_requests(self) -> set[str]:
+        return {job.item.req_id for job in self._stores}
+
+    def finish(self, req_id: str) -> RequestTally | None:
+        return self.tallies.pop(req_id, None)
+
+    def shutdown(self) -> None:
+        """Finish every copy in flight, commit and release, stop the streams."""
+        for job in self._loads:
+            if job.events:
+                job.events[-1].synchronize()
+        self.poll_loads()
+        self.wait_stores()
+        self._store_stream.close()
+        self._load_stream.close()
+        if self.remote is not None:
+            self.remote.flush(timeout_s=10)
+            self.remote.close()
+
+    # ------------------------------------------------------------ debug --
+    # Lines "store KEY GROUP DIGEST" (a group's section as stored) and "load
+    # KEY GROUP FIRST N TOTAL DIGEST" (the paged cache's bytes of the blocks a
+    # load filled, re-gathered once its copies have run): a load with FIRST 0
+    # and N == TOTAL must digest like the stored section.
+    def _digest_load(self, it: LoadItem) -> None:
+        import torch
+
+        lines = []
+        for g, (lay, w) in enumerate(zip(self.layouts, it.groups)):
+            n = len(w.block_ids)
+            if not n:
+                continue
+            tokens = n * lay.block_size
+            buf = torch.empty(lay.payload_bytes(tokens), dtype=torch.uint8, pin_memory=self.on_gpu)
+            index = lay.slots_for_blocks(list(w.block_ids), tokens) if lay.token_mode else list(w.block_ids)
+            # NOTE: on the load stream, after the load's own copies; waited for here (debug only)
+            self._load_stream.run(lambda s, lay=lay, index=index, buf=buf: lay.gather(index, buf, s))
+            self._load_stream.record().synchronize()
+            lines.append(f"load {it.keys[self.rank].hex()} {g} {w.payload_first} {n} {w.payload_blocks} "
+                         f"{xxhash.xxh3_128_hexdigest(buf.numpy())}\n")
+        with open(self.digest_file, "a") as f:
+            f.writelines(lines)
+
+    def _digest_store(self, it: StoreItem, r: Reservation) -> None:
+        """The sections as committed (their copies have run)."""
+        mv = r.view()
+        with open(self.digest_file, "a") as f:
+            for g, (off, n) in enumerate(self._sections(it.groups)):
+                f.write(f"store {r.key.hex()} {g} {xxhash.xxh3_128_hexdigest(mv[off:off + n])}\n")
