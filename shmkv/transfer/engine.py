@@ -37,12 +37,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
+from shmkv.errors import InvalidArgumentError
 from shmkv.layout import KVLayout
 from shmkv.store import PutResult, Reservation, Store
 from shmkv.tiers import decoded
@@ -270,22 +271,29 @@ class TransferEngine:
         return out
 
     def _copy_plan(self, groups: Sequence[GroupWindow]) -> list[tuple[int, KVLayout, Any, dict[str, Any]]]:
+        """Every group's copy of a unit: computed once per unit, then used for every layer."""
+        return list(self._group_copies(groups))
+
+    def _group_copies(self, groups: Sequence[GroupWindow]) -> Iterator[tuple[int, KVLayout, Any, dict[str, Any]]]:
         """(group, layout, index, copy options) of each group a unit's copy
-        touches: computed once per unit, then used for every layer."""
+        touches, its block ids checked against the cache (InvalidArgumentError
+        naming the group and block) before it is yielded."""
         import numpy as np
 
         sections = self._sections(groups)
-        plan = []
         for g, (lay, w) in enumerate(zip(self.layouts, groups)):
             if not w.block_ids:
                 continue  # nothing of this group is needed (outside its sliding window)
+            ids = np.asarray(w.block_ids, dtype=np.int64)
+            bad = ids[(ids < 0) | (ids >= lay.geometry.num_blocks)]
+            if bad.size:
+                raise InvalidArgumentError(f"KV-cache group {g}: block id {int(bad[0])} is outside the "
+                                           f"{lay.geometry.num_blocks} blocks of the cache")
             if lay.token_mode:
-                plan.append((g, lay, self._window_slots(lay, w), {"part": sections[g]}))
+                yield g, lay, self._window_slots(lay, w), {"part": sections[g]}
             else:
-                plan.append((g, lay, np.asarray(w.block_ids, dtype=np.int64),
-                             {"payload_first": w.payload_first, "payload_blocks": w.payload_blocks,
-                              "part": sections[g]}))
-        return plan
+                yield g, lay, ids, {"payload_first": w.payload_first, "payload_blocks": w.payload_blocks,
+                                    "part": sections[g]}
 
     @staticmethod
     def _window_slots(lay: KVLayout, w: GroupWindow):
@@ -328,7 +336,9 @@ class TransferEngine:
                 ordered = True
             job = StoreJob(it, r, ns, t0)
             try:
-                self._store_stream.run(lambda s, it=it, r=r: self._gather(it, r, s))
+                # one copy per group, each checked as it is issued
+                for _, lay, index, options in self._group_copies(it.groups):
+                    self._store_stream.run(lambda s, lay=lay, index=index, o=options, r=r: lay.gather(index, r, s, **o))
             except Exception:
                 log.exception("shmkv: storing a chunk of request %s failed; continuing without it", it.req_id)
                 job.failed = True
@@ -336,11 +346,6 @@ class TransferEngine:
             # once every copy issued before has run (an earlier group's may be queued)
             job.event = self._store_stream.record()
             self._stores.append(job)
-
-    def _gather(self, it: StoreItem, r: Reservation, stream: Any) -> None:
-        """Every group's window into its section of the reservation."""
-        for _, lay, index, options in self._copy_plan(it.groups):
-            lay.gather(index, r, stream, **options)
 
     def poll_stores(self) -> list[StoreJob]:
         """Commit (or abort) the stores whose copies have run; those stores."""
