@@ -15,6 +15,25 @@ using namespace shmkv;
 
 namespace {
 
+// NOTE: shmkv links the shared CUDA runtime (the one torch loaded, when the
+// major versions match), and every launch runs on the cache's own device
+// whatever the calling thread's current device is; the previous one is restored.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (device < 0 || cudaGetDevice(&prev_) != cudaSuccess) return;
+    if (prev_ != device && cudaSetDevice(device) == cudaSuccess) restore_ = true;
+    cudaGetLastError();
+  }
+  ~DeviceGuard() {
+    if (restore_) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = -1;
+  bool restore_ = false;
+};
+
 void check(Status s, const std::string& err) {
   if (s == Status::kInvalidArgument) throw py::value_error(err);
   if (s != Status::kOk) throw std::runtime_error(err);
@@ -29,15 +48,17 @@ PYBIND11_MODULE(_C_cuda, m) {
     std::vector<uint64_t> bases;
     PagedLayout L;
     bool token_mode = false;
+    int device = -1;  // CUDA device index of the KV cache
   };
   py::class_<CudaLayout>(m, "PagedLayout")
-      .def(py::init([](std::vector<uint64_t> layer_bases, py::handle geometry) {
+      .def(py::init([](std::vector<uint64_t> layer_bases, py::handle geometry, int device) {
              auto* p = new CudaLayout();
              p->bases = std::move(layer_bases);
              p->L = paged_layout_from(geometry, p->bases, &p->token_mode);
+             p->device = device;
              return p;
            }),
-           py::arg("layer_bases"), py::arg("geometry"))
+           py::arg("layer_bases"), py::arg("geometry"), py::arg("device") = -1)
       .def("copy",
            [](const CudaLayout& self, bool gather, std::vector<int64_t> idx, uintptr_t payload,
               uint64_t payload_bytes, uintptr_t stream, int64_t layer_begin, int64_t layer_end, bool dma) {
@@ -45,6 +66,7 @@ PYBIND11_MODULE(_C_cuda, m) {
              Status s;
              {
                py::gil_scoped_release nogil;
+               DeviceGuard on(self.device);
                auto* p = reinterpret_cast<uint8_t*>(payload);
                auto n = int64_t(idx.size());
                s = dma ? launch_paged_copy_dma(self.L, self.token_mode, gather, idx.data(), n, p, payload_bytes,

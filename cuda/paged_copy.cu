@@ -113,8 +113,13 @@ Status launch_paged_copy(const PagedLayout& L, bool token_mode, bool gather, con
   void* payload_dev = nullptr;
   cudaError_t e = cudaHostGetDevicePointer(&payload_dev, payload_host, 0);
   if (e != cudaSuccess) {
-    *err = cuda_error("payload is not registered host memory (cudaHostRegister the segment first)", e);
-    return Status::kInvalidArgument;
+    cudaGetLastError();
+    if (e == cudaErrorInvalidValue) {
+      *err = cuda_error("payload is not registered host memory (cudaHostRegister the segment first)", e);
+      return Status::kInvalidArgument;
+    }
+    *err = cuda_error("cudaHostGetDevicePointer of the payload", e);
+    return Status::kSystem;
   }
   // Indices and layer bases travel in one small device buffer, stream-ordered.
   size_t idx_bytes = size_t(n) * sizeof(int64_t);
@@ -175,6 +180,25 @@ void add_run(std::vector<Run>* runs, uint64_t dev, uint64_t off, uint64_t bytes)
   runs->push_back(Run{dev, off, bytes});
 }
 
+// NOTE: copy engines read and write host memory directly only when it is
+// page-locked; a pageable payload would be staged by the driver, silently and
+// synchronously. Refuse it instead.
+Status check_registered(const uint8_t* payload, std::string* err) {
+  cudaPointerAttributes a{};
+  cudaError_t e = cudaPointerGetAttributes(&a, payload);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    *err = cuda_error("cudaPointerGetAttributes of the payload", e);
+    return Status::kSystem;
+  }
+  if (a.type != cudaMemoryTypeHost) {
+    *err = "payload is not registered host memory (cudaHostRegister the segment first); memory type " +
+           std::to_string(int(a.type));
+    return Status::kInvalidArgument;
+  }
+  return Status::kOk;
+}
+
 cudaError_t issue_batch(const std::vector<Run>& runs, bool gather, uint8_t* payload, cudaStream_t stream) {
   std::vector<void*> dsts(runs.size());
   std::vector<const void*> srcs(runs.size());
@@ -187,6 +211,9 @@ cudaError_t issue_batch(const std::vector<Run>& runs, bool gather, uint8_t* payl
     sizes[i] = runs[i].bytes;
   }
 #if CUDART_VERSION >= 12080
+  // NOTE: the batch call refuses the legacy default stream (handle 0): one
+  // cudaMemcpyAsync per run there, which it accepts.
+  if (stream != nullptr) {
   cudaMemcpyAttributes attr{};
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
@@ -201,6 +228,7 @@ cudaError_t issue_batch(const std::vector<Run>& runs, bool gather, uint8_t* payl
 #endif
   if (e == cudaSuccess) return e;
   cudaGetLastError();  // not supported here (driver, stream kind): one copy per run instead
+  }
 #endif
   for (size_t i = 0; i < runs.size(); ++i) {
     cudaError_t e2 = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream);
@@ -215,13 +243,11 @@ Status launch_paged_copy_dma(const PagedLayout& L, bool token_mode, bool gather,
                              int64_t n, uint8_t* payload_host, uint64_t payload_bytes,
                              uintptr_t stream_handle, std::string* err, int64_t layer_begin,
                              int64_t layer_end) {
-  if (stream_handle == 0) {
-    *err = "copy-engine copies need a stream other than the legacy default stream";
-    return Status::kInvalidArgument;
-  }
   Status s = check_copy(L, token_mode, idx, n, payload_bytes, layer_begin, &layer_end, err);
   if (s != Status::kOk) return s;
   if (n == 0) return Status::kOk;
+  s = check_registered(payload_host, err);
+  if (s != Status::kOk) return s;
   std::vector<Run> runs;
   for (int64_t l = layer_begin; l < layer_end; ++l) {
     uint64_t base = L.layer_base[l];
@@ -257,12 +283,20 @@ Status launch_paged_copy_dma(const PagedLayout& L, bool token_mode, bool gather,
 
 Status register_host_memory(void* ptr, uint64_t bytes, std::string* err) {
   cudaError_t e = cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
-  if (e != cudaSuccess && e != cudaErrorHostMemoryAlreadyRegistered) {
+  if (e == cudaErrorHostMemoryAlreadyRegistered) {
+    // NOTE: a registration left from an earlier mapping at this address pins
+    // pages that are no longer the segment's: drop it and register anew.
+    // (shmkv.gpu counts this process's own registrations, so it is never ours.)
+    cudaGetLastError();
+    cudaHostUnregister(ptr);
+    cudaGetLastError();
+    e = cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  }
+  if (e != cudaSuccess) {
     *err = cuda_error("cudaHostRegister", e);
     cudaGetLastError();
     return Status::kSystem;
   }
-  cudaGetLastError();
   return Status::kOk;
 }
 

@@ -25,14 +25,17 @@ Status launch_paged_copy(const PagedLayout& L, bool token_mode, bool gather, con
 // contiguous run (adjacent runs merged), issued in bulk with
 // cudaMemcpyBatchAsync (CUDA >= 12.8; else one cudaMemcpyAsync per run). It
 // holds no SMs, so it overlaps compute fully (vLLM's own offloading moves
-// GPU->CPU this way). `stream_handle` must not be the legacy default stream.
+// GPU->CPU this way). On the legacy default stream (0), which the batch call
+// refuses, one cudaMemcpyAsync per run. The payload must be page-locked
+// (registered) host memory: a pageable one is refused, never staged.
 // Token slots < 0: gathered as zeros, skipped by a scatter.
 Status launch_paged_copy_dma(const PagedLayout& L, bool token_mode, bool gather, const int64_t* idx,
                              int64_t n, uint8_t* payload_host, uint64_t payload_bytes,
                              uintptr_t stream_handle, std::string* err, int64_t layer_begin = 0,
                              int64_t layer_end = -1);
 
-// Pin (and map for the device) a host range, e.g. a whole shmkv segment.
+// Pin (and map for the device) a host range, e.g. a whole shmkv segment; a
+// stale registration at the same address is replaced.
 Status register_host_memory(void* ptr, uint64_t bytes, std::string* err);
 Status unregister_host_memory(void* ptr, std::string* err);
 

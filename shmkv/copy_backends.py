@@ -99,7 +99,8 @@ class CudaCopy:
         from shmkv import gpu
 
         checked_layout(bases, geometry)  # the same geometry checks as on the CPU
-        self._c = gpu.extension().PagedLayout(bases, geometry)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self._c = gpu.extension().PagedLayout(bases, geometry, index)
         self.device = device
         self.dma_gather, self.dma_scatter = True, False  # stores by the copy engines, loads by kernels
 

@@ -9,6 +9,8 @@ loads shmkv._C_cuda.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from shmkv.errors import InvalidArgumentError
@@ -43,10 +45,38 @@ def extension() -> Any:
     return _C_cuda
 
 
-def register_segment(store: Store) -> None:
-    """Pin this process's mapping of the segment's payload arena for the GPU."""
-    extension().register_host(store.arena_address, store.arena_bytes)
+# This process's registrations: (address, bytes) -> how many users. A range is
+# registered once, by its first user, and unregistered by its last.
+_registered: dict[tuple[int, int], int] = {}
+_lock = threading.Lock()
+
+
+def register_segment(store: Store) -> float:
+    """Pin this process's mapping of the segment's payload arena for the GPU
+    (once per mapping, however many users); the seconds it took.
+
+    NOTE: cudaHostRegister faults in every page of the arena: it scales with
+    the arena (README "GPU hosts" gives the figure per GiB)."""
+    span = (int(store.arena_address), int(store.arena_bytes))
+    with _lock:
+        if _registered.get(span):
+            _registered[span] += 1
+            return 0.0
+        t0 = time.perf_counter()
+        extension().register_host(*span)
+        _registered[span] = 1
+        return time.perf_counter() - t0
 
 
 def unregister_segment(store: Store) -> None:
-    extension().unregister_host(store.arena_address)
+    """Drop one user of the registration; the last one unregisters it (before
+    the segment is unmapped: pinned pages must never outlive their mapping)."""
+    span = (int(store.arena_address), int(store.arena_bytes))
+    with _lock:
+        n = _registered.get(span, 0)
+        if n > 1:
+            _registered[span] = n - 1
+            return
+        _registered.pop(span, None)
+        if n:
+            extension().unregister_host(span[0])

@@ -14,6 +14,18 @@ from helpers import Child, DaemonProcess, Reference, fresh_cache_name
 
 cache_name = pytest.fixture(fresh_cache_name, name="cache_name")
 
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """A CUDA GPU without shmkv._C_cuda must not pass the gpu tests by skipping them all."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    from helpers import cuda_build_missing
+
+    why = cuda_build_missing()
+    if why is not None:
+        raise pytest.UsageError(f"a CUDA GPU is here but {why}; rebuild shmkv where nvcc is found (CUDA_HOME or nvcc "
+                                "on PATH): pip install --no-build-isolation --no-deps -e .")
+
 second_cache = pytest.fixture(fresh_cache_name, name="second_cache")
 
 @pytest.fixture

@@ -55,8 +55,8 @@ def _worker_figures(repeats: int, n: int) -> dict:
     from shmkv import Store
     from shmkv.config import load_config
     from shmkv.integration.vllm.engine_inputs import KVGroup
-    from shmkv.transfer import GroupWindow, LoadItem, StoreItem
     from shmkv.integration.vllm.worker import WorkerSide
+    from shmkv.transfer import GroupWindow, LoadItem, StoreItem
 
     dev = torch.device("cuda", 0)
     blocks_per_chunk = CHUNK_TOKENS // BS

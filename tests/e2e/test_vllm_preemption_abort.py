@@ -4,7 +4,7 @@ prefill (512-token steps) and a KV cache of only 40 blocks."""
 from __future__ import annotations
 
 import pytest
-from helpers import check_loaded_bytes_equal_stored, random_prompt
+from helpers import check_loaded_bytes_equal_stored, random_prompt, wait_until
 
 from shmkv import Store
 
@@ -30,7 +30,10 @@ def test_resumed_request_reloads_its_own_chunks_and_abort_leaves_only_good_chunk
 
     # abort a request after two 512-token steps of its prefill
     prompt = prompts[0][:700] + random_prompt(1000, seed=56)
+    puts = store.stats()["puts"]
     assert e.abort_after_steps(prompt, steps=2)["aborted"]
+    # its stores complete after the abort (vLLM keeps its blocks until they are reported)
+    wait_until(lambda: store.stats()["puts"] >= puts + 4, "the aborted request's 4 chunks (512..1536) committed")
     # what it stored before the abort (chunks up to token 1,536) is correct
     r = e.generate([prompt])
     assert r["num_cached_tokens"] == [1536]

@@ -14,10 +14,10 @@ from kv_reference import make_cache
 from shmkv import Store
 from shmkv.disk.tier import DiskTier
 from shmkv.integration.vllm.planner import GroupWindow, LoadItem, StoreItem
-from shmkv.transfer import TransferEngine as KVWorker
 from shmkv.layout import KVLayout
 from shmkv.maintainer import Maintainer
 from shmkv.tiers import SharedTier, TierChain
+from shmkv.transfer import TransferEngine as KVWorker
 
 BS = 16
 NS = b"N" * 16

@@ -102,11 +102,101 @@ def test_cuda_engines_and_layer_ranges_copy_the_same_bytes(gpu_store, kind, engi
     r.abort()
 
 
-def test_cuda_dma_refuses_the_legacy_default_stream(gpu_store):
+def test_cuda_dma_on_the_legacy_default_stream_copies_by_single_memcpys(gpu_store):
+    """Finding 4: CudaCopy with no stream given used the legacy default stream,
+    which cudaMemcpyBatchAsync refuses: every DMA gather failed."""
     layers = make_cache("nhd", 2, 4, 16, 2, 8, torch.bfloat16, device="cuda")
     layout = KVLayout("nhd", layers)
     layout.copier.engines(store="dma", load="dma")
-    r = gpu_store.reserve(b"d" * 16, layout.payload_bytes(16))
-    with pytest.raises(ValueError, match="default stream"):
-        layout.gather(layout.slots_for_blocks(np.array([0]), 16), r, stream=0)
+    idx = layout.slots_for_blocks(np.array([2, 0]), 32)
+    r = gpu_store.reserve(b"d" * 16, layout.payload_bytes(32))
+    layout.gather(idx, r, stream=0)
+    layout.gather(idx, r)  # no stream: the current one (the legacy default stream here)
+    torch.cuda.synchronize()
+    got = torch.frombuffer(bytearray(r.view()), dtype=torch.uint8)
+    assert torch.equal(got, ref_gather("nhd", [t.cpu() for t in layers], torch.from_numpy(idx)))
+    r.abort()
+
+
+@pytest.mark.parametrize("engine", ["dma", "kernel"])
+def test_cuda_copies_refuse_an_unregistered_payload(gpu_store, engine):
+    """Finding 10: the DMA launcher staged a pageable payload silently."""
+    layers = make_cache("nhd", 2, 4, 16, 2, 8, torch.bfloat16, device="cuda")
+    layout = KVLayout("nhd", layers)
+    layout.copier.engines(store=engine, load=engine)
+    pageable = torch.empty(layout.payload_bytes(16), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not registered host memory"):
+        layout.gather(layout.slots_for_blocks(np.array([0]), 16), pageable, stream=torch.cuda.Stream())
+
+
+def test_a_layer_read_after_wait_layer_sees_the_loaded_bytes(cache_name):
+    """The compute stream waits on the device for each layer's load: the load
+    stream is held back (torch.cuda._sleep) before its copies, and a read
+    issued on the compute stream after wait_layer still sees the loaded KV."""
+    from shmkv.transfer import GroupWindow, LoadItem, StoreItem, TransferEngine
+
+    store = Store.create(cache_name, 64 << 20, alignment=256)
+    try:
+        names = ["l0", "l1", "l2"]
+        src = make_cache("nhd", 3, 8, 16, 2, 64, torch.bfloat16, device="cuda", seed=1)
+        dst = [torch.zeros_like(t) for t in src]
+        a = TransferEngine(store, KVLayout("nhd", src, names), 0)
+        b = TransferEngine(store, KVLayout("nhd", dst, names), 0)
+        from shmkv import gpu
+
+        gpu.register_segment(store)
+        a.store([StoreItem("r", (b"k" * 16,), 32, (GroupWindow(0, 2, (3, 5)),))])
+        b._load_stream.run(lambda s: torch.cuda._sleep(200_000_000))  # ~0.1 s of GPU time before the copies
+        job = b.submit_load([LoadItem("q", (b"k" * 16,), (GroupWindow(0, 2, (1, 2)),))])
+        seen = []
+        for i, name in enumerate(names):
+            job.wait_layer(name)
+            seen.append(dst[i][[1, 2]].clone())  # on the compute stream, after the wait
+        torch.cuda.synchronize()
+        for i in range(3):
+            assert torch.equal(seen[i].view(torch.uint8), src[i][[3, 5]].view(torch.uint8)), f"layer {i}"
+        b.shutdown()
+        a.shutdown()
+        gpu.unregister_segment(store)
+    finally:
+        store.close()
+
+
+def test_a_failed_cuda_registration_turns_the_connector_off(cache_name, monkeypatch):
+    """Finding 5: cudaHostRegister ran outside register_kv_caches' error
+    handling, so its failure stopped vLLM's start."""
+    from shmkv import gpu
+    from shmkv.config import load_config
+    from shmkv.integration.vllm.engine_inputs import KVGroup
+    from shmkv.integration.vllm.worker import WorkerSide
+
+    store = Store.create(cache_name, 64 << 20, alignment=256)
+    try:
+        def refuse(*_):
+            raise RuntimeError("cudaHostRegister: out of memory")
+
+        monkeypatch.setattr(gpu, "register_segment", refuse)
+        names = ["model.layers.0.self_attn.attn"]
+        cache = torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16, device="cuda")
+        side = WorkerSide(load_config({"cache_name": cache_name}, env={}), store, [KVGroup(tuple(names))], 0, 16)
+        side.register_kv_caches({names[0]: cache})
+        assert side.worker is None and "cudaHostRegister" in side.off_reason
+        side.shutdown()
+    finally:
+        store.close()
+
+
+def test_registrations_are_counted_per_process(gpu_store):
+    """A second user of the same mapping does not register it again, and the
+    first to leave does not unregister it under the other (gpu_store holds one)."""
+    from shmkv import gpu
+
+    gpu.register_segment(gpu_store)
+    gpu.unregister_segment(gpu_store)
+    layers = make_cache("nhd", 1, 4, 16, 2, 8, torch.bfloat16, device="cuda")
+    layout = KVLayout("nhd", layers)
+    layout.copier.engines(store="dma", load="dma")
+    r = gpu_store.reserve(b"c" * 16, layout.payload_bytes(16))
+    layout.gather(layout.slots_for_blocks(np.array([1]), 16), r, stream=torch.cuda.Stream())  # still registered
+    torch.cuda.synchronize()
     r.abort()

@@ -20,10 +20,10 @@ from shmkv.controller import Controller
 from shmkv.disk import format as fmt
 from shmkv.errors import ConfigError
 from shmkv.integration.vllm.planner import GroupWindow, LoadItem, Planner
-from shmkv.transfer import TransferEngine as KVWorker
 from shmkv.keys import Namespace, chunk_keys, lossy_key
 from shmkv.layout import KVLayout
 from shmkv.tiers import TierChain
+from shmkv.transfer import TransferEngine as KVWorker
 
 BS = 16
 KEY, NSD = bytes(range(16)), b"N" * 16

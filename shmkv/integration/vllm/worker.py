@@ -78,6 +78,7 @@ class WorkerSide:
         self._finished_waiting: set[str] = set()  # finished, stores still copying
         self._loading: tuple[Any, LoadJob] | None = None  # this step's metadata and loads
         self._summaries: dict[int, Any] = {}  # id(load job) -> its step's per-request summaries
+        self._registered = False  # the segment is registered with CUDA for this worker
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         first = next(iter(kv_caches.values()))
@@ -99,7 +100,10 @@ class WorkerSide:
 
                 for lay in layouts:
                     lay.copier.engines(store=self.cfg.cuda_store_copy, load=self.cfg.cuda_load_copy)
-                gpu.register_segment(self.store)  # pinned, mapped: copies address the segment directly
+                seconds = gpu.register_segment(self.store)  # pinned, mapped: copies address the segment directly
+                self._registered = True
+                log.info("shmkv: registered the %.1f GiB arena with CUDA in %.2f s",
+                         self.store.arena_bytes / 2**30, seconds)
             if self.cfg.remote_write_through:
                 from shmkv.remote import open_remote
 
@@ -115,6 +119,7 @@ class WorkerSide:
                       "hit is recomputed by vLLM", self.off_reason)
             if remote is not None:
                 remote.close()
+            self._unregister()
             return
         log.info("shmkv: registered %d KV layers in %d group(s) (%s layout, %s, %.1f KiB per token, %s copies)",
                  len(kv_caches), len(layouts), kind, str(first.dtype).replace("torch.", ""),
@@ -238,8 +243,16 @@ class WorkerSide:
         out, self._load_errors = self._load_errors, set()
         return out
 
+    def _unregister(self) -> None:
+        if self._registered:
+            from shmkv import gpu
+
+            self._registered = False
+            gpu.unregister_segment(self.store)
+
     def shutdown(self) -> None:
         self._loading = None
         if self.worker is not None:
-            self.worker.shutdown()
+            self.worker.shutdown()  # every copy done: nothing reads the pinned pages any more
             self._poll()
+        self._unregister()
