@@ -55,6 +55,44 @@ struct BlockWindow {
   int64_t layer_end = -1;       // -1: all layers
 };
 
+// Visits the contiguous runs of a token-mode copy of layers [l0, l1) (the
+// payload [layers][n][token bytes] at offset 0): emit(cache_address,
+// payload_offset, bytes) once per maximal run, adjacent runs merged when both
+// the cache and the payload continue; skip(payload_offset, bytes) for each
+// negative slot. What a copy-engine copy issues, and how the engine choice
+// sizes it (a fragmented block table or a head-major layout gives short runs).
+template <class Emit, class Skip>
+void visit_token_runs(const PagedLayout& L, const int64_t* slots, int64_t n, int64_t l0, int64_t l1, Emit emit,
+                      Skip skip) {
+  const int64_t tok_bytes = L.token_payload_bytes();
+  uint64_t cur_dev = 0, cur_off = 0, cur_bytes = 0;
+  auto add = [&](uint64_t dev, uint64_t off, uint64_t bytes) {
+    if (cur_bytes && cur_dev + cur_bytes == dev && cur_off + cur_bytes == off) {
+      cur_bytes += bytes;
+      return;
+    }
+    if (cur_bytes) emit(cur_dev, cur_off, cur_bytes);
+    cur_dev = dev, cur_off = off, cur_bytes = bytes;
+  };
+  for (int64_t l = l0; l < l1; ++l) {
+    uint64_t base = L.layer_base[l];
+    for (int64_t t = 0; t < n; ++t) {
+      uint64_t p = uint64_t((l * n + t) * tok_bytes);
+      int64_t slot = slots[t];
+      if (slot < 0) {
+        skip(p, uint64_t(tok_bytes));
+        continue;
+      }
+      uint64_t tok = base + uint64_t((slot / L.block_size) * L.block_stride + (slot % L.block_size) * L.token_stride);
+      for (int64_t i = 0; i < L.runs_i; ++i)
+        for (int64_t j = 0; j < L.runs_j; ++j)
+          add(tok + uint64_t(i * L.stride_i + j * L.stride_j), p + uint64_t((i * L.runs_j + j) * L.run_bytes),
+              uint64_t(L.run_bytes));
+    }
+  }
+  if (cur_bytes) emit(cur_dev, cur_off, cur_bytes);
+}
+
 // Checks that make a layout usable at all (sizes positive, runs inside blocks).
 Status validate_layout(const PagedLayout& L, bool token_mode, std::string* err);
 // Full pre-copy checks (layout, every index, payload size); shared with CUDA.

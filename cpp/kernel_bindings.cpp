@@ -146,5 +146,22 @@ void register_kernels(py::module_& m) {
            }, py::arg("slot_mapping"), py::arg("payload"), py::arg("layer_begin") = 0, py::arg("layer_end") = -1)
       .def("scatter_tokens", [](const PyPagedLayout& s, py::buffer slots, py::buffer src, int64_t l0, int64_t l1) {
              run_copy(s, slots, src, false, true, BlockWindow{0, -1, l0, l1});
-           }, py::arg("slot_mapping"), py::arg("payload"), py::arg("layer_begin") = 0, py::arg("layer_end") = -1);
+           }, py::arg("slot_mapping"), py::arg("payload"), py::arg("layer_begin") = 0, py::arg("layer_end") = -1)
+      .def("token_copy_runs", [](const PyPagedLayout& s, py::buffer slots, int64_t l0, int64_t l1) {
+             if (!s.token_mode) throw py::value_error("runs are counted for token layouts only");
+             std::vector<int64_t> idx = indices_from(slots, "slot_mapping");
+             std::string err;
+             Status st = check_token_copy(s.L, idx.data(), int64_t(idx.size()),
+                                          uint64_t(s.L.num_layers) * idx.size() * s.L.token_payload_bytes(), &err);
+             if (st != Status::kOk) throw py::value_error(err);
+             if (l1 < 0) l1 = s.L.num_layers;
+             if (l0 < 0 || l0 > l1 || l1 > s.L.num_layers) throw py::value_error("layer range is not inside the layout");
+             int64_t runs = 0, bytes = 0;
+             visit_token_runs(s.L, idx.data(), int64_t(idx.size()), l0, l1, [&](uint64_t, uint64_t, uint64_t n) {
+               ++runs;
+               bytes += int64_t(n);
+             }, [](uint64_t, uint64_t) {});
+             return py::make_tuple(runs, bytes);
+           }, py::arg("slot_mapping"), py::arg("layer_begin") = 0, py::arg("layer_end") = -1,
+           "(runs, bytes) a copy-engine copy of these slots would issue: contiguous runs, adjacent ones merged.");
 }

@@ -2,6 +2,7 @@
 // only by shmkv.copy_backends / shmkv.gpu, and only for a KV cache on a CUDA device.
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include <cstring>
@@ -41,6 +42,9 @@ void check(Status s, const std::string& err) {
 
 }  // namespace
 
+// Indices arrive as numpy int64 arrays (no Python list conversion).
+using Index = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
 PYBIND11_MODULE(_C_cuda, m) {
   m.doc() = "shmkv CUDA gather/scatter kernels";
   // One KV-cache group on the device, built once (shmkv.copy_backends.CudaCopy).
@@ -49,6 +53,16 @@ PYBIND11_MODULE(_C_cuda, m) {
     PagedLayout L;
     bool token_mode = false;
     int device = -1;  // CUDA device index of the KV cache
+  };
+  // A prepared batch of one layout (kept alive by its layout).
+  struct CudaBatch {
+    const CudaLayout* layout = nullptr;
+    TokenBatch batch;
+    uintptr_t stream = 0;
+    bool released = false;
+    ~CudaBatch() {
+      if (!released) release_token_batch(&batch, stream);
+    }
   };
   py::class_<CudaLayout>(m, "PagedLayout")
       .def(py::init([](std::vector<uint64_t> layer_bases, py::handle geometry, int device) {
@@ -60,7 +74,7 @@ PYBIND11_MODULE(_C_cuda, m) {
            }),
            py::arg("layer_bases"), py::arg("geometry"), py::arg("device") = -1)
       .def("copy",
-           [](const CudaLayout& self, bool gather, std::vector<int64_t> idx, uintptr_t payload,
+           [](const CudaLayout& self, bool gather, Index idx, uintptr_t payload,
               uint64_t payload_bytes, uintptr_t stream, int64_t layer_begin, int64_t layer_end, bool dma) {
              std::string err;
              Status s;
@@ -79,7 +93,55 @@ PYBIND11_MODULE(_C_cuda, m) {
            py::arg("gather"), py::arg("index"), py::arg("payload"), py::arg("payload_bytes"), py::arg("stream"),
            py::arg("layer_begin") = 0, py::arg("layer_end") = -1, py::arg("dma") = false,
            "Launch a gather (cache -> payload) or scatter of layers [layer_begin, layer_end) (-1: to the "
-           "last) on `stream`, by kernels or (dma) by the copy engines; asynchronous.");
+           "last) on `stream`, by kernels or (dma) by the copy engines; asynchronous.")
+      .def("prepare_batch",
+           [](const CudaLayout& self, const std::vector<std::tuple<Index, uintptr_t, uint64_t>>& entries,
+              uintptr_t stream) {
+             if (!self.token_mode) throw py::value_error("batches copy token payloads only");
+             std::vector<BatchEntry> es;
+             for (const auto& [idx, payload, bytes] : entries)
+               es.push_back(BatchEntry{idx.data(), int64_t(idx.size()), reinterpret_cast<uint8_t*>(payload), bytes});
+             auto* b = new CudaBatch();
+             b->layout = &self;
+             std::string err;
+             Status s;
+             {
+               py::gil_scoped_release nogil;
+               DeviceGuard on(self.device);
+               s = prepare_token_batch(self.L, es, stream, &b->batch, &err);
+             }
+             if (s != Status::kOk) {
+               delete b;
+               check(s, err);
+             }
+             b->stream = stream;
+             return b;
+           },
+           py::arg("entries"), py::arg("stream"), py::keep_alive<0, 1>(),
+           "Check and upload (once, on `stream`) a batch of (slots, payload address, payload bytes); "
+           "each layer is then one launch (CudaBatch.copy_layer).");
+  py::class_<CudaBatch>(m, "CudaBatch")
+      .def("copy_layer",
+           [](CudaBatch& b, bool gather, int64_t layer, uintptr_t stream, bool dma) {
+             if (b.released) throw py::value_error("the batch was released");
+             std::string err;
+             Status s;
+             {
+               py::gil_scoped_release nogil;
+               DeviceGuard on(b.layout->device);
+               s = launch_token_batch(b.layout->L, b.batch, gather, layer, stream, dma, &err);
+             }
+             check(s, err);
+           },
+           py::arg("gather"), py::arg("layer"), py::arg("stream"), py::arg("dma") = false,
+           "One layer of every payload of the batch, on `stream` (ordered after prepare_batch's stream).")
+      .def("release",
+           [](CudaBatch& b, uintptr_t stream) {
+             DeviceGuard on(b.layout->device);
+             release_token_batch(&b.batch, stream);
+             b.released = true;
+           },
+           py::arg("stream"), "Free the device arrays, ordered after the work queued on `stream`.");
   m.def("register_host", [](uintptr_t ptr, uint64_t bytes) {
     std::string err;
     check(register_host_memory(reinterpret_cast<void*>(ptr), bytes, &err), err);

@@ -54,22 +54,18 @@ __global__ void copy_blocks_kernel(const uint64_t* __restrict__ layer_base,
   else block_copy(blk, p, block_bytes);
 }
 
-// grid: (n_tokens, layers copied); layer l = l0 + blockIdx.y; slots: [n] (negative: skipped)
-// payload: [layers][n][runs_i][runs_j][run_bytes]
+// One token of one layer, by the whole thread block: its runs between the
+// paged cache (layer at `layer`) and its payload bytes `p` [runs_i][runs_j][run_bytes].
 template <bool kGather>
-__global__ void copy_tokens_kernel(const uint64_t* __restrict__ layer_base,
-                                   const int64_t* __restrict__ slots, int64_t n,
-                                   PagedLayout L, uint8_t* __restrict__ payload, int64_t l0) {
-  int64_t t = blockIdx.x, l = l0 + blockIdx.y;
+__device__ __forceinline__ void copy_one_token(const PagedLayout& L, uint64_t layer, int64_t slot,
+                                               uint8_t* __restrict__ p) {
   int64_t tok_bytes = L.runs_i * L.runs_j * L.run_bytes;
-  uint8_t* p = payload + (l * n + t) * tok_bytes;
-  int64_t slot = slots[t];
   if (slot < 0) {
     if (kGather)
       for (int64_t i = threadIdx.x; i < tok_bytes; i += blockDim.x) p[i] = 0;
     return;
   }
-  uint8_t* tok = reinterpret_cast<uint8_t*>(layer_base[l]) + (slot / L.block_size) * L.block_stride +
+  uint8_t* tok = reinterpret_cast<uint8_t*>(layer) + (slot / L.block_size) * L.block_stride +
                  (slot % L.block_size) * L.token_stride;
   for (int64_t i = 0; i < L.runs_i; ++i) {
     for (int64_t j = 0; j < L.runs_j; ++j) {
@@ -79,6 +75,28 @@ __global__ void copy_tokens_kernel(const uint64_t* __restrict__ layer_base,
       else block_copy(run, q, L.run_bytes);
     }
   }
+}
+
+// grid: (n_tokens, layers copied); layer l = l0 + blockIdx.y; slots: [n] (negative: skipped)
+// payload: [layers][n][runs_i][runs_j][run_bytes]
+template <bool kGather>
+__global__ void copy_tokens_kernel(const uint64_t* __restrict__ layer_base,
+                                   const int64_t* __restrict__ slots, int64_t n,
+                                   PagedLayout L, uint8_t* __restrict__ payload, int64_t l0) {
+  int64_t t = blockIdx.x, l = l0 + blockIdx.y;
+  int64_t tok_bytes = L.runs_i * L.runs_j * L.run_bytes;
+  copy_one_token<kGather>(L, layer_base[l], slots[t], payload + (l * n + t) * tok_bytes);
+}
+
+// A batch of payloads, one layer: grid (batch tokens); token t's payload
+// bytes of layer l at payload0[t] + l * pitch[t] (device addresses).
+// slots, payload0, pitch: [n]
+template <bool kGather>
+__global__ void copy_token_batch_kernel(uint64_t layer, const int64_t* __restrict__ slots,
+                                        const uint64_t* __restrict__ payload0,
+                                        const uint64_t* __restrict__ pitch, PagedLayout L, int64_t l) {
+  int64_t t = blockIdx.x;
+  copy_one_token<kGather>(L, layer, slots[t], reinterpret_cast<uint8_t*>(payload0[t] + uint64_t(l) * pitch[t]));
 }
 
 std::string cuda_error(const char* what, cudaError_t e) {
@@ -168,18 +186,6 @@ struct Run {
   uint64_t bytes;
 };
 
-// Append a run, merged with the previous one when both ends continue it.
-void add_run(std::vector<Run>* runs, uint64_t dev, uint64_t off, uint64_t bytes) {
-  if (!runs->empty()) {
-    Run& r = runs->back();
-    if (r.dev + r.bytes == dev && r.off + r.bytes == off) {
-      r.bytes += bytes;
-      return;
-    }
-  }
-  runs->push_back(Run{dev, off, bytes});
-}
-
 // NOTE: copy engines read and write host memory directly only when it is
 // page-locked; a pageable payload would be staged by the driver, silently and
 // synchronously. Refuse it instead.
@@ -205,7 +211,7 @@ cudaError_t issue_batch(const std::vector<Run>& runs, bool gather, uint8_t* payl
   std::vector<size_t> sizes(runs.size());
   for (size_t i = 0; i < runs.size(); ++i) {
     void* dev = reinterpret_cast<void*>(runs[i].dev);
-    void* host = payload + runs[i].off;
+    void* host = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(payload) + runs[i].off);
     dsts[i] = gather ? host : dev;
     srcs[i] = gather ? dev : host;
     sizes[i] = runs[i].bytes;
@@ -249,27 +255,21 @@ Status launch_paged_copy_dma(const PagedLayout& L, bool token_mode, bool gather,
   s = check_registered(payload_host, err);
   if (s != Status::kOk) return s;
   std::vector<Run> runs;
-  for (int64_t l = layer_begin; l < layer_end; ++l) {
-    uint64_t base = L.layer_base[l];
-    if (!token_mode) {
-      for (int64_t k = 0; k < n; ++k)
-        add_run(&runs, base + uint64_t(idx[k] * L.block_stride), uint64_t((l * n + k) * L.block_bytes),
-                uint64_t(L.block_bytes));
-      continue;
-    }
-    int64_t tok_bytes = L.token_payload_bytes();
-    for (int64_t t = 0; t < n; ++t) {
-      uint64_t p = uint64_t((l * n + t) * tok_bytes);
-      if (idx[t] < 0) {
-        if (gather) std::memset(payload_host + p, 0, size_t(tok_bytes));  // host memory: no copy needed
-        continue;
+  if (!token_mode) {
+    for (int64_t l = layer_begin; l < layer_end; ++l)
+      for (int64_t k = 0; k < n; ++k) {
+        uint64_t dev = L.layer_base[l] + uint64_t(idx[k] * L.block_stride), off = uint64_t((l * n + k) * L.block_bytes);
+        if (!runs.empty() && runs.back().dev + runs.back().bytes == dev && runs.back().off + runs.back().bytes == off)
+          runs.back().bytes += uint64_t(L.block_bytes);
+        else
+          runs.push_back(Run{dev, off, uint64_t(L.block_bytes)});
       }
-      uint64_t tok = base + uint64_t((idx[t] / L.block_size) * L.block_stride + (idx[t] % L.block_size) * L.token_stride);
-      for (int64_t i = 0; i < L.runs_i; ++i)
-        for (int64_t j = 0; j < L.runs_j; ++j)
-          add_run(&runs, tok + uint64_t(i * L.stride_i + j * L.stride_j),
-                  p + uint64_t((i * L.runs_j + j) * L.run_bytes), uint64_t(L.run_bytes));
-    }
+  } else {
+    visit_token_runs(
+        L, idx, n, layer_begin, layer_end, [&](uint64_t dev, uint64_t off, uint64_t bytes) { runs.push_back(Run{dev, off, bytes}); },
+        [&](uint64_t off, uint64_t bytes) {
+          if (gather) std::memset(payload_host + off, 0, size_t(bytes));  // host memory: no copy needed
+        });
   }
   cudaError_t e = runs.empty() ? cudaSuccess
                                : issue_batch(runs, gather, payload_host, reinterpret_cast<cudaStream_t>(stream_handle));
@@ -279,6 +279,121 @@ Status launch_paged_copy_dma(const PagedLayout& L, bool token_mode, bool gather,
     return Status::kSystem;
   }
   return Status::kOk;
+}
+
+// ---- batches: one launch per layer for every payload of a step ----------
+
+Status prepare_token_batch(const PagedLayout& L, const std::vector<BatchEntry>& entries, uintptr_t stream_handle,
+                           TokenBatch* b, std::string* err) {
+  Status s = validate_layout(L, true, err);
+  if (s != Status::kOk) return s;
+  const int64_t tok_bytes = L.token_payload_bytes();
+  TokenBatch out;
+  for (size_t e = 0; e < entries.size(); ++e) {
+    const BatchEntry& x = entries[e];
+    s = check_token_copy(L, x.slots, x.n, x.payload_bytes, err);
+    if (s != Status::kOk) {
+      *err = "payload " + std::to_string(e) + " of the batch: " + *err;
+      return s;
+    }
+    if (x.n == 0) continue;
+    s = check_registered(x.payload_host, err);
+    if (s != Status::kOk) return s;
+    void* dev = nullptr;
+    cudaError_t ce = cudaHostGetDevicePointer(&dev, x.payload_host, 0);
+    if (ce != cudaSuccess) {
+      cudaGetLastError();
+      *err = cuda_error("cudaHostGetDevicePointer of a batch payload", ce);
+      return Status::kSystem;
+    }
+    out.entries.push_back(TokenBatch::Entry{int64_t(out.slots.size()), x.n, x.payload_host});
+    for (int64_t t = 0; t < x.n; ++t) {
+      out.slots.push_back(x.slots[t]);
+      out.dev0.push_back(reinterpret_cast<uint64_t>(dev) + uint64_t(t * tok_bytes));
+      out.pitch.push_back(uint64_t(x.n * tok_bytes));
+    }
+  }
+  int64_t n = int64_t(out.slots.size());
+  if (n > 0) {
+    // NOTE: one allocation and one upload per batch, stream-ordered; every
+    // layer's launch reads the same device arrays.
+    cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+    size_t bytes = size_t(n) * (sizeof(int64_t) + 2 * sizeof(uint64_t));
+    cudaError_t ce = cudaMallocAsync(&out.device, bytes, stream);
+    if (ce != cudaSuccess) {
+      cudaGetLastError();
+      *err = cuda_error("cudaMallocAsync", ce);
+      return Status::kSystem;
+    }
+    std::vector<uint8_t> host(bytes);
+    std::memcpy(host.data(), out.slots.data(), size_t(n) * sizeof(int64_t));
+    std::memcpy(host.data() + n * sizeof(int64_t), out.dev0.data(), size_t(n) * sizeof(uint64_t));
+    std::memcpy(host.data() + n * (sizeof(int64_t) + sizeof(uint64_t)), out.pitch.data(),
+                size_t(n) * sizeof(uint64_t));
+    // NOTE: pageable source: staged by the driver before the call returns
+    ce = cudaMemcpyAsync(out.device, host.data(), bytes, cudaMemcpyHostToDevice, stream);
+    if (ce != cudaSuccess) {
+      cudaGetLastError();
+      cudaFreeAsync(out.device, stream);
+      *err = cuda_error("uploading the batch", ce);
+      return Status::kSystem;
+    }
+  }
+  *b = std::move(out);
+  return Status::kOk;
+}
+
+Status launch_token_batch(const PagedLayout& L, const TokenBatch& b, bool gather, int64_t layer,
+                          uintptr_t stream_handle, bool dma, std::string* err) {
+  if (layer < 0 || layer >= L.num_layers) {
+    *err = "layer " + std::to_string(layer) + " is not within the " + std::to_string(L.num_layers) + " layers";
+    return Status::kInvalidArgument;
+  }
+  int64_t n = int64_t(b.slots.size());
+  if (n == 0) return Status::kOk;
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  cudaError_t e;
+  if (dma) {
+    std::vector<Run> runs;
+    // NOTE: run offsets are host addresses here (payload base 0): one visit per payload
+    for (const auto& x : b.entries) {
+      auto abs = reinterpret_cast<uint64_t>(x.payload_host);
+      visit_token_runs(
+          L, b.slots.data() + x.first, x.n, layer, layer + 1,
+          [&](uint64_t dev, uint64_t off, uint64_t bytes) { runs.push_back(Run{dev, abs + off, bytes}); },
+          [&](uint64_t off, uint64_t bytes) {
+            if (gather) std::memset(reinterpret_cast<void*>(abs + off), 0, size_t(bytes));
+          });
+    }
+    e = runs.empty() ? cudaSuccess : issue_batch(runs, gather, nullptr, stream);
+  } else {
+    auto* d = static_cast<uint8_t*>(b.device);
+    auto* slots = reinterpret_cast<const int64_t*>(d);
+    auto* dev0 = reinterpret_cast<const uint64_t*>(d + n * sizeof(int64_t));
+    auto* pitch = reinterpret_cast<const uint64_t*>(d + n * (sizeof(int64_t) + sizeof(uint64_t)));
+    uint64_t base = L.layer_base[layer];
+    if (gather) copy_token_batch_kernel<true><<<unsigned(n), kThreads, 0, stream>>>(base, slots, dev0, pitch, L, layer);
+    else copy_token_batch_kernel<false><<<unsigned(n), kThreads, 0, stream>>>(base, slots, dev0, pitch, L, layer);
+    e = cudaGetLastError();
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    *err = cuda_error(dma ? "copy-engine batch copy" : "batch copy launch", e);
+    return Status::kSystem;
+  }
+  return Status::kOk;
+}
+
+void release_token_batch(TokenBatch* b, uintptr_t stream_handle) {
+  if (b->device != nullptr) {
+    cudaFreeAsync(b->device, reinterpret_cast<cudaStream_t>(stream_handle));
+    cudaGetLastError();
+    b->device = nullptr;
+  }
+  b->slots.clear();
+  b->entries.clear();
+  b->dev0.clear();
+  b->pitch.clear();
 }
 
 Status register_host_memory(void* ptr, uint64_t bytes, std::string* err) {

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "copy_kernels.h"
 #include "status.h"
@@ -33,6 +34,34 @@ Status launch_paged_copy_dma(const PagedLayout& L, bool token_mode, bool gather,
                              int64_t n, uint8_t* payload_host, uint64_t payload_bytes,
                              uintptr_t stream_handle, std::string* err, int64_t layer_begin = 0,
                              int64_t layer_end = -1);
+
+// A batch of token payloads copied layer by layer with one launch per layer
+// (a step's loads): the indices and payload addresses are checked and
+// uploaded once (prepare), then each layer is one kernel or one batched DMA
+// (launch), and the device arrays are freed stream-ordered (release).
+struct BatchEntry {
+  const int64_t* slots;   // [n] slots of this payload's tokens (negative: skipped)
+  int64_t n;
+  uint8_t* payload_host;  // [layers][n][token bytes], in registered host memory
+  uint64_t payload_bytes;
+};
+struct TokenBatch {
+  struct Entry {
+    int64_t first;          // its first token in `slots`
+    int64_t n;
+    uint8_t* payload_host;  // [layers][n][token bytes]
+  };
+  std::vector<Entry> entries;
+  std::vector<int64_t> slots;   // [tokens of the batch]
+  std::vector<uint64_t> dev0;   // the same, as a device address
+  std::vector<uint64_t> pitch;  // bytes from one layer's payload bytes to the next
+  void* device = nullptr;       // slots | dev0 | pitch on the device
+};
+Status prepare_token_batch(const PagedLayout& L, const std::vector<BatchEntry>& entries, uintptr_t stream_handle,
+                           TokenBatch* b, std::string* err);
+Status launch_token_batch(const PagedLayout& L, const TokenBatch& b, bool gather, int64_t layer,
+                          uintptr_t stream_handle, bool dma, std::string* err);
+void release_token_batch(TokenBatch* b, uintptr_t stream_handle);
 
 // Pin (and map for the device) a host range, e.g. a whole shmkv segment; a
 // stale registration at the same address is replaced.

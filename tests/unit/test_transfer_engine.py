@@ -229,3 +229,33 @@ def test_a_copy_that_fails_on_the_cpu_thread_is_carried_by_the_next_event():
     assert first.query() and isinstance(first.error, ValueError) and second.error is None
     assert ran == [1, 2], "a failed copy does not stop the stream"
     s.close()
+
+
+def test_a_steps_loads_are_one_copy_call_per_layer_whatever_the_number_of_units(store):
+    """Finding 6: every (unit, layer) was one Python call (with its own index
+    upload and allocation on a GPU); now each group of a step is prepared once
+    and each layer is one call for all its units."""
+    a, src = worker_side(store, 1)
+    keys = [bytes([9, i]) * 8 for i in range(3)]
+    a.worker.store([stored("r", k, b) for k, b in zip(keys, (3, 5, 6))])
+    b, dst = worker_side(store, 2)
+    lay = b.worker.layouts[0]
+    prepared, calls = [], []
+    real = lay.copier.batch
+
+    def counting_batch(entries, stream=None):
+        batch = real(entries, stream)
+        prepared.append(len(entries))
+        inner = batch.copy_layer
+        batch.copy_layer = lambda layer, s=None: (calls.append(layer), inner(layer, s))[1]
+        return batch
+
+    lay.copier.batch = counting_batch
+    failed, _ = b.worker.load([loaded("q", k, d) for k, d in zip(keys, (8, 9, 10))])
+    assert failed == set()
+    assert prepared == [3], "one batch of the three units"
+    assert calls == list(range(LAYERS)), "one call per layer"
+    for n in NAMES:
+        assert torch.equal(dst[n][[8, 9, 10]].view(torch.uint8), src[n][[3, 5, 6]].view(torch.uint8))
+    b.shutdown()
+    a.shutdown()
