@@ -19,6 +19,7 @@ BENCHES = {
     "lossy": "shmkv.bench.lossy_bench",
     "segment": "shmkv.bench.segment_bench",
     "gpu": "shmkv.bench.gpu_bench",
+    "native-tier": "shmkv.bench.native_tier",
 }
 
 

@@ -13,13 +13,20 @@ __all__ = ["ShmKVConnector", "ShmKVMetadata"]
 
 def register() -> None:
     """vLLM general plugin (entry point `vllm.general_plugins: shmkv`): make
-    `kv_connector="ShmKVConnector"` work without kv_connector_module_path.
+    `kv_connector="ShmKVConnector"` work without kv_connector_module_path, and
+    `{"type": "shmkv"}` a secondary tier of vLLM's native offloading.
     vLLM calls it in every process it starts; it imports nothing heavy."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if "ShmKVConnector" not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector("ShmKVConnector", "shmkv.integration.vllm.connector",
                                               "ShmKVConnector")
+    try:  # vLLM's native offloading: {"type": "shmkv"} in secondary_tiers (native_tier.py)
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    except ImportError:
+        return
+    if "shmkv" not in SecondaryTierFactory._registry:
+        SecondaryTierFactory.register_tier("shmkv", "shmkv.integration.vllm.native_tier", "ShmkvSecondaryTier")
 
 
 def __getattr__(name: str) -> Any:

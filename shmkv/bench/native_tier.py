@@ -1,0 +1,197 @@
+"""vLLM's native offloading with a shared tier: one engine's scheduler side
+(vLLM's own TieringOffloadingManager, built from a plain OffloadingConfig: no
+model, no engine) per process, and `python -m shmkv.bench native-tier`.
+
+Child process (used by the benchmark and tests/e2e/test_native_tier.py):
+
+    python -m shmkv.bench.native_tier ROLE JSON
+
+ROLE "store": chunk i's bytes (derived from its key) are written into this
+engine's primary view at the ids prepare_store returns, then complete_store
+and scheduler steps until no work is pending (the cascade). ROLE "load":
+every key is looked up, again each step, until each is HIT or MISS (the
+promotion), the hits prepared for loading, and their bytes in this engine's
+primary view compared with what "store" wrote. Prints one "RESULT {json}" line.
+
+The benchmark: the same 64 MiB (256 chunks of 256 KiB) cascaded by engine A
+and promoted by engine B, through the shmkv tier and through vLLM's own `fs`
+tier on tmpfs and on disk (page cache warm), in one run; GB/s and seconds,
+median over --repeats rounds of fresh keys.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+BYTES_PER_BLOCK = 16 << 10  # one worker's KV of one 16-token block
+BLOCKS_PER_CHUNK = 16  # 256 KiB chunks
+
+
+def offloading_config(p: dict):
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    tier = dict(p["raw_tier"]) if "raw_tier" in p else {"type": "shmkv", "cache_name": p["cache"], **p.get("tier", {})}
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=p.get("block", 16), layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=BYTES_PER_BLOCK, enable_kv_cache_events=p.get("events", False),
+        extra_config={"cpu_bytes_to_use": p.get("cpu_bytes", 64 << 20), "secondary_tiers": [tier]},
+        engine_id=p["engine"],
+        model=OffloadingModelConfig(name=p.get("model", "tiny"), dtype=p.get("dtype", "bfloat16")),
+        cache=OffloadingCacheConfig(tokens_per_hash=p.get("block", 16), blocks_per_chunk=BLOCKS_PER_CHUNK),
+        parallel=OffloadingParallelConfig(rank=0, world_size=p.get("world", 1), tp_size=p.get("world", 1),
+                                          pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
+                                          data_parallel_size=1, data_parallel_rank_local=None,
+                                          is_parallelism_agnostic=False))
+
+
+def chunk_bytes_of(key: bytes, n: int) -> np.ndarray:
+    return np.frombuffer((key * (n // len(key) + 1))[:n], dtype=np.uint8)
+
+
+def main() -> None:
+    role, p = sys.argv[1], json.loads(sys.argv[2])
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    load_general_plugins()  # the shmkv plugin registers {"type": "shmkv"}, as in every vLLM process
+    spec = TieringOffloadingSpec(offloading_config(p))
+    m = spec.get_manager()
+    view = np.asarray(m.primary_tier.get_kv_memoryview()).reshape(-1).view(np.uint8)
+    n = view.size // spec.num_chunks
+    keys = [make_offload_key(bytes([p.get("seed", 1), i % 256, i // 256]) * 10 + b"hh", 0)
+            for i in range(p["chunks"])]
+    ctx = ReqContext(req_id=f"{role}-req")
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, (i + 1) * BLOCKS_PER_CHUNK * 16)
+    m.on_new_request(ctx)
+    out: dict = {"chunk_bytes": int(n)}
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + p.get("timeout", 120)
+
+    def step() -> None:
+        m.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        time.sleep(p.get("step_s", 0.001))  # an engine step: the scheduler waits for its workers
+
+    if role == "store":
+        stored = 0
+        for i in range(0, len(keys), 16):
+            batch = keys[i:i + 16]
+            prep = m.prepare_store(batch, ctx)
+            assert prep is not None, "the primary tier refused the store"
+            ids = np.asarray(prep.store_spec.chunk_ids)  # vLLM's CPU load/store spec
+            for k, cid in zip(prep.keys_to_store, ids):
+                view[int(cid) * n:(int(cid) + 1) * n] = chunk_bytes_of(k, n)
+            m.complete_store(batch, ctx)
+            stored += len(prep.keys_to_store)
+            step()
+        m.on_request_finished(ctx)
+        while m.has_pending_work() and time.monotonic() < deadline:
+            step()
+        out.update(stored=stored, pending=m.has_pending_work(), seconds=time.perf_counter() - t0)
+    else:
+        # as vLLM's scheduler asks: every key of the prompt, again each step, until none is pending
+        results = [m.lookup(k, ctx) for k in keys]
+        while any(r not in (LookupResult.HIT, LookupResult.MISS) for r in results) and time.monotonic() < deadline:
+            step()
+            results = [r if r in (LookupResult.HIT, LookupResult.MISS) else m.lookup(k, ctx)
+                       for k, r in zip(keys, results)]
+        results = [r.name for r in results]
+        first_miss = next((i for i, r in enumerate(results) if r != "HIT"), len(results))
+        hits = keys[:first_miss]
+        equal = True
+        if hits:
+            spec_ = m.prepare_load(hits, ctx)
+            for k, cid in zip(hits, np.asarray(spec_.chunk_ids)):
+                equal &= bool(np.array_equal(view[int(cid) * n:(int(cid) + 1) * n], chunk_bytes_of(k, n)))
+            m.complete_load(hits, ctx)
+        m.on_request_finished(ctx)
+        step()
+        out.update(hits=len(hits), results=sorted(set(results)), equal=equal,
+                   seconds=time.perf_counter() - t0)
+    del view  # vLLM unmaps the primary region at shutdown: no export of it may remain
+    m.shutdown()
+    print("RESULT " + json.dumps(out))
+
+
+def child(role: str, params: dict, timeout: float = 300) -> dict:
+    """Run one engine's side in a child process; its RESULT."""
+    import os
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "shmkv.bench.native_tier", role, json.dumps(params)],
+                       capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    if r.returncode != 0:
+        raise RuntimeError(f"native-tier {role} child failed: {r.stderr[-2000:]}")
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def run(argv: list[str]) -> dict:
+    import argparse
+    import os
+    import shutil
+    import statistics
+    import tempfile
+    import uuid
+
+    from shmkv import Store
+
+    ap = argparse.ArgumentParser(prog="python -m shmkv.bench native-tier")
+    ap.add_argument("--chunks", type=int, default=256, help="chunks of 256 KiB moved per round")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--disk-dir", default=os.path.join(tempfile.gettempdir(), "shmkv-bench-native-fs"),
+                    help="where vLLM's fs tier writes for the on-disk case")
+    a = ap.parse_args(argv)
+    cache = f"shmkv-bench-native-{uuid.uuid4().hex[:8]}"
+    tmpfs = f"/dev/shm/shmkv-bench-native-fs-{uuid.uuid4().hex[:8]}"
+    cases = {"shmkv": {"cache": cache}, "fs_tmpfs": {"raw_tier": {"type": "fs", "root_dir": tmpfs}},
+             "fs_disk": {"raw_tier": {"type": "fs", "root_dir": a.disk_dir}}}
+    out: dict = {"chunks": a.chunks, "repeats": a.repeats}
+    try:
+        for name, base in cases.items():
+            store_s, load_s, nbytes = [], [], 0
+            for r in range(a.repeats):
+                p = dict(base, chunks=a.chunks, seed=r + 1)
+                st = child("store", dict(p, engine="A"))
+                ld = child("load", dict(p, engine="B"))
+                if ld["hits"] != a.chunks or not ld["equal"]:
+                    raise RuntimeError(f"{name}: B found {ld['hits']} of {a.chunks} chunks (equal {ld['equal']})")
+                nbytes = a.chunks * st["chunk_bytes"]
+                store_s.append(st["seconds"])
+                load_s.append(ld["seconds"])
+            med = statistics.median
+            out[name] = {"cascade_s": med(store_s), "promote_s": med(load_s),
+                         "cascade_gbps": nbytes / med(store_s) / 1e9, "promote_gbps": nbytes / med(load_s) / 1e9,
+                         "samples": {"cascade": store_s, "promote": load_s}}
+        out["bytes"] = nbytes
+        out["promote_over_fs_tmpfs"] = out["shmkv"]["promote_s"] / out["fs_tmpfs"]["promote_s"]
+    finally:
+        Store.unlink(cache)
+        shutil.rmtree(tmpfs, ignore_errors=True)
+        shutil.rmtree(a.disk_dir, ignore_errors=True)
+    return out
+
+
+def report(r: dict) -> None:
+    print(f"{r['chunks']} chunks ({r['bytes'] / 2**20:.0f} MiB), engine A cascades, engine B promotes "
+          f"(median of {r['repeats']}):")
+    for name in ("shmkv", "fs_tmpfs", "fs_disk"):
+        c = r[name]
+        print(f"  {name:9s} cascade {c['cascade_s'] * 1e3:7.1f} ms ({c['cascade_gbps']:.2f} GB/s), promote "
+              f"{c['promote_s'] * 1e3:7.1f} ms ({c['promote_gbps']:.2f} GB/s)")
+    print(f"  shmkv promotion / fs on tmpfs: {r['promote_over_fs_tmpfs']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
