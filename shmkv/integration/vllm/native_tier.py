@@ -187,11 +187,19 @@ class ShmkvSecondaryTier(SecondaryTierManager):
 
     # ------------------------------------------------------------- jobs --
     def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, is_load=False)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, is_load=True)
+
+    def _submit(self, job_metadata: TransferJob, *, is_load: bool) -> None:
+        """Queue the job's copies on the copy stream; get_finished_jobs reports it once its event is set."""
         keys = [self.key_of(k) for k in job_metadata.keys]
         ids = [int(i) for i in job_metadata.chunk_ids]
-        job = _Job(job_metadata.job_id, False, len(keys), time.monotonic(), ok_keys=[])
+        job = _Job(job_metadata.job_id, is_load, len(keys), time.monotonic(), ok_keys=[])
+        copy = self._load_chunks if is_load else self._store_chunks
         offload_keys = list(job_metadata.keys)
-        self._stream.run(lambda _: self._store_chunks(job, keys, ids, offload_keys))
+        self._stream.run(lambda _: copy(job, keys, ids, offload_keys))
         job.event = self._stream.record()
         self._jobs[job.job_id] = job
 
@@ -220,15 +228,6 @@ class ShmkvSecondaryTier(SecondaryTierManager):
                 job.nbytes += n
             else:
                 job.failed += 1
-
-    def submit_load(self, job_metadata: TransferJob) -> None:
-        keys = [self.key_of(k) for k in job_metadata.keys]
-        ids = [int(i) for i in job_metadata.chunk_ids]
-        job = _Job(job_metadata.job_id, True, len(keys), time.monotonic(), ok_keys=[])
-        offload_keys = list(job_metadata.keys)
-        self._stream.run(lambda _: self._load_chunks(job, keys, ids, offload_keys))
-        job.event = self._stream.record()
-        self._jobs[job.job_id] = job
 
     def _load_chunks(self, job: _Job, keys: list[bytes], ids: list[int], offload_keys: list) -> None:
         """On the copy thread: shared-tier chunks into the primary tier."""
