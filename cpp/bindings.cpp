@@ -17,6 +17,7 @@
 #include "counters.h"
 #include "segment.h"
 #include "status.h"
+#include "stream_copy.h"
 
 namespace py = pybind11;
 using namespace shmkv;
@@ -63,6 +64,22 @@ std::vector<Key> keys_from(py::handle obj) {
     throw py::value_error("keys must be a list of 16-byte keys or a contiguous buffer of 16*n bytes");
   out.resize(nbytes / 16);
   std::memcpy(out.data(), info.ptr, nbytes);
+  return out;
+}
+
+// One offset (uint64) per key, each chunk [offset, offset + size) inside a
+// buffer of `cap` bytes.
+std::vector<uint64_t> chunk_offsets(py::buffer offsets, size_t n, uint64_t size, size_t cap) {
+  py::buffer_info info = offsets.request();
+  if (info.itemsize != 8 || !c_contiguous(info) || size_t(info.size) != n)
+    throw py::value_error("offsets must be " + std::to_string(n) + " uint64 values, one per key");
+  std::vector<uint64_t> out(n);
+  std::memcpy(out.data(), info.ptr, n * 8);
+  for (size_t i = 0; i < n; ++i)
+    if (size > cap || out[i] > cap - size)
+      throw py::value_error("chunk " + std::to_string(i) + " at offset " + std::to_string(out[i]) + " (+" +
+                            std::to_string(size) + " bytes) lies outside the " + std::to_string(cap) +
+                            "-byte buffer");
   return out;
 }
 
@@ -202,7 +219,7 @@ struct PyTable {
       Reservation r;
       s = t->reserve(k, nbytes, &r, n, tokens, flags);
       if (s == Status::kOk) {
-        std::memcpy(t->payload(r.offset), info.ptr, nbytes);
+        stream_copy(t->payload(r.offset), info.ptr, nbytes);
         s = t->commit(r);
       }
     }
@@ -229,13 +246,75 @@ struct PyTable {
         t->release(h);
         result = -3;
       } else {
-        std::memcpy(info.ptr, t->payload(h.offset), h.size);
+        stream_copy(info.ptr, t->payload(h.offset), h.size);
         result = t->release(h) == Status::kOk ? int64_t(h.size) : -2;
       }
     }
     flush_events(*t);
     if (result == -3) throw py::value_error("get_into: buffer too small for the payload");
     return result;
+  }
+
+  // Copy each key's payload into out[offsets[i], offsets[i] + size): acquire,
+  // copy (without the GIL, outside the lock), release. One status byte per
+  // key: kOk; kMiss; kStale (reclaimed during the copy: the bytes are not to
+  // be trusted); kMismatch (another size, or a compressed payload: nothing
+  // copied); kTimedOut.
+  py::bytes read_chunks(py::handle keys, py::buffer out, py::buffer offsets, uint64_t size) {
+    std::vector<Key> ks = keys_from(keys);
+    py::buffer_info oi = out.request(true);
+    if (!c_contiguous(oi)) throw py::value_error("read_chunks() needs a C-contiguous output buffer");
+    std::vector<uint64_t> offs = chunk_offsets(offsets, ks.size(), size, size_t(oi.size) * size_t(oi.itemsize));
+    std::string status(ks.size(), '\0');
+    {
+      py::gil_scoped_release nogil;
+      auto* base = static_cast<uint8_t*>(oi.ptr);
+      for (size_t i = 0; i < ks.size(); ++i) {
+        LeaseHandle h;
+        Status s = t->acquire(ks[i], &h);
+        if (s == Status::kOk) {
+          if (h.size != size || (h.flags & kFlagCompressed)) {
+            t->release(h);
+            s = Status::kMismatch;
+          } else {
+            stream_copy(base + offs[i], t->payload(h.offset), size);
+            s = t->release(h) == Status::kOk ? Status::kOk : Status::kStale;
+          }
+        }
+        status[i] = char(s);
+      }
+    }
+    flush_events(*t);
+    return py::bytes(status);
+  }
+
+  // Store src[offsets[i], offsets[i] + size) under each key: reserve, copy
+  // (without the GIL, outside the lock), commit. One status byte per key:
+  // kOk, or what reserve / commit answered (kExists, kBusy, kFull, kStale,
+  // kTimedOut, kTooLarge, kInvalidArgument).
+  py::bytes write_chunks(py::handle keys, py::buffer src, py::buffer offsets, uint64_t size, py::object ns,
+                         uint32_t tokens) {
+    std::vector<Key> ks = keys_from(keys);
+    Key n = ns.is_none() ? Key{0, 0} : key_from(ns);
+    py::buffer_info si = src.request();
+    if (!c_contiguous(si)) throw py::value_error("write_chunks() needs a C-contiguous source buffer");
+    std::vector<uint64_t> offs = chunk_offsets(offsets, ks.size(), size, size_t(si.size) * size_t(si.itemsize));
+    std::string status(ks.size(), '\0');
+    {
+      py::gil_scoped_release nogil;
+      const auto* base = static_cast<const uint8_t*>(si.ptr);
+      for (size_t i = 0; i < ks.size(); ++i) {
+        Reservation r;
+        Status s = t->reserve(ks[i], size, &r, n, tokens, 0);
+        if (s == Status::kOk) {
+          stream_copy(t->payload(r.offset), base + offs[i], size);
+          s = t->commit(r);
+        }
+        status[i] = char(s);
+      }
+    }
+    flush_events(*t);
+    return py::bytes(status);
   }
 
   int simple(Status (ChunkTable::*fn)(const Key&), py::bytes key) {
@@ -421,6 +500,10 @@ PYBIND11_MODULE(_C, m) {
       .def("put", &PyTable::put, py::arg("key"), py::arg("data"), py::arg("ns") = py::none(),
            py::arg("tokens") = 0, py::arg("flags") = 0)
       .def("get_into", &PyTable::get_into, py::arg("key"), py::arg("out"))
+      .def("read_chunks", &PyTable::read_chunks, py::arg("keys"), py::arg("out"), py::arg("offsets"),
+           py::arg("size"))
+      .def("write_chunks", &PyTable::write_chunks, py::arg("keys"), py::arg("src"), py::arg("offsets"),
+           py::arg("size"), py::arg("ns") = py::none(), py::arg("tokens") = 0)
       .def("pin", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::pin, k); })
       .def("unpin", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::unpin, k); })
       .def("erase", [](PyTable& t, py::bytes k) { return t.simple(&ChunkTable::erase, k); })

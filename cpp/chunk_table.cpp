@@ -527,7 +527,8 @@ void ChunkTable::contains(const Key* keys, size_t n, uint8_t* out) {
   guarded([&] {
     for (size_t i = 0; i < n; ++i) {
       uint32_t e = do_find_locked(keys[i]);
-      out[i] = e != kNone && ent[e].state.load(std::memory_order_relaxed) == kEntryReady;
+      uint32_t st = e == kNone ? kEntryFree : ent[e].state.load(std::memory_order_relaxed);
+      out[i] = st == kEntryReady ? 1 : st == kEntryWriting ? 2 : 0;
     }
     return 0;
   });

@@ -26,12 +26,14 @@ Errors raise from the hierarchy in shmkv.errors. Keys are 16-byte `bytes`
 
 from __future__ import annotations
 
+import atexit
 import enum
 import logging
 import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -61,6 +63,18 @@ Keys = Sequence[bytes] | bytes | bytearray | memoryview
 _MODE_CREATE, _MODE_ATTACH, _MODE_OPEN_OR_CREATE = 0, 1, 2
 DEFAULT_LOCK_TIMEOUT_S = 0.3
 INIT_WAIT_S = 120.0  # bound of the wait for another process initialising the segment (Store.create/attach)
+# Stores whose background reserver may still run. At interpreter exit each is
+# stopped and joined first: a daemon thread still inside the C++ core when the
+# interpreter finalises would end the process with std::terminate (SIGABRT).
+_RESERVING: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_reservers_at_exit() -> None:
+    for store in list(_RESERVING):
+        store._stop_reserver()
+
+
 RESERVE_STEP = 256 << 20  # arena bytes the background reserver reserves (and maps) per call
 FLAG_SPILLED = int(_C.FLAG_SPILLED)  # Entry flag: a copy is in the disk tier
 FLAG_COMPRESSED = int(_C.FLAG_COMPRESSED)  # Entry flag: the payload is an encoded chunk (shmkv.disk.format)
@@ -81,6 +95,28 @@ class PutResult(enum.Enum):
     BUSY = Status.BUSY.value  # another live process is writing the key right now (or holds the lock too long)
     STALE = Status.STALE.value  # the reservation was reclaimed before commit; nothing stored
     TIMED_OUT = Status.TIMED_OUT.value  # the table lock stayed held past the bound; nothing changed
+
+
+class ReadResult(enum.Enum):
+    """Outcome of copying one chunk out of the segment (Store.read_chunks)."""
+
+    OK = Status.OK.value
+    MISS = Status.MISS.value  # not cached (or not committed yet)
+    STALE = Status.STALE.value  # reclaimed during the copy: the bytes copied are not to be trusted
+    MISMATCH = Status.MISMATCH.value  # another size, or a compressed payload: nothing copied
+    TIMED_OUT = Status.TIMED_OUT.value  # the table lock stayed held past the bound
+
+
+class Presence(enum.Enum):
+    """Where a key stands in the table (Store.presence)."""
+
+    ABSENT = 0
+    READY = 1  # committed: readers get it
+    WRITING = 2  # reserved by a writer that has not committed yet
+
+
+_READ_RESULT = {r.value: r for r in ReadResult}
+_PRESENCE = {p.value: p for p in Presence}
 
 
 class OpenOutcome(enum.Enum):
@@ -321,6 +357,7 @@ class Store:
             store._reserver = threading.Thread(target=store._reserve_rest, args=(populate,),
                                                name="shmkv-reserve", daemon=True)
             store._reserver.start()
+            _RESERVING.add(store)
         log.debug(
             "%s shared-memory segment '%s': capacity %s, payload arena %s, max payload %s, "
             "%d entries max",
@@ -376,13 +413,17 @@ class Store:
 
     def close(self) -> None:
         """Detach this process (the mapping goes when the last view does)."""
+        self._stop_reserver()
+        if self._t is not None:
+            self._t.detach()
+            self._t = None
+
+    def _stop_reserver(self) -> None:
         if self._reserver is not None:
             self._stop_reserving.set()
             self._reserver.join()  # at most one step (RESERVE_STEP bytes)
             self._reserver = None
-        if self._t is not None:
-            self._t.detach()
-            self._t = None
+        _RESERVING.discard(self)
 
     def _reserve_rest(self, map_pages: bool) -> None:
         """Background: reserve the rest of the arena step by step (each step
@@ -413,11 +454,17 @@ class Store:
                 return  # no MADV_POPULATE_WRITE here: first touch maps the pages
             off += RESERVE_STEP
 
-    def wait_reserved(self, timeout_s: float | None = None) -> bool:
+    def wait_reserved(self, timeout_s: float | None = None, *, mapped: bool = False) -> bool:
         """Wait (at most timeout_s) until this process's background
-        reservation of the arena has ended; True if the whole arena is reserved."""
-        if self._reserver is not None:
-            self._reserve_ended.wait(timeout_s)
+        reservation of the arena has ended (with `mapped`: and its mapping of
+        the pages into this process, which follows); True if the whole arena
+        is reserved."""
+        reserver = self._reserver
+        if reserver is not None:
+            if mapped:
+                reserver.join(timeout_s)
+            else:
+                self._reserve_ended.wait(timeout_s)
         st = self.stats()
         return st["arena_reserved_bytes"] >= st["arena_bytes"]
 
@@ -505,8 +552,41 @@ class Store:
         return self.table.lookup_prefix(keys, count_lookup)
 
     def contains(self, keys: Keys) -> list[bool]:
-        """For each key, whether it is cached."""
-        return [b != 0 for b in self.table.contains(keys)]
+        """For each key, whether it is cached (committed)."""
+        return [b == 1 for b in self.table.contains(keys)]
+
+    def presence(self, keys: Keys) -> list[Presence]:
+        """For each key: READY, WRITING (a writer has reserved it and not
+        committed yet) or ABSENT; one lock, no leases."""
+        return [_PRESENCE[b] for b in self.table.contains(keys)]
+
+    def read_chunks(self, keys: Keys, out: Any, offsets: Sequence[int], size: int) -> list[ReadResult]:
+        """Copy each key's payload, which must be exactly `size` raw bytes,
+        into the writable buffer `out` at its offset (acquire, copy without
+        the GIL, release, per key); what happened to each."""
+        import numpy as np
+
+        offs = np.ascontiguousarray(offsets, dtype=np.uint64)
+        return [_READ_RESULT[c] for c in self.table.read_chunks(keys, out, offs, int(size))]
+
+    def write_chunks(self, keys: Keys, src: Any, offsets: Sequence[int], size: int, *,
+                     namespace: bytes | None = None, tokens: int = 0) -> list[PutResult]:
+        """Store src[offsets[i] : offsets[i] + size] under keys[i] (reserve,
+        copy without the GIL, commit, per key); `namespace` and `tokens` as
+        in reserve(); what happened to each."""
+        if size <= 0:
+            raise InvalidArgumentError(f"payload size must be > 0, got {size}")
+        max_payload = self.table.stats()["max_payload_bytes"]
+        if size > max_payload:
+            raise PayloadTooLargeError(f"payload of {size} bytes exceeds max_payload_bytes {max_payload} "
+                                       f"of segment '{self.name}'")
+        import numpy as np
+
+        offs = np.ascontiguousarray(offsets, dtype=np.uint64)
+        codes = self.table.write_chunks(keys, src, offs, int(size), namespace, tokens)
+        for c in codes:
+            _raise_if_error(c)
+        return [PutResult(c) for c in codes]
 
     # --------------------------------------------------------- management --
     def pin(self, key: Key) -> bool:

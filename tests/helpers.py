@@ -297,3 +297,60 @@ class ServeProcess:
             pass
         self.proc.wait()
         self.log.close()
+
+
+class NativeEngine:
+    """One engine's scheduler side of vLLM's native offloading with the shmkv
+    tier, in this process: vLLM's own TieringOffloadingManager built from a
+    plain OffloadingConfig (shmkv.bench.native_tier.offloading_config; no
+    model), its primary CPU view, and one request."""
+
+    def __init__(self, cache: str, engine: str, **params) -> None:
+        import numpy as np
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.kv_offload.base import ReqContext
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+        from shmkv.bench.native_tier import offloading_config
+
+        load_general_plugins()  # registers {"type": "shmkv"}, as in every vLLM process
+        self.spec = TieringOffloadingSpec(offloading_config(dict(cache=cache, engine=engine, **params)))
+        self.manager = self.spec.get_manager()
+        self.tier = self.manager.secondary_tiers[0]
+        self.view = np.asarray(self.manager.primary_tier.get_kv_memoryview()).reshape(-1).view(np.uint8)
+        self.chunk_bytes = self.view.size // self.spec.num_chunks
+        self.ctx = ReqContext(req_id=f"{engine}-req")
+        self.manager.on_new_request(self.ctx)
+
+    def keys(self, count: int, seed: int = 1) -> list:
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        out = [make_offload_key(bytes([seed, i % 256, i // 256]) * 10 + b"hh", 0) for i in range(count)]
+        for i, k in enumerate(out):
+            self.ctx.set_offload_key_position(k, (i + 1) * 256)
+        return out
+
+    def step(self) -> None:
+        from vllm.v1.kv_offload.base import ScheduleEndContext
+
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+
+    def store(self, keys: list) -> None:
+        """Write each chunk's bytes into the primary view (as vLLM's worker
+        would), complete the store and step until the cascade has run."""
+        import numpy as np
+
+        n = self.chunk_bytes
+        for i in range(0, len(keys), 16):
+            batch = keys[i:i + 16]
+            prep = self.manager.prepare_store(batch, self.ctx)
+            assert prep is not None, "the primary tier refused the store"
+            for k, cid in zip(prep.keys_to_store, np.asarray(prep.store_spec.chunk_ids)):
+                self.view[int(cid) * n:(int(cid) + 1) * n] = np.frombuffer((bytes(k) * n)[:n], np.uint8)
+            self.manager.complete_store(batch, self.ctx)
+            self.step()
+        wait_until(lambda: self.step() or not self.manager.has_pending_work(), "the cascade to the shmkv tier")
+
+    def close(self) -> None:
+        del self.view  # vLLM unmaps the primary region at shutdown: no export of it may remain
+        self.manager.shutdown()

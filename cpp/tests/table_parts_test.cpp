@@ -64,7 +64,7 @@ struct Fixture {
     Key k = key(i);
     uint8_t out = 0;
     t->contains(&k, 1, &out);
-    return out != 0;
+    return out == 1;  // READY (2: a live writer holds it)
   }
   bool consistent() {
     auto bad = t->check_consistency();

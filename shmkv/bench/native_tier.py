@@ -7,11 +7,12 @@ Child process (used by the benchmark and tests/e2e/test_native_tier.py):
     python -m shmkv.bench.native_tier ROLE JSON
 
 ROLE "store": chunk i's bytes (derived from its key) are written into this
-engine's primary view at the ids prepare_store returns, then complete_store
-and scheduler steps until no work is pending (the cascade). ROLE "load":
-every key is looked up, again each step, until each is HIT or MISS (the
-promotion), the hits prepared for loading, and their bytes in this engine's
-primary view compared with what "store" wrote. Prints one "RESULT {json}" line.
+engine's primary view at the ids prepare_store returns (as vLLM's worker
+would; not timed), then complete_store and scheduler steps until no work is
+pending (the cascade, timed). ROLE "load": every key is looked up, again each
+step, until each is HIT or MISS (the promotion, timed), then the hits
+prepared for loading and their bytes in this engine's primary view compared
+with what "store" wrote. Prints one "RESULT {json}" line.
 
 The benchmark: the same 64 MiB (256 chunks of 256 KiB) cascaded by engine A
 and promoted by engine B, through the shmkv tier and through vLLM's own `fs`
@@ -22,6 +23,7 @@ median over --repeats rounds of fresh keys.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -45,7 +47,7 @@ def offloading_config(p: dict):
         groups=(OffloadingGroupConfig(tokens_per_block=p.get("block", 16), layer_names=("l0", "l1"), group_id=0),),
         worker_kv_bytes_per_block=BYTES_PER_BLOCK, enable_kv_cache_events=p.get("events", False),
         extra_config={"cpu_bytes_to_use": p.get("cpu_bytes", 64 << 20), "secondary_tiers": [tier]},
-        engine_id=p["engine"],
+        engine_id=f"{p['engine']}-{os.getpid()}",  # vLLM keeps a /dev/shm file per engine id: never join a stale one
         model=OffloadingModelConfig(name=p.get("model", "tiny"), dtype=p.get("dtype", "bfloat16")),
         cache=OffloadingCacheConfig(tokens_per_hash=p.get("block", 16), blocks_per_chunk=BLOCKS_PER_CHUNK),
         parallel=OffloadingParallelConfig(rank=0, world_size=p.get("world", 1), tp_size=p.get("world", 1),
@@ -75,6 +77,9 @@ def main() -> None:
     for i, k in enumerate(keys):
         ctx.set_offload_key_position(k, (i + 1) * BLOCKS_PER_CHUNK * 16)
     m.on_new_request(ctx)
+    for tier in m.secondary_tiers:  # a running engine's segment is reserved and mapped long before requests
+        if hasattr(tier, "store"):
+            tier.store.wait_reserved(p.get("timeout", 120), mapped=True)
     out: dict = {"chunk_bytes": int(n)}
     t0 = time.perf_counter()
     deadline = time.monotonic() + p.get("timeout", 120)
@@ -84,28 +89,33 @@ def main() -> None:
         time.sleep(p.get("step_s", 0.001))  # an engine step: the scheduler waits for its workers
 
     if role == "store":
-        stored = 0
+        stored, worker_s = 0, 0.0
         for i in range(0, len(keys), 16):
             batch = keys[i:i + 16]
             prep = m.prepare_store(batch, ctx)
             assert prep is not None, "the primary tier refused the store"
             ids = np.asarray(prep.store_spec.chunk_ids)  # vLLM's CPU load/store spec
+            tw = time.perf_counter()  # vLLM's worker writes the primary view: not part of the cascade
             for k, cid in zip(prep.keys_to_store, ids):
                 view[int(cid) * n:(int(cid) + 1) * n] = chunk_bytes_of(k, n)
+            worker_s += time.perf_counter() - tw
             m.complete_store(batch, ctx)
             stored += len(prep.keys_to_store)
             step()
         m.on_request_finished(ctx)
         while m.has_pending_work() and time.monotonic() < deadline:
             step()
-        out.update(stored=stored, pending=m.has_pending_work(), seconds=time.perf_counter() - t0)
+        out.update(stored=stored, pending=m.has_pending_work(), seconds=time.perf_counter() - t0 - worker_s)
     else:
         # as vLLM's scheduler asks: every key of the prompt, again each step, until none is pending
         results = [m.lookup(k, ctx) for k in keys]
+        steps = 0
         while any(r not in (LookupResult.HIT, LookupResult.MISS) for r in results) and time.monotonic() < deadline:
             step()
+            steps += 1
             results = [r if r in (LookupResult.HIT, LookupResult.MISS) else m.lookup(k, ctx)
                        for k, r in zip(keys, results)]
+        promoted_s = time.perf_counter() - t0  # every chunk HIT in the primary tier (or MISS): the promotion
         results = [r.name for r in results]
         first_miss = next((i for i, r in enumerate(results) if r != "HIT"), len(results))
         hits = keys[:first_miss]
@@ -117,8 +127,8 @@ def main() -> None:
             m.complete_load(hits, ctx)
         m.on_request_finished(ctx)
         step()
-        out.update(hits=len(hits), results=sorted(set(results)), equal=equal,
-                   seconds=time.perf_counter() - t0)
+        out.update(hits=len(hits), results=sorted(set(results)), equal=equal, seconds=promoted_s,
+                   steps=steps)
     del view  # vLLM unmaps the primary region at shutdown: no export of it may remain
     m.shutdown()
     print("RESULT " + json.dumps(out))
@@ -126,7 +136,6 @@ def main() -> None:
 
 def child(role: str, params: dict, timeout: float = 300) -> dict:
     """Run one engine's side in a child process; its RESULT."""
-    import os
     import subprocess
 
     r = subprocess.run([sys.executable, "-m", "shmkv.bench.native_tier", role, json.dumps(params)],
@@ -139,7 +148,6 @@ def child(role: str, params: dict, timeout: float = 300) -> dict:
 
 def run(argv: list[str]) -> dict:
     import argparse
-    import os
     import shutil
     import statistics
     import tempfile

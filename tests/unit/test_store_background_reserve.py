@@ -89,3 +89,19 @@ def test_small_segments_are_reserved_whole_at_creation(cache_name, capacity):
         st = store.stats()
         assert st["arena_reserved_bytes"] == st["arena_bytes"]
         assert store.wait_reserved(timeout_s=0)
+
+
+def test_a_process_ending_while_its_pages_are_mapped_exits_cleanly(cache_name):
+    """The background thread maps the pages after reserving them; a process
+    that ends meanwhile (here: by an uncaught exception, the store never
+    closed) exits with its own status, not std::terminate's SIGABRT."""
+    code = textwrap.dedent(f"""
+        from shmkv import Store
+        s = Store.create({cache_name!r}, 4 << 30, max_payload_bytes=1 << 20)
+        assert s.wait_reserved(timeout_s=120)
+        assert s._reserver is not None and s._reserver.is_alive(), "the mapping still runs"
+        raise SystemExit("ended while mapping")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "ended while mapping" in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert "terminate called" not in r.stderr

@@ -14,12 +14,18 @@ What it owns and its invariants:
     unless vLLM says the bytes are parallelism-agnostic) and vLLM's
     OffloadKey (block hash and group);
   * the scheduler never blocks: lookup answers from the shared table (HIT
-    only for committed chunks; RETRY while a chunk found on disk or remote is
-    promoted in the background); submit_store / submit_load only queue the
-    copies on a CPU copy stream of the transfer engine (shmkv.transfer.streams),
-    and get_finished_jobs reports them once their event is set;
+    only for committed chunks; RETRY while another process is writing the
+    chunk, for at most WRITING_RETRY_S, and while a chunk found on disk or
+    remote is promoted in the background); submit_store / submit_load only
+    queue the copies on a CPU copy stream of the transfer engine
+    (shmkv.transfer.streams), one Store.write_chunks / read_chunks call per
+    job, and get_finished_jobs reports them once their event is set;
   * every lease and reservation is given back on every path (a failed copy,
-    drain, shutdown; a killed process's are reclaimed by the survivors).
+    drain, shutdown; a killed process's are reclaimed by the survivors);
+  * with KV events on, every chunk this engine reported stored is reported
+    removed once it has left the segment (evicted, deleted, cleared by
+    anyone): a sweep of at most SWEEP_KEYS_PER_STEP keys per step runs
+    whenever the segment's removal counters moved.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from shmkv.config import io_threads, load_config
 from shmkv.disk import open_disk
 from shmkv.errors import ConfigError
 from shmkv.remote import open_remote
-from shmkv.store import PutResult, open_store
+from shmkv.store import Presence, PutResult, ReadResult, open_store
 from shmkv.tiers import TierChain
 from shmkv.transfer.streams import CpuStream
 
@@ -53,6 +59,32 @@ log = logging.getLogger("shmkv.native_tier")
 
 FORMAT_TAG = b"shmkv-native-tier-1"  # part of every namespace root: a layout change gets new keys
 MAX_FAILED_PROMOTIONS = 65536  # keys whose promotion failed, remembered so lookups answer MISS
+MAX_COPY_THREADS = 4  # a job's chunks are split over this many copy threads (at most io_threads)
+MIN_CHUNKS_PER_COPY_THREAD = 16
+WRITING_RETRY_S = 1.0  # a chunk another process is writing: RETRY this long, then MISS (a frozen writer)
+MAX_WRITING_TRACKED = 65536
+SWEEP_KEYS_PER_STEP = 1024  # reported chunks checked per take_events() call while removals are pending
+
+# The tier's own metrics (get_stats / build_metric_definitions), beside vLLM's
+# kv_offload_tiering_* ones: counter name -> (shmkv counter, documentation).
+METRIC_PREFIX = "vllm:kv_offload_shmkv_"
+COUNTER_METRICS = {
+    "lookups": "Chunk lookups answered by the shmkv tier.",
+    "hits": "Chunk lookups the shmkv tier answered HIT (committed in the host's shared segment).",
+    "retries_writing": "Chunk lookups answered RETRY because another process was writing the chunk.",
+    "promotions": "Chunks found in shmkv's disk or remote tier and promoted into the shared segment.",
+    "promotion_failures": "Promotions from shmkv's disk or remote tier that failed (the lookup then missed).",
+    "stored": "Chunks this engine copied into the shared segment.",
+    "already_held": "Chunks this engine offered that the segment already held (or another engine was writing).",
+    "not_stored": "Chunks the shared segment refused (full of pinned or leased chunks, lock timeout).",
+    "loaded": "Chunks copied from the shared segment into this engine's CPU tier.",
+    "load_failed": "Chunks a load job could not copy (evicted meanwhile, another layout, reclaimed).",
+    "removed": "Chunks reported removed from the host tier (KV events).",
+}
+GAUGE_METRICS = {
+    "segment_used_bytes": "Bytes of chunks in the host's shared segment (all engines).",
+    "segment_capacity_bytes": "Payload bytes the host's shared segment can hold.",
+}
 
 
 def namespace_root(offloading_config: Any, chunk_bytes: int) -> tuple[bytes, dict[str, Any]]:
@@ -123,14 +155,22 @@ class ShmkvSecondaryTier(SecondaryTierManager):
             self._maintainer_role = MaintainerRole(self.cfg, self.chain)
             self._maintainer_role.start()
         self._stream = CpuStream("native-tier")
+        self._copy_threads = min(MAX_COPY_THREADS, io_threads(self.cfg))
+        self._copiers = ThreadPoolExecutor(max_workers=self._copy_threads - 1, thread_name_prefix="shmkv-native-copy") \
+            if self._copy_threads > 1 else None
         self._jobs: dict[int, _Job] = {}
         self._events: list[OffloadingEvent] = []
         self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-native-promote") \
             if self.chain.lower else None
         self._promoting: dict[bytes, Future] = {}
         self._failed_promotions: dict[bytes, None] = {}
-        self.counters: dict[str, int] = {"lookups": 0, "hits": 0, "promotions": 0, "stored": 0, "already_held": 0,
-                                         "not_stored": 0, "loaded": 0, "load_missing": 0}
+        self._writing_since: dict[bytes, float] = {}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTER_METRICS, 0)
+        self._reported: dict[str, int] = dict.fromkeys(COUNTER_METRICS, 0)
+        self._events_on = bool(config.enable_kv_cache_events)
+        self._announced: dict[bytes, OffloadKey] = {}  # chunks reported stored and not yet removed
+        self._removal_mark = self._removal_count()
+        self._sweep: list[bytes] = []
         self._check_hashes()
         log.info("shmkv: native offloading tier ready (cache %s, namespace root %s: model %s, %s, %d-byte chunks%s)",
                  self.cfg.cache_name, self.root.hex(), config.model.name, config.model.dtype, self.chunk_bytes,
@@ -158,8 +198,10 @@ class ShmkvSecondaryTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         k = self.key_of(key)
         self.counters["lookups"] += 1
-        if self.store.contains([k])[0]:
+        presence = self.store.presence([k])[0]
+        if presence is Presence.READY:
             self.counters["hits"] += 1
+            self._writing_since.pop(k, None)
             return LookupResult.HIT
         fut = self._promoting.get(k)
         if fut is not None:
@@ -169,8 +211,12 @@ class ShmkvSecondaryTier(SecondaryTierManager):
             if self.store.contains([k])[0]:
                 self.counters["hits"] += 1
                 return LookupResult.HIT
+            self.counters["promotion_failures"] += 1
             self._remember_failed(k)
             return LookupResult.MISS
+        if presence is Presence.WRITING and self._writer_may_finish(k):
+            self.counters["retries_writing"] += 1
+            return LookupResult.RETRY
         if self._promoter is None or k in self._failed_promotions:
             return LookupResult.MISS
         if not any(t.contains([k], [self.root])[0] for t in self.chain.lower):
@@ -179,6 +225,15 @@ class ShmkvSecondaryTier(SecondaryTierManager):
         self._promoting[k] = self._promoter.submit(self.chain.promote, [k], [self.root])
         self.counters["promotions"] += 1
         return LookupResult.RETRY
+
+    def _writer_may_finish(self, k: bytes) -> bool:
+        """Whether to wait for another process writing `k`: yes for
+        WRITING_RETRY_S from the first time a lookup saw it writing."""
+        now = time.monotonic()
+        first = self._writing_since.setdefault(k, now)
+        while len(self._writing_since) > MAX_WRITING_TRACKED:
+            self._writing_since.pop(next(iter(self._writing_since)))
+        return now - first < WRITING_RETRY_S
 
     def _remember_failed(self, k: bytes) -> None:
         self._failed_promotions[k] = None
@@ -206,51 +261,49 @@ class ShmkvSecondaryTier(SecondaryTierManager):
     def _store_chunks(self, job: _Job, keys: list[bytes], ids: list[int], offload_keys: list) -> None:
         """On the copy thread: primary-tier chunks into the shared tier."""
         n = self.chunk_bytes
-        for k, cid, ok in zip(keys, ids, offload_keys):
-            r = self.store.reserve(k, n, namespace=self.root, tokens=self.tokens_per_chunk)
-            if isinstance(r, PutResult):
-                if r in (PutResult.EXISTS, PutResult.BUSY):
-                    self.counters["already_held"] += 1
-                    job.ok_keys.append(ok)
-                else:
-                    self.counters["not_stored"] += 1
-                    job.failed += 1
-                continue
-            try:
-                np.copyto(np.frombuffer(r.view(), dtype=np.uint8), self._primary[cid * n:(cid + 1) * n])
-            except BaseException:
-                r.abort()
-                job.failed += 1
-                raise
-            if r.commit() is PutResult.OK:
+        results = self._in_parallel(lambda ks, cs: self.store.write_chunks(
+            ks, self._primary, [c * n for c in cs], n, namespace=self.root, tokens=self.tokens_per_chunk), keys, ids)
+        for r, ok in zip(results, offload_keys):
+            if r is PutResult.OK:
                 self.counters["stored"] += 1
                 job.ok_keys.append(ok)
                 job.nbytes += n
+            elif r in (PutResult.EXISTS, PutResult.BUSY):  # BUSY: another engine is writing the same bytes
+                self.counters["already_held"] += 1
+                job.ok_keys.append(ok)
             else:
+                self.counters["not_stored"] += 1
                 job.failed += 1
 
     def _load_chunks(self, job: _Job, keys: list[bytes], ids: list[int], offload_keys: list) -> None:
-        """On the copy thread: shared-tier chunks into the primary tier."""
+        """On the copy thread: shared-tier chunks into the primary tier. A
+        chunk of another size or re-encoded by /compress is not served here;
+        one reclaimed during its copy (STALE) counts as failed: its bytes may
+        be wrong, and vLLM frees the slot of a key it is not told loaded."""
         n = self.chunk_bytes
-        for k, cid, ok in zip(keys, ids, offload_keys):
-            lease = self.store.acquire(k)
-            if lease is None:
-                self.counters["load_missing"] += 1
-                job.failed += 1
-                continue
-            try:
-                if lease.size != n or lease.compressed:
-                    job.failed += 1  # another layout's chunk, or re-encoded by /compress: not served here
-                    continue
-                np.copyto(self._primary[cid * n:(cid + 1) * n], np.frombuffer(lease.view(), dtype=np.uint8))
-            finally:
-                good = lease.release()
-            if good:
+        results = self._in_parallel(lambda ks, cs: self.store.read_chunks(ks, self._primary, [c * n for c in cs], n),
+                                    keys, ids)
+        for r, ok in zip(results, offload_keys):
+            if r is ReadResult.OK:
                 self.counters["loaded"] += 1
                 job.ok_keys.append(ok)
                 job.nbytes += n
             else:
-                job.failed += 1  # reclaimed meanwhile: the bytes may be wrong
+                self.counters["load_failed"] += 1
+                job.failed += 1
+
+    def _in_parallel(self, copy: Any, keys: list[bytes], ids: list[int]) -> list:
+        """copy(keys, ids) over slices of the job, one per copy thread (the
+        copies run without the GIL); the results in the keys' order."""
+        parts = min(self._copy_threads, len(keys) // MIN_CHUNKS_PER_COPY_THREAD)
+        if parts <= 1:
+            return copy(keys, ids)
+        step = -(-len(keys) // parts)
+        futures = [self._copiers.submit(copy, keys[i:i + step], ids[i:i + step]) for i in range(step, len(keys), step)]
+        out = list(copy(keys[:step], ids[:step]))
+        for f in futures:
+            out.extend(f.result())
+        return out
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out = []
@@ -262,9 +315,11 @@ class ShmkvSecondaryTier(SecondaryTierManager):
                 log.error("shmkv: a native-tier %s job failed: %s", "load" if job.is_load else "store",
                           job.event.error)
             ok = job.event.error is None and job.failed == 0 and len(job.ok_keys) == job.nkeys
-            if not job.is_load and job.ok_keys and self._offloading_spec.config.enable_kv_cache_events:
+            if not job.is_load and job.ok_keys and self._events_on:
                 self._events.append(OffloadingEvent(keys=list(job.ok_keys), medium=Medium.CPU, removed=False,
-                                                    ownership=self.tier_type))
+                                                    locality=self.locality, ownership=self.tier_type))
+                for ok in job.ok_keys:
+                    self._announced[self.key_of(ok)] = ok
             out.append(JobResult(job_id=job_id, success=ok,
                                  successful_keys=None if ok or not job.is_load else list(job.ok_keys),
                                  transfer_time=time.monotonic() - job.t0, transfer_bytes=job.nbytes))
@@ -278,8 +333,60 @@ class ShmkvSecondaryTier(SecondaryTierManager):
             job.event.synchronize()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events_on:
+            self._sweep_removed()
         out, self._events = self._events, []
         return out
+
+    def _removal_count(self) -> int:
+        st = self.store.stats()
+        return st["evictions"] + st["deletes"] + st["epoch"]
+
+    def _sweep_removed(self) -> None:
+        """Report chunks this engine announced that have left the segment.
+        A sweep over the announced keys starts whenever the segment's
+        removal counters moved, and checks SWEEP_KEYS_PER_STEP keys per call."""
+        if not self._sweep:
+            if not self._announced:
+                return
+            now = self._removal_count()
+            if now == self._removal_mark:
+                return
+            self._removal_mark = now
+            self._sweep = list(self._announced)
+        batch, self._sweep = self._sweep[:SWEEP_KEYS_PER_STEP], self._sweep[SWEEP_KEYS_PER_STEP:]
+        present = self.store.presence(batch)
+        gone = [self._announced.pop(k) for k, p in zip(batch, present) if p is Presence.ABSENT and k in self._announced]
+        if gone:
+            self.counters["removed"] += len(gone)
+            self._events.append(OffloadingEvent(keys=gone, medium=Medium.CPU, removed=True, locality=self.locality,
+                                                ownership=self.tier_type))
+
+    # ---------------------------------------------------------- metrics --
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+
+        defs: dict[str, Any] = {METRIC_PREFIX + name: OffloadingCounterMetadata(documentation=doc)
+                                for name, doc in COUNTER_METRICS.items()}
+        defs.update({METRIC_PREFIX + name: OffloadingGaugeMetadata(documentation=doc)
+                     for name, doc in GAUGE_METRICS.items()})
+        return defs
+
+    def get_stats(self) -> Any:
+        """This tier's counters since the last call, and the segment's fill."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        stats = OffloadingConnectorStats()
+        for name, value in self.counters.items():
+            delta = value - self._reported[name]
+            if delta:
+                stats.increase_counter(METRIC_PREFIX + name, delta)
+                self._reported[name] = value
+        st = self.store.stats()
+        stats.set_gauge(METRIC_PREFIX + "segment_used_bytes", st["bytes_used"])
+        stats.set_gauge(METRIC_PREFIX + "segment_capacity_bytes", st["arena_bytes"])
+        return stats
 
     def on_new_request(self, req_context: ReqContext) -> _RequestContext:
         return _RequestContext()
@@ -287,6 +394,8 @@ class ShmkvSecondaryTier(SecondaryTierManager):
     def shutdown(self) -> None:
         self.drain_jobs()
         self._stream.close()
+        if self._copiers is not None:
+            self._copiers.shutdown(wait=True)
         self._primary = None  # vLLM unmaps the primary region after this: no export of it may remain
         if self._promoter is not None:
             self._promoter.shutdown(wait=True)

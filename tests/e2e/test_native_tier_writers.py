@@ -1,0 +1,51 @@
+"""A chunk another process is writing into the shared segment right now:
+the native tier's lookup answers RETRY (vLLM asks again next step) instead
+of MISS, HIT once the writer commits, and MISS once a writer has held it
+past WRITING_RETRY_S (a frozen or killed writer never stalls a request)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import NativeEngine
+from vllm.v1.kv_offload.base import LookupResult
+
+from shmkv import PutResult, Store
+from shmkv.integration.vllm import native_tier
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def engine(cache_name):
+    e = NativeEngine(cache_name, "B")
+    yield e
+    e.close()
+
+
+def test_a_chunk_being_written_is_retried_then_hit(engine, cache_name):
+    (k,) = engine.keys(1)
+    shm_key = engine.tier.key_of(k)
+    writer = Store.attach(cache_name)  # another engine's handle on the segment
+    try:
+        r = writer.reserve(shm_key, engine.tier.chunk_bytes, namespace=engine.tier.root)
+        assert engine.tier.lookup(k, engine.ctx) is LookupResult.RETRY
+        assert engine.manager.lookup(k, engine.ctx) is LookupResult.RETRY, "vLLM's manager passes it on"
+        r.view()[:] = b"\x01" * engine.tier.chunk_bytes
+        assert r.commit() is PutResult.OK
+        assert engine.tier.lookup(k, engine.ctx) is LookupResult.HIT
+        assert engine.tier.counters["retries_writing"] == 2
+    finally:
+        writer.close()
+
+
+def test_a_writer_that_never_commits_turns_into_a_miss(engine, cache_name, monkeypatch):
+    (k,) = engine.keys(1, seed=2)
+    writer = Store.attach(cache_name)
+    try:
+        r = writer.reserve(engine.tier.key_of(k), engine.tier.chunk_bytes)
+        assert engine.tier.lookup(k, engine.ctx) is LookupResult.RETRY
+        monkeypatch.setattr(native_tier, "WRITING_RETRY_S", 0.0)  # as if WRITING_RETRY_S had passed
+        assert engine.tier.lookup(k, engine.ctx) is LookupResult.MISS
+        r.abort()
+    finally:
+        writer.close()
