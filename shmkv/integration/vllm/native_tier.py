@@ -263,11 +263,14 @@ class ShmkvSecondaryTier(SecondaryTierManager):
         n = self.chunk_bytes
         results = self._in_parallel(lambda ks, cs: self.store.write_chunks(
             ks, self._primary, [c * n for c in cs], n, namespace=self.root, tokens=self.tokens_per_chunk), keys, ids)
-        for r, ok in zip(results, offload_keys):
+        write_through = self.remote is not None and self.cfg.remote_write_through
+        for r, k, ok in zip(results, keys, offload_keys):
             if r is PutResult.OK:
                 self.counters["stored"] += 1
                 job.ok_keys.append(ok)
                 job.nbytes += n
+                if write_through:
+                    self.remote.enqueue(k, self.root, self.tokens_per_chunk)
             elif r in (PutResult.EXISTS, PutResult.BUSY):  # BUSY: another engine is writing the same bytes
                 self.counters["already_held"] += 1
                 job.ok_keys.append(ok)
