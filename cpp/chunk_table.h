@@ -198,6 +198,8 @@ class ChunkTable {
   // and run it once more.
   template <class F>
   auto guarded(F&& f) -> decltype(f());
+  template <class F>
+  Status with_ready_entry(const Key& key, F&& fn);
   void check(bool ok, const char* what) const {
     if (!ok) throw DerivedCorrupt(what);
   }

@@ -1,5 +1,5 @@
 // kernel_bindings.cpp — exposes copy_kernels.h as shmkv._C.PagedLayout.
-// A PagedLayout is built once per KV cache (shmkv/layout.py computes the
+// A PagedLayout is built once per KV cache (shmkv/transfer/layout.py computes the
 // geometry from the tensors and checks them); the copies then take index
 // arrays and payload buffers, validate, and run without the GIL.
 #include <pybind11/pybind11.h>
@@ -126,7 +126,7 @@ void register_kernels(py::module_& m) {
              return p;
            }),
            py::arg("layer_bases"), py::arg("geometry"),
-           "One KV-cache group: its layers' base addresses and its geometry (shmkv.layout.LayoutGeometry).")
+           "One KV-cache group: its layers' base addresses and its geometry (shmkv.transfer.layout.LayoutGeometry).")
       .def_property_readonly("num_layers", [](const PyPagedLayout& p) { return p.L.num_layers; })
       .def_property_readonly("token_mode", [](const PyPagedLayout& p) { return p.token_mode; })
       .def_property_readonly("token_payload_bytes", [](const PyPagedLayout& p) { return p.L.token_payload_bytes(); })

@@ -2,6 +2,7 @@
 // See segment.h for the liveness protocol (open-file-description locks on
 // bytes 0 and 1 of the segment file) and the invariants kept here.
 #include "segment.h"
+#include "table_internal.h"  // align_up, now_unix_ns
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -17,7 +18,6 @@
 #include <cstdio>
 #include <cstring>
 #include <sstream>
-#include <vector>
 
 namespace shmkv {
 namespace {
@@ -31,13 +31,6 @@ constexpr uint64_t kFirstReserve = 256ull << 20;
 #define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL
 #endif
 
-uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
-
-uint64_t now_unix_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
-}
 
 std::string errno_text(const char* what, int e) {
   return std::string(what) + ": " + std::strerror(e);

@@ -1,5 +1,5 @@
 // cuda_bindings.cpp — shmkv._C_cuda: the CUDA launchers for Python. Imported
-// only by shmkv.copy_backends / shmkv.gpu, and only for a KV cache on a CUDA device.
+// only by shmkv.transfer.copy_backends / shmkv.transfer.gpu, and only for a KV cache on a CUDA device.
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/numpy.h>
@@ -47,7 +47,7 @@ using Index = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 PYBIND11_MODULE(_C_cuda, m) {
   m.doc() = "shmkv CUDA gather/scatter kernels";
-  // One KV-cache group on the device, built once (shmkv.copy_backends.CudaCopy).
+  // One KV-cache group on the device, built once (shmkv.transfer.copy_backends.CudaCopy).
   struct CudaLayout {
     std::vector<uint64_t> bases;
     PagedLayout L;

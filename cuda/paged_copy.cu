@@ -5,7 +5,7 @@
 //
 // Three layers, as everywhere in shmkv:
 //   kernels (this file, framework-free) -> launchers (this file: validate on
-//   the host, then launch on the caller's stream) -> Python (shmkv/gpu.py).
+//   the host, then launch on the caller's stream) -> Python (shmkv/transfer/gpu.py).
 // NOTE: the launchers are asynchronous on `stream`; the payload must stay
 // leased/reserved until the stream has passed the copy (the connector commits
 // a stored chunk only when its CUDA event completes).
@@ -401,7 +401,7 @@ Status register_host_memory(void* ptr, uint64_t bytes, std::string* err) {
   if (e == cudaErrorHostMemoryAlreadyRegistered) {
     // NOTE: a registration left from an earlier mapping at this address pins
     // pages that are no longer the segment's: drop it and register anew.
-    // (shmkv.gpu counts this process's own registrations, so it is never ours.)
+    // (shmkv.transfer.gpu counts this process's own registrations, so it is never ours.)
     cudaGetLastError();
     cudaHostUnregister(ptr);
     cudaGetLastError();

@@ -4,7 +4,7 @@
     python3 scripts/fuzz.py disk_format [libFuzzer flags, e.g. -runs=100000 -max_len=4096]
     python3 scripts/fuzz.py controller  [...]
 
-  disk_format   shmkv.disk.format.decode on arbitrary bytes (chunk files and
+  disk_format   shmkv.tiers.format.decode on arbitrary bytes (chunk files and
                 remote values): it returns the checked payload or raises
                 DamagedChunk, nothing else
   controller    shmkv.controller.Controller.handle on an arbitrary method,
@@ -24,7 +24,7 @@ import uuid
 import atheris
 
 with atheris.instrument_imports():
-    from shmkv.disk import format as fmt
+    from shmkv.tiers import format as fmt
 
 
 def disk_format(data: bytes) -> None:
@@ -56,7 +56,7 @@ def main() -> None:
     if target == "controller":
         from shmkv import Store
         from shmkv.config import load_config
-        from shmkv.controller import Controller
+        from shmkv.services.controller import Controller
 
         name = f"shmkv-fuzz-{uuid.uuid4().hex[:8]}"
         store = Store.create(name, 8 << 20, populate=False)

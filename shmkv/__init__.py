@@ -3,7 +3,7 @@
 Public API:
     Store, PutResult         the shared-memory chunk store (shmkv.store)
     chunk_keys, Namespace    prefix-chained chunk keys (shmkv.keys)
-    KVLayout                 vLLM KV-cache layout descriptor and copies (shmkv.layout)
+    KVLayout                 vLLM KV-cache layout descriptor and copies (shmkv.transfer.layout)
     errors                   the exception hierarchy (shmkv.errors)
 """
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -80,6 +81,23 @@ class Chunker:
         if not self.lossy_form:
             return Unit(start, end, exact)
         return Unit(start, end, tuple(lossy_key(k, self.lossy_form) for k in exact), links=exact)
+
+    def cached_prefix(self, chain: Any, tokens: Sequence[int] | np.ndarray, units: Sequence[Unit], *,
+                      count: bool = False, lower: bool = True, extras: ExtraInputs | None = None
+                      ) -> list[tuple[Unit, str]]:
+        """The longest cached prefix of a prompt's `units` (self.units of
+        `tokens`) as (unit, name of the tier holding it), asking `chain` (a
+        shmkv.tiers.TierChain) about keys made here: the full chunks, then the
+        tail pieces that may extend them (lower tiers only with `lower`)."""
+        full = [u for u in units if u.tokens == self.chunk_size]
+        found = chain.held_prefix(full, self.roots, count=count, lower=lower)
+        if self.piece_size and self.piece_size < self.chunk_size:
+            prev = found[-1][0].chain if found else self.chain_roots
+            held = chain.first_held(self.piece_candidates(tokens, len(found) * self.chunk_size, prev, extras),
+                                    self.roots, lower)
+            if held is not None:
+                found.append(held)
+        return found
 
     def piece_candidates(self, tokens: Sequence[int] | np.ndarray, start: int, prev: tuple[bytes, ...],
                          extras: ExtraInputs | None = None) -> list[Unit]:

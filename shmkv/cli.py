@@ -14,8 +14,8 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "daemon": ("shmkv.daemon", "the cache's maintainer and controller API"),
-    "stats": ("shmkv.stats", "what the cache is doing, read from the segment"),
+    "daemon": ("shmkv.services.daemon", "the cache's maintainer and controller API"),
+    "stats": ("shmkv.services.stats", "what the cache is doing, read from the segment"),
     "bench": ("shmkv.bench.__main__", "benchmarks: store, kernels, ttft, disk, remote, soak, controller"),
 }
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmkv.errors import ConfigError
-from shmkv.keys import LOSSY_FORMS
+from shmkv.names import CODEC_SETTINGS, LOSSY_FORMS
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
                "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
@@ -157,8 +157,8 @@ class ShmkvConfig:
             "disk_dir": lambda k, v: os.path.expanduser(str(v)),
             "disk_capacity": parse_size,
             "disk_level": lambda k, v: _parse_int(k, v, 1, 22),
-            "disk_codec": lambda k, v: _parse_choice(k, v, ("auto", "zstd", "none")),
-            "remote_codec": lambda k, v: _parse_choice(k, v, ("auto", "zstd", "none")),
+            "disk_codec": lambda k, v: _parse_choice(k, v, CODEC_SETTINGS),
+            "remote_codec": lambda k, v: _parse_choice(k, v, CODEC_SETTINGS),
             "disk_shuffle_bytes": lambda k, v: _parse_int(k, v, 0, 8),
             "remote_url": _parse_remote_url,
             "remote_timeout": _parse_seconds,

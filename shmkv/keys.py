@@ -58,12 +58,12 @@ import numpy as np
 import xxhash
 
 from shmkv.errors import ConfigError
+from shmkv.names import LOSSY_FORMS
 
 PAYLOAD_FORMAT_VERSION = 1
 KEY_BYTES = 16
 EXTRA_TAG = b"\x00shmkv-extra-inputs-v1\x00"
 LOSSY_TAG = b"\x00shmkv-lossy-v1\x00"
-LOSSY_FORMS = ("fp8",)  # float8 e4m3 with a float32 scale per 1,024 values (shmkv.disk.format)
 
 
 def lossy_key(key: bytes, form: str) -> bytes:

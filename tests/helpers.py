@@ -39,7 +39,7 @@ def cuda_vllm_missing() -> str | None:
 
 def cuda_build_missing() -> str | None:
     """On a host with a CUDA GPU, why shmkv's CUDA part cannot be used, or None."""
-    from shmkv.gpu import unavailable
+    from shmkv.transfer.gpu import unavailable
 
     return None if cuda_missing() is not None else unavailable()
 

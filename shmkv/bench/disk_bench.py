@@ -26,10 +26,10 @@ import xxhash
 
 from shmkv import PutResult, Store
 from shmkv.config import io_threads, load_config
-from shmkv.disk import format as fmt
-from shmkv.disk.tier import DiskTier
-from shmkv.maintainer import Maintainer
+from shmkv.services.maintainer import Maintainer
 from shmkv.tiers import TierChain
+from shmkv.tiers import format as fmt
+from shmkv.tiers.disk.tier import DiskTier
 
 MiB = 1 << 20
 

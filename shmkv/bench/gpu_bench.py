@@ -39,7 +39,7 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--segment-gib", type=int, default=32, help="segment size for create/ready/register")
     ap.add_argument("--matmul", type=int, default=8192, help="matrix size of the compute-bound loop")
     a = ap.parse_args(argv)
-    from shmkv.gpu import unavailable
+    from shmkv.transfer.gpu import unavailable
 
     why = unavailable()
     if why is not None:
@@ -199,9 +199,9 @@ def _layout_cases(repeats: int, layers: int = 8, chunks: int = 8) -> list[dict]:
 
     import torch
 
-    from shmkv import Store, gpu
-    from shmkv.layout import KVLayout
-    from shmkv.transfer import GroupWindow, LoadItem, StoreItem, TransferEngine
+    from shmkv import Store
+    from shmkv.transfer import GroupWindow, LoadItem, StoreItem, TransferEngine, gpu
+    from shmkv.transfer.layout import KVLayout
 
     dev = torch.device("cuda", 0)
     bpc = CHUNK_TOKENS // BS
@@ -265,8 +265,9 @@ def _layout_cases(repeats: int, layers: int = 8, chunks: int = 8) -> list[dict]:
 def _segment_figures(gib: int) -> dict:
     import shutil
 
-    from shmkv import Store, gpu
+    from shmkv import Store
     from shmkv.bench.segment_bench import measure
+    from shmkv.transfer import gpu
 
     size = min(gib * GiB, shutil.disk_usage("/dev/shm").free // 3 // GiB * GiB)
     seg = measure(size, repeats=1)

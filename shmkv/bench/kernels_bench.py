@@ -19,7 +19,7 @@ import torch
 
 from shmkv import Store
 from shmkv.bench.baselines import memcpy_baselines
-from shmkv.layout import KVLayout
+from shmkv.transfer.layout import KVLayout
 
 MiB = 1 << 20
 
@@ -90,7 +90,7 @@ def bench_cpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: i
 
 def bench_gpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: int,
               repeats: int) -> dict[str, float]:
-    from shmkv import gpu
+    from shmkv.transfer import gpu
 
     dev = torch.device("cuda")
     shape = (blocks, bs, heads, 2 * head)

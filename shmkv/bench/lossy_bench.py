@@ -29,7 +29,7 @@ from shmkv import Store
 from shmkv.bench.engines import EngineProcess, EngineSpec
 from shmkv.bench.models import bench_model, ttft_args
 from shmkv.config import load_config
-from shmkv.controller import Controller
+from shmkv.services.controller import Controller
 
 
 def run(argv: list[str]) -> dict:

@@ -24,9 +24,9 @@ import xxhash
 
 from shmkv import Store
 from shmkv.bench.redis_server import PrivateRedis
-from shmkv.disk import format as fmt
-from shmkv.remote.tier import RemoteTier, chunk_key
 from shmkv.tiers import TierChain
+from shmkv.tiers import format as fmt
+from shmkv.tiers.remote.tier import RemoteTier, chunk_key
 
 MiB = 1 << 20
 NS = b"bench-namespace!"
@@ -55,7 +55,8 @@ def run(argv: list[str]) -> dict:
     raw = sum(map(len, chunks))
     name = f"shmkv-bench-remote-{os.getpid()}"
     store = Store.create(name, a.chunks * size + 64 * MiB, max_payload_bytes=size, populate=False)
-    tier = RemoteTier(url, timeout_s=30, store=store, element_size=2, level=a.level)
+    tier = RemoteTier(url, timeout_s=30, counter=store.bump, element_size=2, level=a.level)
+    chain = TierChain(store, [tier])
     client = redis.Redis.from_url(url, socket_timeout=30)
     best: dict[str, float] = {}
 
@@ -74,7 +75,7 @@ def run(argv: list[str]) -> dict:
 
             store.clear()
             t0 = time.perf_counter()
-            assert TierChain(store, [tier]).promote(keys, [NS] * len(keys)) == len(keys)
+            assert chain.promote(keys, [NS] * len(keys)) == len(keys)
             keep("get_gbps", raw, time.perf_counter() - t0)
             assert store.get(keys[-1]) == chunks[-1]
 

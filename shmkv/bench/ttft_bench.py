@@ -23,9 +23,9 @@ import statistics
 from shmkv import Store
 from shmkv.bench.engines import EngineProcess, EngineSpec
 from shmkv.bench.models import bench_model, ttft_args
-from shmkv.disk.tier import DiskTier
-from shmkv.maintainer import Maintainer
-from shmkv.tiers import TierChain
+from shmkv.config import load_config
+from shmkv.services.maintainer import Maintainer
+from shmkv.tiers import open_tiers
 
 
 def run(argv: list[str]) -> dict:
@@ -70,8 +70,9 @@ def run(argv: list[str]) -> dict:
         # disk: spill everything, empty the shared tier, ask a fresh engine
         disk_cfg = dict(cfg, disk_dir=os.path.join(a.workdir, "disk"))
         store = Store.attach(name)
-        tier = DiskTier(os.path.join(disk_cfg["disk_dir"], name), capacity_bytes=1 << 40)
-        Maintainer(TierChain(store, [tier])).spill_all()
+        chain = open_tiers(load_config(dict(disk_cfg, disk_capacity=1 << 40), env={}), store)
+        Maintainer(chain).spill_all()
+        chain.close()
         store.clear()
         store.close()
         with EngineProcess(EngineSpec(model, shmkv=disk_cfg), f"{logs}/shmkv-disk.log") as e:

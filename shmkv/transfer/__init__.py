@@ -1,6 +1,16 @@
-"""The transfer engine and what it moves (no vLLM import anywhere here):
-items.py (units as windows of block ids), streams.py (CPU and CUDA copy
-streams and events), engine.py (loads, stores and their bookkeeping)."""
+"""The transfer path between vLLM's paged KV cache and the store (no vLLM
+import anywhere here):
+
+    layout.py         a KV cache's layout (KVLayout) and its copies
+    copy_backends.py  the CPU and CUDA gather/scatter backends, the copy engine choice
+    gpu.py            the segment registered with CUDA (pinned, mapped)
+    items.py          units as windows of block ids
+    streams.py        CPU and CUDA copy streams and events
+    engine.py         loads, stores and their bookkeeping (TransferEngine)
+
+May import the store, the chunk format (shmkv.tiers.format) and
+shmkv._C/_C_cuda; never the tier chain, the services or the integrations.
+"""
 
 from shmkv.transfer.engine import LoadJob, RequestTally, TransferEngine
 from shmkv.transfer.items import GroupWindow, LoadItem, StoreItem

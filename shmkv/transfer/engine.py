@@ -37,17 +37,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
 from shmkv.errors import InvalidArgumentError
-from shmkv.layout import KVLayout
 from shmkv.store import PutResult, Reservation, Store
-from shmkv.tiers import decoded
+from shmkv.tiers.format import decode_or_none
 from shmkv.transfer.items import GroupWindow, LoadItem, StoreItem
+from shmkv.transfer.layout import KVLayout
 from shmkv.transfer.streams import backend_for
 
 log = logging.getLogger("shmkv.transfer")
@@ -116,14 +116,16 @@ class TransferEngine:
     """Loads and stores units for one worker (one TP rank)."""
 
     def __init__(self, store: Store, layouts: KVLayout | Sequence[KVLayout], tp_rank: int, *,
-                 digest_file: str = "", remote=None, layer_order: Sequence[str] | None = None,
-                 lossy_ok: bool = False, deferred: bool = False):
+                 digest_file: str = "", on_commit: Callable[[bytes, bytes, int], None] | None = None,
+                 layer_order: Sequence[str] | None = None, lossy_ok: bool = False, deferred: bool = False):
         """`layouts`: one per KV-cache group, in the caller's group order;
-        `layer_order`: every layer name in forward order (default: group by
-        group); `lossy_ok`: lossy chunks may be loaded (else never);
-        `deferred` (tests): CPU copies run only when something waits for them."""
+        `on_commit(key, namespace, tokens)`: told of each chunk committed (the
+        tier chain's write-through); `layer_order`: every layer name in forward
+        order (default: group by group); `lossy_ok`: lossy chunks may be
+        loaded (else never); `deferred` (tests): CPU copies run only when
+        something waits for them."""
         self.cache = store
-        self.remote = remote  # write-through: committed chunks are queued for the remote tier
+        self.on_commit = on_commit
         self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
         self.layout = layout = self.layouts[0]
         if len({lay.block_size for lay in self.layouts}) != 1:
@@ -211,7 +213,7 @@ class TransferEngine:
         for j, (it, lease) in enumerate(job.jobs):
             if not lease.compressed:
                 continue
-            raw = decoded(lease, it.keys[self.rank], lossy_ok=self.lossy_ok)
+            raw = decode_or_none(lease.view(), it.keys[self.rank], lossy_ok=self.lossy_ok)
             if raw is None:
                 log.warning("shmkv: a compressed chunk of request %s is damaged%s; it is recomputed", it.req_id,
                             "" if self.lossy_ok else " (or lossy)")
@@ -400,8 +402,8 @@ class TransferEngine:
             self.counters["store_stale"] += 1
             tally.not_stored += 1
             return
-        if self.remote is not None and job.namespace is not None:
-            self.remote.enqueue(r.key, job.namespace, it.tokens)
+        if self.on_commit is not None and job.namespace is not None:
+            self.on_commit(r.key, job.namespace, it.tokens)
         tally.stored_units += 1
         tally.stored_tokens += it.tokens
         self.counters["stored_units"] += 1
@@ -445,9 +447,6 @@ class TransferEngine:
         self.wait_stores()
         self._store_stream.close()
         self._load_stream.close()
-        if self.remote is not None:
-            self.remote.flush(timeout_s=10)
-            self.remote.close()
 
     # ------------------------------------------------------------ debug --
     # Lines "store KEY GROUP DIGEST" (a group's section as stored) and "load

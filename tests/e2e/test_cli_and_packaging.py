@@ -28,17 +28,17 @@ def test_stats_subcommand_is_python_m_shmkv_stats(cache_name, capsys):
 
 
 def test_daemon_and_connector_modules_do_not_import_redis():
-    code = ("import sys; import shmkv.daemon, shmkv.controller, shmkv.maintainer, shmkv.stats; "
-            "assert 'redis' not in sys.modules, 'redis imported without a remote tier'")
+    code = ("import sys; import shmkv.services.daemon, shmkv.services.controller, shmkv.services.maintainer, "
+            "shmkv.services.stats; assert 'redis' not in sys.modules, 'redis imported without a remote tier'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
 
 
 def test_a_remote_url_without_redis_names_the_extra(monkeypatch):
-    from shmkv.remote import open_remote
+    from shmkv.tiers.remote import open_remote
 
     monkeypatch.setitem(sys.modules, "redis", None)  # as if redis-py were not installed
-    monkeypatch.delitem(sys.modules, "shmkv.remote.tier", raising=False)
+    monkeypatch.delitem(sys.modules, "shmkv.tiers.remote.tier", raising=False)
     with pytest.raises(ConfigError, match=r"shmkv\[remote\]"):
         open_remote(load_config({"remote_url": "redis://127.0.0.1:1"}, env={}))
 

@@ -15,9 +15,9 @@ from helpers import http, payload_for
 from shmkv import Store
 from shmkv.chunking import Chunker
 from shmkv.config import load_config
-from shmkv.daemon import Daemon
 from shmkv.keys import Namespace
 from shmkv.namespaces import namespace_to_dict, register
+from shmkv.services.daemon import Daemon
 
 CHUNK, BLOCK, NBYTES = 32, 16, 4096
 NS = Namespace(model_id="test-model", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=64,
@@ -187,7 +187,7 @@ def test_flush_puts_every_chunk_on_disk(served):
 
 
 def test_flush_waits_for_the_remote_tier(cache_name, tmp_path, redis_server):
-    from shmkv.remote.tier import chunk_key
+    from shmkv.tiers.remote.tier import chunk_key
 
     d, t = start_daemon(cache_name, tmp_path, remote=redis_server.url)
     register(cache_name, NS)

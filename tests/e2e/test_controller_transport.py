@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import http, payload_for
 
-import shmkv.controller_http as transport
+import shmkv.services.controller_http as transport
 from shmkv.config import load_config
-from shmkv.daemon import Daemon
 from shmkv.keys import Namespace
+from shmkv.services.daemon import Daemon
 
 NS = [Namespace(model_id=f"m{i}", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=64, chunk_size=32,
                 block_size=16)

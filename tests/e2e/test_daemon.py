@@ -116,7 +116,7 @@ def test_embedded_maintainer_hands_the_role_over(daemon, cache_name, child):
         logging.basicConfig(level=logging.INFO, stream=sys.stdout)
         from shmkv import Store
         from shmkv.config import load_config
-        from shmkv.maintainer import MaintainerRole
+        from shmkv.services.maintainer import MaintainerRole
         from shmkv.tiers import TierChain
         cfg = load_config({{"cache_name": {cache_name!r}}})
         s = Store.open_or_create(cfg.cache_name, 16 << 20, populate=False)

@@ -16,10 +16,10 @@ from helpers import key
 
 from shmkv import Store
 from shmkv.config import load_config
-from shmkv.controller import Controller
-from shmkv.disk.tier import DiskTier
-from shmkv.maintainer import Maintainer
+from shmkv.services.controller import Controller
+from shmkv.services.maintainer import Maintainer
 from shmkv.tiers import TierChain
+from shmkv.tiers.disk.tier import DiskTier
 
 CHUNK = 32 << 10
 
@@ -49,7 +49,7 @@ def full(cache_name, small_disk):
 def test_flush_reports_chunks_not_on_disk(full):
     store, disk = full
     cfg = load_config({"cache_name": store.name, "capacity": "8MiB"}, env={})
-    ctl = Controller(cfg, store, disk)
+    ctl = Controller(cfg, store, TierChain(store, [disk]))
     status, _ctype, body = ctl.handle("POST", "/flush", b"{}")
     reply = json.loads(body)
     assert status == 507, reply

@@ -63,9 +63,9 @@ def test_another_configuration_misses_every_chunk(cache_name, change):
 
 
 def test_chunks_pushed_out_to_disk_come_back_byte_equal(cache_name, tmp_path):
-    from shmkv.disk.tier import DiskTier
-    from shmkv.maintainer import Maintainer
+    from shmkv.services.maintainer import Maintainer
     from shmkv.tiers import TierChain
+    from shmkv.tiers.disk.tier import DiskTier
 
     disk = str(tmp_path / "disk")
     drive("store", cache=cache_name, engine="A", chunks=32, tier={"disk_dir": disk})

@@ -19,7 +19,7 @@ def test_an_engine_on_another_host_loads_what_was_written_through(cache_name, se
     try:
         ks = a.keys(8)
         a.store(ks)
-        assert a.tier.remote.flush(timeout_s=30)
+        assert a.tier.chain.flush(timeout_s=30)["remote_flushed"]
     finally:
         a.close()
     b = NativeEngine(second_cache, "B", tier={"remote_url": redis_server.url})  # another host's segment
@@ -42,7 +42,7 @@ def test_without_write_through_nothing_is_written_at_store_time(cache_name, redi
     a = NativeEngine(cache_name, "A", tier={"remote_url": redis_server.url})
     try:
         a.store(a.keys(4))
-        assert a.tier.remote.flush(timeout_s=30)
+        assert a.tier.chain.flush(timeout_s=30)["remote_flushed"]
         assert redis_server.client().dbsize() == 0
     finally:
         a.close()

@@ -20,10 +20,10 @@ from helpers import REPO, key
 
 from shmkv import Store
 from shmkv.config import load_config
-from shmkv.daemon import Daemon
-from shmkv.disk.tier import DiskTier
 from shmkv.errors import PermissionDeniedError
 from shmkv.paths import runtime_dir
+from shmkv.services.daemon import Daemon
+from shmkv.tiers.disk.tier import DiskTier
 
 SETPRIV = shutil.which("setpriv")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None,

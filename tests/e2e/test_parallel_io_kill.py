@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from shmkv import PutResult, Store
-from shmkv.disk.tier import DiskTier
 from shmkv.store import FLAG_SPILLED
+from shmkv.tiers.disk.tier import DiskTier
 
 N, CHUNK, THREADS = 128, 2 << 20, 2
 NS = b"N" * 16
@@ -47,8 +47,8 @@ def wait_until(cond, proc, timeout: float = 60) -> None:
 
 SPILL = """
     from shmkv import Store
-    from shmkv.disk.tier import DiskTier
-    from shmkv.maintainer import Maintainer
+    from shmkv.tiers.disk.tier import DiskTier
+    from shmkv.services.maintainer import Maintainer
     from shmkv.tiers import TierChain
     store = Store.attach({name!r})
     disk = DiskTier({dir!r}, capacity_bytes=1 << 40, codec="zstd", counter=store.bump)
@@ -60,7 +60,7 @@ SPILL = """
 
 PROMOTE = """
     from shmkv import Store
-    from shmkv.disk.tier import DiskTier
+    from shmkv.tiers.disk.tier import DiskTier
     from shmkv.tiers import TierChain
     store = Store.attach({name!r})
     disk = DiskTier({dir!r}, capacity_bytes=1 << 40, counter=store.bump)
@@ -96,7 +96,7 @@ def test_spill_killed_midway(filled, child):
     assert st["spill_tokens"] == 256 * st["spills"]
 
     # a new maintainer finishes the job
-    from shmkv.maintainer import Maintainer
+    from shmkv.services.maintainer import Maintainer
     from shmkv.tiers import TierChain
 
     spilled, left = Maintainer(TierChain(store, [DiskTier(d, capacity_bytes=1 << 40, counter=store.bump)]),
@@ -107,7 +107,7 @@ def test_spill_killed_midway(filled, child):
 
 def test_promotion_killed_midway(filled, child):
     store, expected, d = filled
-    from shmkv.maintainer import Maintainer
+    from shmkv.services.maintainer import Maintainer
     from shmkv.tiers import TierChain
 
     disk = DiskTier(d, capacity_bytes=1 << 40, counter=store.bump)

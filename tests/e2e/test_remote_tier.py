@@ -14,11 +14,11 @@ import pytest
 from helpers import key, payload_for
 
 from shmkv import PutResult, Store
-from shmkv.disk import format as fmt
-from shmkv.disk.tier import DiskTier
-from shmkv.maintainer import Maintainer
-from shmkv.remote.tier import RemoteTier, chunk_key
+from shmkv.services.maintainer import Maintainer
 from shmkv.tiers import TierChain
+from shmkv.tiers import format as fmt
+from shmkv.tiers.disk.tier import DiskTier
+from shmkv.tiers.remote.tier import RemoteTier, chunk_key
 
 NS, NS2 = b"N" * 16, b"M" * 16
 SIZE = 64 * 1024
@@ -32,7 +32,10 @@ def store(cache_name):
 
 
 def tier(url, store=None, disk=None, **kw):
-    return RemoteTier(url, counter=store.bump if store is not None else None, store=store, disk=disk, **kw)
+    r = RemoteTier(url, counter=store.bump if store is not None else None, **kw)
+    if store is not None:
+        TierChain(store, [disk, r])  # the chain gives the remote tier its bytes (its source)
+    return r
 
 
 def put(store, i, ns=NS):

@@ -16,8 +16,8 @@ from helpers import key, payload_for
 
 from shmkv import _C, PutResult, Store
 from shmkv.config import load_config
-from shmkv.controller import Controller
 from shmkv.errors import LockTimeoutError, SegmentCorruptError
+from shmkv.services.controller import Controller
 from shmkv.tiers import TierChain
 
 BOUND = 0.2
@@ -121,7 +121,7 @@ def test_the_maintainer_pauses_with_one_log_line(stopped_holder, caplog):
     import logging
     import time
 
-    from shmkv.maintainer import MaintainerRole
+    from shmkv.services.maintainer import MaintainerRole
 
     store, pid, _lease, _r = stopped_holder
     caplog.set_level(logging.INFO, logger="shmkv")

@@ -16,8 +16,8 @@ from helpers import check_loaded_bytes_equal_stored, random_prompt
 
 from shmkv import Store
 from shmkv.config import load_config
-from shmkv.controller import Controller
 from shmkv.keys import lossy_key
+from shmkv.services.controller import Controller
 
 pytestmark = pytest.mark.slow
 

@@ -11,12 +11,12 @@ import time
 import numpy as np
 import pytest
 
-import shmkv.disk.tier as tier_mod
-from shmkv.codec import PROBE_EVERY, WARMUP, CodecChoice
+import shmkv.tiers.disk.tier as tier_mod
 from shmkv.config import load_config
-from shmkv.disk import format as fmt
-from shmkv.disk.tier import DiskTier
 from shmkv.errors import ConfigError
+from shmkv.tiers import format as fmt
+from shmkv.tiers.codec import PROBE_EVERY, WARMUP, CodecChoice
+from shmkv.tiers.disk.tier import DiskTier
 
 MB = 1 << 20
 

@@ -12,12 +12,12 @@ import torch
 from kv_reference import make_cache
 
 from shmkv import Store
-from shmkv.disk.tier import DiskTier
 from shmkv.integration.vllm.planner import GroupWindow, LoadItem, StoreItem
-from shmkv.layout import KVLayout
-from shmkv.maintainer import Maintainer
-from shmkv.tiers import SharedTier, TierChain
+from shmkv.services.maintainer import Maintainer
+from shmkv.tiers import TierChain, recode
+from shmkv.tiers.disk.tier import DiskTier
 from shmkv.transfer import TransferEngine as KVWorker
+from shmkv.transfer.layout import KVLayout
 
 BS = 16
 NS = b"N" * 16
@@ -57,9 +57,9 @@ def same_blocks(src, dst) -> bool:
 
 
 def recode_all(store: Store, how: str) -> list[str]:
-    shared = SharedTier(store)
     entries = [e for e in store.entries() if e["state"] == "ready"]
-    return [shared.compress(e, element_size=2) if how == "compress" else shared.decompress(e) for e in entries]
+    return [recode.compress(store, e, element_size=2) if how == "compress" else recode.decompress(store, e)
+            for e in entries]
 
 
 def test_compress_load_decompress_load(setup):
@@ -97,7 +97,7 @@ def test_pinned_and_incompressible_chunks_are_left_alone(setup):
     random_chunk = torch.randint(0, 256, (65536,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     store.put(b"X" * 16, random_chunk.numpy(), namespace=NS)
     entry = next(e for e in store.entries() if e["key"] == b"X" * 16)
-    assert SharedTier(store).compress(entry, element_size=2) == "incompressible"
+    assert recode.compress(store, entry, element_size=2) == "incompressible"
     assert outcome[b"R" * 16] == "compressed"
     assert store.stats()["compressed_entries"] == len(KEYS)
 
@@ -128,4 +128,4 @@ def test_a_damaged_compressed_chunk_is_recomputed(setup):
     failed = load_all(b)
     assert {10, 11} <= failed, "the damaged chunk's blocks are recomputed"
     assert b.counters["load_damaged"] == 1
-    assert SharedTier(store).decompress(next(e for e in store.entries() if e["key"] == KEYS[1])) == "damaged"
+    assert recode.decompress(store, next(e for e in store.entries() if e["key"] == KEYS[1])) == "damaged"

@@ -17,9 +17,9 @@ from shmkv import Store
 from shmkv.integration.vllm.engine_inputs import KVGroup, groups_field, kv_groups_of
 from shmkv.integration.vllm.planner import GroupWindow, LoadItem, Planner, RequestPlan, StoreItem
 from shmkv.keys import Namespace
-from shmkv.layout import KVLayout
 from shmkv.tiers import TierChain
 from shmkv.transfer import TransferEngine as KVWorker
+from shmkv.transfer.layout import KVLayout
 
 BS, CHUNK = 128, 256
 

@@ -140,7 +140,7 @@ def test_salted_requests_do_not_share(store):
 
 
 def test_lookup_continues_into_the_disk_tier(store, tmp_path):
-    from shmkv.disk.tier import DiskTier
+    from shmkv.tiers.disk.tier import DiskTier
 
     disk = DiskTier(str(tmp_path / "disk"), capacity_bytes=1 << 30)
     p = Planner([ns()], BS)

@@ -11,8 +11,8 @@ from kv_reference import make_cache
 
 from shmkv import Store
 from shmkv.integration.vllm.planner import GroupWindow, LoadItem, StoreItem
-from shmkv.layout import KVLayout
 from shmkv.transfer import TransferEngine as KVWorker
+from shmkv.transfer.layout import KVLayout
 
 BS = 16
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from kv_reference import make_cache
 
-from shmkv.copy_backends import AUTO_DMA_MIN_RUN, choose_dma
-from shmkv.layout import KVLayout
+from shmkv.transfer.copy_backends import AUTO_DMA_MIN_RUN, choose_dma
+from shmkv.transfer.layout import KVLayout
 
 LAYERS, BLOCKS, BS, D = 4, 64, 16, 128  # head size 128, bf16: 512 bytes per K or V of one head
 

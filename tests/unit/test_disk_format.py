@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmkv.disk import format as fmt
+from shmkv.tiers import format as fmt
 
 KEY, NS = b"k" * 16, b"n" * 16
 

@@ -13,8 +13,8 @@ import pytest
 from helpers import key, payload_for
 
 from shmkv import Store
-from shmkv.disk.tier import DiskTier
 from shmkv.tiers import TierChain
+from shmkv.tiers.disk.tier import DiskTier
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 
-from shmkv.disk import format as fmt
-from shmkv.disk import tier as tier_mod
-from shmkv.disk.tier import DiskTier
+from shmkv.tiers import format as fmt
+from shmkv.tiers.disk import tier as tier_mod
+from shmkv.tiers.disk.tier import DiskTier
 
 NS = b"n" * 16
 

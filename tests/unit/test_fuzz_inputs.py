@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 from shmkv import Store
 from shmkv.config import load_config
-from shmkv.controller import Controller
-from shmkv.disk import format as fmt
-from shmkv.disk.tier import DiskTier
+from shmkv.services.controller import Controller
+from shmkv.tiers import TierChain
+from shmkv.tiers import format as fmt
+from shmkv.tiers.disk.tier import DiskTier
 
 KEY, NS = key("fuzz"), b"F" * 16
 RAW = payload_for(KEY, 3000)
@@ -97,7 +98,7 @@ def controller(tmp_path_factory):
     disk = DiskTier(os.path.join(cfg.disk_dir, name), capacity_bytes=1 << 30, counter=store.bump)
     for i in range(8):
         store.put(key(i), payload_for(key(i), 1000))
-    yield Controller(cfg, store, disk)
+    yield Controller(cfg, store, TierChain(store, [disk]))
     store.close()
     Store.unlink(name)
 

@@ -10,7 +10,7 @@ import torch
 from kv_reference import DTYPES, make_cache, ref_gather, ref_scatter
 
 from shmkv.errors import InvalidArgumentError
-from shmkv.layout import KINDS, KVLayout
+from shmkv.transfer.layout import KINDS, KVLayout
 
 LAYERS, BLOCKS, HEADS, HEAD = 3, 12, 2, 16
 

@@ -11,14 +11,14 @@ from helpers import cuda_missing
 from kv_reference import DTYPES, make_cache, ref_gather, ref_scatter
 
 from shmkv import Store
-from shmkv.layout import KINDS, KVLayout
+from shmkv.transfer.layout import KINDS, KVLayout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_missing() is not None, reason=cuda_missing() or "")]
 
 
 @pytest.fixture
 def gpu_store(cache_name):
-    from shmkv import gpu
+    from shmkv.transfer import gpu
 
     store = Store.create(cache_name, 256 << 20, alignment=256)
     gpu.register_segment(store)
@@ -142,7 +142,7 @@ def test_a_layer_read_after_wait_layer_sees_the_loaded_bytes(cache_name):
         dst = [torch.zeros_like(t) for t in src]
         a = TransferEngine(store, KVLayout("nhd", src, names), 0)
         b = TransferEngine(store, KVLayout("nhd", dst, names), 0)
-        from shmkv import gpu
+        from shmkv.transfer import gpu
 
         gpu.register_segment(store)
         a.store([StoreItem("r", (b"k" * 16,), 32, (GroupWindow(0, 2, (3, 5)),))])
@@ -165,10 +165,10 @@ def test_a_layer_read_after_wait_layer_sees_the_loaded_bytes(cache_name):
 def test_a_failed_cuda_registration_turns_the_connector_off(cache_name, monkeypatch):
     """Finding 5: cudaHostRegister ran outside register_kv_caches' error
     handling, so its failure stopped vLLM's start."""
-    from shmkv import gpu
     from shmkv.config import load_config
     from shmkv.integration.vllm.engine_inputs import KVGroup
     from shmkv.integration.vllm.worker import WorkerSide
+    from shmkv.transfer import gpu
 
     store = Store.create(cache_name, 64 << 20, alignment=256)
     try:
@@ -189,7 +189,7 @@ def test_a_failed_cuda_registration_turns_the_connector_off(cache_name, monkeypa
 def test_registrations_are_counted_per_process(gpu_store):
     """A second user of the same mapping does not register it again, and the
     first to leave does not unregister it under the other (gpu_store holds one)."""
-    from shmkv import gpu
+    from shmkv.transfer import gpu
 
     gpu.register_segment(gpu_store)
     gpu.unregister_segment(gpu_store)

@@ -16,14 +16,14 @@ from kv_reference import make_cache
 from shmkv import Store
 from shmkv.chunking import Chunker
 from shmkv.config import load_config
-from shmkv.controller import Controller
-from shmkv.disk import format as fmt
 from shmkv.errors import ConfigError
 from shmkv.integration.vllm.planner import GroupWindow, LoadItem, Planner
 from shmkv.keys import Namespace, chunk_keys, lossy_key
-from shmkv.layout import KVLayout
+from shmkv.services.controller import Controller
 from shmkv.tiers import TierChain
+from shmkv.tiers import format as fmt
 from shmkv.transfer import TransferEngine as KVWorker
+from shmkv.transfer.layout import KVLayout
 
 BS = 16
 KEY, NSD = bytes(range(16)), b"N" * 16
@@ -214,8 +214,8 @@ def test_an_exact_worker_never_loads_a_lossy_chunk(filled):
 
 
 def test_lossy_chunks_spill_and_promote_under_their_own_keys(filled, tmp_path):
-    from shmkv.disk.tier import DiskTier
-    from shmkv.maintainer import Maintainer
+    from shmkv.services.maintainer import Maintainer
+    from shmkv.tiers.disk.tier import DiskTier
 
     store, post, units, _ = filled
     post("/compress", {"form": "fp8"})

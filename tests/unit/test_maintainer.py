@@ -10,11 +10,11 @@ import pytest
 from helpers import key, payload_for
 
 from shmkv import PutResult, Store
-from shmkv.disk.tier import DiskTier
-from shmkv.maintainer import Maintainer
 from shmkv.paths import maintainer_lock
+from shmkv.services.maintainer import Maintainer
 from shmkv.store import FLAG_SPILLED
 from shmkv.tiers import TierChain
+from shmkv.tiers.disk.tier import DiskTier
 
 UNIT = 64 * 1024
 

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from shmkv.disk.tier import DiskTier
 from shmkv.errors import PermissionDeniedError
 from shmkv.paths import PrivateDir, open_private_dir, runtime_dir
+from shmkv.tiers.disk.tier import DiskTier
 
 SETPRIV = shutil.which("setpriv")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None,

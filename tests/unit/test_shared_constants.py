@@ -17,7 +17,7 @@ from helpers import REPO
 
 from shmkv import _C, Store
 from shmkv.errors import BY_STATUS, ShmkvError, error_for
-from shmkv.stats import render_prometheus, snapshot
+from shmkv.services.stats import render_prometheus, snapshot
 from shmkv.store import PutResult, Status
 
 

@@ -22,7 +22,7 @@ from helpers import REPO, key, payload_for
 
 from shmkv import _C, PutResult, Store
 from shmkv.errors import SegmentCorruptError
-from shmkv.maintainer import Maintainer
+from shmkv.services.maintainer import Maintainer
 from shmkv.tiers import TierChain
 
 OFF = _C.LAYOUT_OFFSETS

@@ -79,9 +79,9 @@ def test_the_walk_goes_shm_then_each_lower_tier_and_stops_at_the_first_gap(store
     remote.write(units[1].keys[0], ROOTS[0], b"r")  # also below: the first tier in order wins
     remote.write(units[2].keys[0], ROOTS[0], b"r")
     disk.write(units[4].keys[0], ROOTS[0], b"d")  # after a gap: useless
-    found = chain.cached_prefix(ch, t, units, lower=True)
+    found = ch.cached_prefix(chain, t, units, lower=True)
     assert [(u.start, tier) for u, tier in found] == [(0, "shm"), (256, "disk"), (512, "remote")]
-    assert [tier for _, tier in chain.cached_prefix(ch, t, units, lower=False)] == ["shm"]
+    assert [tier for _, tier in ch.cached_prefix(chain, t, units, lower=False)] == ["shm"]
 
 
 def test_the_tail_piece_may_come_from_a_lower_tier(store):
@@ -92,7 +92,7 @@ def test_the_tail_piece_may_come_from_a_lower_tier(store):
     chunk, piece = ch.units(t)
     store.put(chunk.keys[0], b"m" * 64, namespace=ROOTS[0])
     disk.write(piece.keys[0], ROOTS[0], b"d")
-    found = chain.cached_prefix(ch, t, [chunk, piece])
+    found = ch.cached_prefix(chain, t, [chunk, piece])
     assert [(u.end, tier) for u, tier in found] == [(256, "shm"), (384, "disk")]
 
 
@@ -105,9 +105,9 @@ def test_every_rank_must_be_held_by_one_tier(store):
     units = ch.units(t)
     store.put(units[0].keys[0], b"m" * 64, namespace=roots[0])
     disk.write(units[0].keys[1], roots[1], b"d")  # rank 1 of chunk 0 is on disk only
-    assert chain.cached_prefix(ch, t, units) == []
+    assert ch.cached_prefix(chain, t, units) == []
     disk.write(units[0].keys[0], roots[0], b"d")
-    assert [tier for _, tier in chain.cached_prefix(ch, t, units)] == ["disk"]
+    assert [tier for _, tier in ch.cached_prefix(chain, t, units)] == ["disk"]
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -28,8 +28,8 @@ from shmkv import Store
 from shmkv.config import load_config
 from shmkv.integration.vllm.engine_inputs import KVGroup
 from shmkv.integration.vllm.worker import WorkerSide
-from shmkv.layout import KVLayout
 from shmkv.transfer import GroupWindow, LoadItem, StoreItem, TransferEngine
+from shmkv.transfer.layout import KVLayout
 
 BS, LAYERS, BLOCKS = 16, 2, 16
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shmkv.errors import InvalidArgumentError
-from shmkv.layout import KVLayout
+from shmkv.transfer.layout import KVLayout
 
 LAYERS, BLOCKS = 3, 6
 # Layouts whose blocks do not hold all their heads together: a block's bytes are

@@ -7,9 +7,10 @@ Load it with
 
 vLLM builds this class twice, once per role (vllm/distributed/kv_transfer/kv_connector/v1/base.py):
   * SCHEDULER role (EngineCore process): hashes prompts into unit keys, asks
-    the segment for the longest cached prefix (one batched lookup), tells vLLM
-    how many tokens it can load, and each step ships the load/store plan to the
-    workers in ShmKVMetadata.
+    the tier chain (shmkv.tiers: the segment, then disk and remote) for the
+    longest cached prefix, promotes what lies below the segment off its
+    thread, tells vLLM how many tokens it can load, and each step ships the
+    load/store plan to the workers in ShmKVMetadata.
   * WORKER role (one per TP rank): issues loads in start_load_kv (before
     the forward pass; each attention layer waits for its own) and stores in
     wait_for_save (after it); stores complete asynchronously on every
@@ -95,8 +96,8 @@ def _require_cuda_kernels_if_on_cuda() -> None:
 
     if not current_platform.is_cuda():
         return
-    from shmkv import gpu
     from shmkv.errors import InvalidArgumentError
+    from shmkv.transfer import gpu
 
     try:
         gpu.extension()

@@ -20,8 +20,10 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from shmkv.names import DISK, REMOTE, SHM
+
 # tier of the chain -> vLLM's CacheHitSource value
-HIT_SOURCES = {"shm": "host", "disk": "disk", "remote": "external_unspecified"}
+HIT_SOURCES = {SHM: "host", DISK: "disk", REMOTE: "external_unspecified"}
 
 COUNTERS = {  # stats key -> (metric, help)
     "loaded_tokens": ("vllm:shmkv_loaded_tokens_total", "Prompt tokens whose KV shmkv loaded into the paged cache"),

@@ -45,11 +45,9 @@ from vllm.v1.kv_offload.base import RequestOffloadingContext as _RequestContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from shmkv.config import io_threads, load_config
-from shmkv.disk import open_disk
 from shmkv.errors import ConfigError
-from shmkv.remote import open_remote
 from shmkv.store import Presence, PutResult, ReadResult, open_store
-from shmkv.tiers import TierChain
+from shmkv.tiers import open_tiers
 from shmkv.transfer.streams import CpuStream
 
 if TYPE_CHECKING:
@@ -143,14 +141,10 @@ class ShmkvSecondaryTier(SecondaryTierManager):
             raise ConfigError(f"a chunk of the primary tier is {self.chunk_bytes} bytes, over the segment's "
                               f"max_payload_bytes {max_payload} (cache {self.cfg.cache_name}); lower "
                               "blocks_per_chunk or recreate the segment with a larger max_payload_bytes")
-        element = _dtype_bytes(config.model.dtype)
-        disk = open_disk(self.cfg, store=self.store, element_size=self.cfg.disk_shuffle_bytes or element)
-        remote = open_remote(self.cfg, store=self.store, disk=disk, element_size=self.cfg.disk_shuffle_bytes or element)
-        self.remote = remote
-        self.chain = TierChain(self.store, [disk, remote], threads=io_threads(self.cfg))
+        self.chain = open_tiers(self.cfg, self.store, kv_element_size_bytes=_dtype_bytes(config.model.dtype))
         self._maintainer_role = None
         if self.cfg.maintainer:
-            from shmkv.maintainer import MaintainerRole
+            from shmkv.services.maintainer import MaintainerRole
 
             self._maintainer_role = MaintainerRole(self.cfg, self.chain)
             self._maintainer_role.start()
@@ -263,14 +257,12 @@ class ShmkvSecondaryTier(SecondaryTierManager):
         n = self.chunk_bytes
         results = self._in_parallel(lambda ks, cs: self.store.write_chunks(
             ks, self._primary, [c * n for c in cs], n, namespace=self.root, tokens=self.tokens_per_chunk), keys, ids)
-        write_through = self.remote is not None and self.cfg.remote_write_through
         for r, k, ok in zip(results, keys, offload_keys):
             if r is PutResult.OK:
                 self.counters["stored"] += 1
                 job.ok_keys.append(ok)
                 job.nbytes += n
-                if write_through:
-                    self.remote.enqueue(k, self.root, self.tokens_per_chunk)
+                self.chain.write_through(k, self.root, self.tokens_per_chunk)
             elif r in (PutResult.EXISTS, PutResult.BUSY):  # BUSY: another engine is writing the same bytes
                 self.counters["already_held"] += 1
                 job.ok_keys.append(ok)
@@ -404,10 +396,7 @@ class ShmkvSecondaryTier(SecondaryTierManager):
             self._promoter.shutdown(wait=True)
         if self._maintainer_role is not None:
             self._maintainer_role.stop()
-        self.chain.close()
-        if self.remote is not None:
-            self.remote.flush(timeout_s=10)
-            self.remote.close()
+        self.chain.close(flush_timeout_s=10)
         self.store.close()
 
 

@@ -104,7 +104,7 @@ class Planner:
         back to a unit start where a sliding window would not cover it.
         `tiers`, if given, gets each returned unit's tier by its start (a
         unit seen before keeps the tier it was first found in)."""
-        found = chain.cached_prefix(self.chunker, tokens, units, count=count, lower=lower, extras=extras)
+        found = self.chunker.cached_prefix(chain, tokens, units, count=count, lower=lower, extras=extras)
         hit = min(found[-1][0].end if found else 0, self.max_loadable(len(tokens)))
         if found and found[-1][0].start < hit < found[-1][0].end and not self._windows_cover(found[-1][0], hit):
             hit = found[-1][0].start

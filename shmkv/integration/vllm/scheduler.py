@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shmkv.activity import ActivitySummary
-from shmkv.config import ShmkvConfig, io_threads
-from shmkv.disk import open_disk
+from shmkv.config import ShmkvConfig
 from shmkv.integration.vllm.engine_inputs import (
     KVGroup,
     explicit_load_failure_policy,
@@ -33,10 +32,10 @@ from shmkv.integration.vllm.engine_inputs import (
 from shmkv.integration.vllm.metadata import RequestSummary, ShmKVMetadata
 from shmkv.integration.vllm.planner import NULL_BLOCK, Planner, RequestPlan
 from shmkv.keys import Namespace, lossy_key
+from shmkv.names import DISK, REMOTE, SHM, TIERS
 from shmkv.namespaces import register
-from shmkv.remote import open_remote
 from shmkv.store import Store
-from shmkv.tiers import TierChain
+from shmkv.tiers import open_tiers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,7 +50,7 @@ MAX_USED_ROOTS = 65536  # namespace roots reset_cache() reaches
 
 
 # the segment's counter of hit tokens per tier (cpp/counters.h, family hit_tokens)
-_HIT_TOKENS_COUNTER = {"shm": "hit_tokens", "disk": "disk_hit_tokens", "remote": "remote_hit_tokens"}
+_HIT_TOKENS_COUNTER = {SHM: "hit_tokens", DISK: "disk_hit_tokens", REMOTE: "remote_hit_tokens"}
 
 
 class _AskAgain(Exception):
@@ -98,7 +97,6 @@ class SchedulerSide:
         # whose blocks vLLM keeps until the workers report them in finished_sending.
         self._shipped_stores: set[str] = set()
         self.delayed: set[str] = set()
-        self.disk = None
         self._promoter: ThreadPoolExecutor | None = None
         if groups_field(self._groups):
             log.info("shmkv: hybrid KV cache, %d groups: %s", len(self._groups), "; ".join(
@@ -113,14 +111,13 @@ class SchedulerSide:
                         "POST /compress with form %s; roots %s); its outputs are not those of exact KV",
                         self.cfg.lossy_form, self.cfg.lossy_form, self.cfg.lossy_form,
                         ", ".join(r.hex() for r in self._base_roots()))
-        self.disk = open_disk(self.cfg, store=self.store, element_size=self._dtype_bytes())
-        self.remote = open_remote(self.cfg, store=self.store, disk=self.disk, element_size=self._dtype_bytes())
-        self.chain = TierChain(self.store, [self.disk, self.remote], threads=io_threads(cfg))
+        self.chain = open_tiers(self.cfg, self.store, kv_element_size_bytes=self._dtype_bytes())
+        self.disk, self.remote = self.chain.disk, self.chain.remote
         if self.chain.lower:
             # NOTE: promotion reads and decompresses off the scheduler's thread
             self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
         if self.cfg.maintainer:
-            from shmkv.maintainer import MaintainerRole
+            from shmkv.services.maintainer import MaintainerRole
 
             self._maintainer_role = MaintainerRole(self.cfg, self.chain)
             self._maintainer_role.start()
@@ -171,9 +168,8 @@ class SchedulerSide:
         return [lossy_key(r, self.cfg.lossy_form) for r in roots] if self.cfg.lossy_form else roots
 
     def _dtype_bytes(self) -> int:
-        """Element size of the byte-plane shuffle of stored chunks."""
-        return self.cfg.disk_shuffle_bytes or torch.empty(
-            (), dtype=self._vllm_config.model_config.dtype).element_size()
+        """Bytes per element of the model's KV dtype (the byte-plane shuffle's unit; shmkv.tiers.kv_element_size)."""
+        return torch.empty((), dtype=self._vllm_config.model_config.dtype).element_size()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
@@ -396,7 +392,7 @@ class SchedulerSide:
 
         roots = set(self._used_roots)
         roots |= set(self._base_roots())
-        removed = {"shm": 0, "disk": 0, "remote": 0}
+        removed = dict.fromkeys(TIERS, 0)
         try:
             for root in sorted(roots):
                 for tier, n in self.chain.clear(root).items():
@@ -413,7 +409,4 @@ class SchedulerSide:
             self._maintainer_role.stop()
         if self._promoter is not None:
             self._promoter.shutdown(wait=True)
-        self.chain.close()
-        if self.remote is not None:
-            self.remote.flush(timeout_s=10)
-            self.remote.close()
+        self.chain.close(flush_timeout_s=10)

@@ -30,9 +30,10 @@ from typing import Any
 
 from shmkv.activity import ActivitySummary
 from shmkv.errors import InvalidArgumentError
-from shmkv.layout import KVLayout
 from shmkv.store import Store
+from shmkv.tiers import TierChain, open_tiers
 from shmkv.transfer import LoadJob, TransferEngine
+from shmkv.transfer.layout import KVLayout
 
 log = logging.getLogger("shmkv.connector")
 
@@ -69,6 +70,7 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.block_size = block_size  # of vLLM's block tables
         self.worker: TransferEngine | None = None
+        self.chain: TierChain | None = None  # with remote_write_through: committed chunks are queued for remote
         self.off_reason: str | None = None  # the KV caches could not be copied: every load is recomputed
         self.activity = ActivitySummary(log, cfg.log_summary_s, _render)
         self._deferred = deferred  # tests: CPU copies run only when waited for
@@ -88,7 +90,6 @@ class WorkerSide:
         # content of a block is ISA-packed: whole blocks are copied.
         kind = "cpu" if first.device.type == "cpu" else "hnd"
         groups = [g.layer_names or tuple(kv_caches) for g in self.groups]
-        remote = None
         try:
             if first.dim() != 4:
                 raise InvalidArgumentError(f"a {first.dim()}-D KV cache tensor of shape {tuple(first.shape)} "
@@ -96,7 +97,7 @@ class WorkerSide:
             layouts = [KVLayout(kind, [kv_caches[n] for n in names], names, block_size=self.block_size)
                        for names in groups]
             if first.device.type == "cuda":
-                from shmkv import gpu
+                from shmkv.transfer import gpu
 
                 for lay in layouts:
                     lay.copier.engines(store=self.cfg.cuda_store_copy, load=self.cfg.cuda_load_copy)
@@ -104,21 +105,20 @@ class WorkerSide:
                 self._registered = True
                 log.info("shmkv: registered the %.1f GiB arena with CUDA in %.2f s",
                          self.store.arena_bytes / 2**30, seconds)
-            if self.cfg.remote_write_through:
-                from shmkv.remote import open_remote
-
-                remote = open_remote(self.cfg, store=self.store, disk=None,
-                                     element_size=self.cfg.disk_shuffle_bytes or first.element_size())
+            if self.cfg.remote_write_through:  # the only tier move a worker makes
+                self.chain = open_tiers(self.cfg, self.store, kv_element_size_bytes=first.element_size(), disk=False)
             self.worker = TransferEngine(self.store, layouts, self.tp_rank, digest_file=self.cfg.debug_digest_file,
-                                         remote=remote, layer_order=list(kv_caches),
+                                         on_commit=self.chain.write_through if self.chain else None,
+                                         layer_order=list(kv_caches),
                                          lossy_ok=bool(self.cfg.lossy_form), deferred=self._deferred)
         except Exception as e:
             # NOTE: never stop vLLM's start for the cache: serve without it, saying why
             self.off_reason = str(e) if isinstance(e, InvalidArgumentError) else f"{type(e).__name__}: {e}"
             log.error("shmkv: cannot copy this engine's KV cache (%s); the connector stores nothing and every "
                       "hit is recomputed by vLLM", self.off_reason)
-            if remote is not None:
-                remote.close()
+            if self.chain is not None:
+                self.chain.close(flush_timeout_s=0)
+                self.chain = None
             self._unregister()
             return
         log.info("shmkv: registered %d KV layers in %d group(s) (%s layout, %s, %.1f KiB per token, %s copies)",
@@ -245,7 +245,7 @@ class WorkerSide:
 
     def _unregister(self) -> None:
         if self._registered:
-            from shmkv import gpu
+            from shmkv.transfer import gpu
 
             self._registered = False
             gpu.unregister_segment(self.store)
@@ -255,4 +255,7 @@ class WorkerSide:
         if self.worker is not None:
             self.worker.shutdown()  # every copy done: nothing reads the pinned pages any more
             self._poll()
+        if self.chain is not None:
+            self.chain.close(flush_timeout_s=10)  # write-through: the queued remote writes get 10 s
+            self.chain = None
         self._unregister()

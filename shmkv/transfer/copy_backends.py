@@ -7,7 +7,7 @@ payloads, chosen once per KV layout by the device the cache lives on
   CudaCopy  shmkv._C_cuda, asynchronous on a CUDA stream, by kernels or
             by the copy engines (DMA, batched: holds no SMs, so it overlaps
             compute), chosen per direction (`engines`); the payload must be
-            pinned (the segment registered: shmkv.gpu); layer ranges
+            pinned (the segment registered: shmkv.transfer.gpu); layer ranges
             supported (per-layer loads with CUDA events).
 
 `batch(entries)` prepares a step's loads of one layout (CpuBatch, CudaBatch):
@@ -15,7 +15,7 @@ on a GPU the slots and payload addresses are checked and uploaded once, then
 every layer is one launch for all units (one Python call per layer, not per
 unit and layer).
 
-Both take the layout's geometry as one object (shmkv.layout.LayoutGeometry),
+Both take the layout's geometry as one object (shmkv.transfer.layout.LayoutGeometry),
 read by the same C++ helper (cpp/paged_layout_py.h). Every index and the
 payload size are checked before a byte moves.
 """
@@ -170,7 +170,7 @@ class CudaCopy:
     on_gpu = True
 
     def __init__(self, bases: list[int], geometry: Any, device: torch.device) -> None:
-        from shmkv import gpu
+        from shmkv.transfer import gpu
 
         self._host = checked_layout(bases, geometry)  # the same geometry checks as on the CPU; counts runs
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -49,15 +49,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shmkv.chunking import Chunker, Unit
-from shmkv.config import ShmkvConfig, io_threads
-from shmkv.disk.tier import DiskTier
+from shmkv.config import ShmkvConfig
 from shmkv.errors import ConfigError, LockTimeoutError, RequestError
 from shmkv.keys import lossy_key
-from shmkv.maintainer import Maintainer, MaintainerRole
+from shmkv.names import TIERS
 from shmkv.namespaces import known, namespace_from_dict
-from shmkv.stats import render_prometheus, snapshot
+from shmkv.services.maintainer import Maintainer, MaintainerRole
+from shmkv.services.stats import render_prometheus, snapshot
 from shmkv.store import Store
-from shmkv.tiers import TierChain
+from shmkv.tiers import TierChain, kv_element_size, open_tiers, recode
 
 log = logging.getLogger("shmkv.controller")
 
@@ -160,19 +160,21 @@ class _Resolved:
 
 
 class Controller:
-    def __init__(self, cfg: ShmkvConfig, store: Store, disk: DiskTier | None,
-                 role: MaintainerRole | None = None, remote=None) -> None:
+    def __init__(self, cfg: ShmkvConfig, store: Store, chain: TierChain | None = None,
+                 role: MaintainerRole | None = None) -> None:
+        """`chain`: this process's tiers (the maintainer role's when there is
+        one; None: open_tiers(cfg) builds them)."""
         self.cfg = cfg
         self.store = store
-        self.disk = disk
-        self.remote = remote
         self.role = role
         if role is not None:
             self.maintainer = role.maintainer
         else:
-            self.maintainer = Maintainer(TierChain(store, [disk, remote], threads=io_threads(cfg)),
+            self.maintainer = Maintainer(chain if chain is not None else open_tiers(cfg, store),
                                          low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead)
         self.chain = self.maintainer.chain  # the one chain of this process's tiers
+        self.disk = self.chain.disk
+        self.remote = self.chain.remote
         self.started = time.time()
         self.counters = {"requests": 0, "bad_requests": 0, "errors": 0}
         self._count_lock = threading.Lock()
@@ -276,7 +278,7 @@ class Controller:
     def clear(self, args: NamespaceArgs) -> dict[str, Any]:
         root = self._namespace(args).root if args.namespace is not None else None
         with self._mutate:
-            removed = {"shm": 0, "disk": 0, "remote": 0, **self.chain.clear(root)}
+            removed = {**dict.fromkeys(TIERS, 0), **self.chain.clear(root)}
         log.info("shmkv: controller cleared %s: %d chunks in memory, %d on disk, %d in the remote",
                  f"namespace {root.hex()}" if root else "everything", removed["shm"], removed["disk"],
                  removed["remote"])
@@ -327,9 +329,9 @@ class Controller:
         assert self.disk is not None
         with self._mutate:
             spilled, left = self.maintainer.spill_all()
-            synced = self.disk.sync()
-            # spilled chunks are queued for the remote tier too: wait for its writer
-            remote = self.remote.flush(timeout_s=60) if self.remote is not None else None
+            # spilled chunks are queued for the remote tier too: the flush waits for its writer
+            flushed = self.chain.flush(timeout_s=60)
+            synced, remote = flushed.get("synced_files", 0), flushed.get("remote_flushed")
         remote_note = "" if remote is None else f", remote writes {'done' if remote else 'still pending after 60 s'}"
         log.info("shmkv: controller flush: %d chunks spilled, %d not on disk, %d files synced%s", spilled, left,
                  synced, remote_note)
@@ -356,18 +358,17 @@ class Controller:
         if compress and args.form != "zstd":
             return self._make_lossy(args)
         ns = self._namespace(args)
-        element_size = self.cfg.disk_shuffle_bytes or _element_size(known(self.store.name).get(ns.root.hex()))
+        element_size = kv_element_size(self.cfg, _element_size(known(self.store.name).get(ns.root.hex())))
         with self._mutate:
             entries = self._ready_entries(ns, args.tokens)
-            shared = self.chain.shared
             verb = "compressed" if compress else "decompressed"
             outcomes: dict[str, int] = {}
             recoded: dict[bytes, int] = {}  # key -> its size before
             for e in entries:
                 if compress:
-                    got = shared.compress(e, element_size=element_size, level=self.cfg.disk_level)
+                    got = recode.compress(self.store, e, element_size=element_size, level=self.cfg.disk_level)
                 else:
-                    got = shared.decompress(e)
+                    got = recode.decompress(self.store, e)
                 outcomes[got] = outcomes.get(got, 0) + 1
                 if got == verb:
                     recoded[e["key"]] = e["size"]
@@ -386,7 +387,7 @@ class Controller:
             raise RequestError(f"form={args.form!r} makes the lossy form of exact chunks; leave lossy_form out")
         ns = self._namespace(args)
         dtype = str(ns.dtype or "").replace("torch.", "")
-        from shmkv.disk.format import FP8_SOURCES
+        from shmkv.tiers.format import FP8_SOURCES
 
         if dtype not in FP8_SOURCES:
             raise RequestError(f"form={args.form!r}: the namespace's KV dtype is {dtype or 'unknown'}; the fp8 "
@@ -400,7 +401,7 @@ class Controller:
             made: set[bytes] = set()
             before = 0
             for e in entries:
-                got, err = self.chain.shared.make_lossy(e, args.form, dtype, keep_exact=args.keep_exact)
+                got, err = recode.make_lossy(self.store, e, args.form, dtype, keep_exact=args.keep_exact)
                 outcomes[got] = outcomes.get(got, 0) + 1
                 if got == "made":
                     errors.append(err)
@@ -490,7 +491,7 @@ class Controller:
 
     def _cached(self, ns: _Resolved, tokens: list[int], *, lower: bool) -> list[tuple[Unit, str]]:
         """The cached prefix as (unit, tier); below the shared tier only with `lower`."""
-        return self.chain.cached_prefix(ns.chunker, tokens, ns.chunker.units(tokens), lower=lower)
+        return ns.chunker.cached_prefix(self.chain, tokens, ns.chunker.units(tokens), lower=lower)
 
     def _units(self, ns: _Resolved, tokens: list[int]) -> list[Unit]:
         """The units of the prefix cached in the shared tier."""
@@ -499,7 +500,7 @@ class Controller:
     def _tiers(self, ns: _Resolved, tokens: list[int]) -> dict[str, Any]:
         cached = self._cached(ns, tokens, lower=True)
         chunks = [{"start": u.start, "end": u.end, "tier": tier} for u, tier in cached]
-        per_tier = {"shm": 0, "disk": 0, "remote": 0}
+        per_tier = dict.fromkeys(TIERS, 0)
         for c in chunks:
             per_tier[c["tier"]] += c["end"] - c["start"]
         return {"namespace": ns.root.hex(), "tokens": len(tokens), "cached_tokens": cached[-1][0].end if cached else 0,

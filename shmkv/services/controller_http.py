@@ -38,7 +38,9 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from shmkv.config import parse_listen
-from shmkv.controller import (
+from shmkv.errors import RequestError
+from shmkv.paths import check_trusted_dir
+from shmkv.services.controller import (
     JSON,
     MAX_BODY_BYTES,
     Controller,
@@ -49,8 +51,6 @@ from shmkv.controller import (
     TokensArgs,
     request_error,
 )
-from shmkv.errors import RequestError
-from shmkv.paths import check_trusted_dir
 
 log = logging.getLogger("shmkv.controller")
 

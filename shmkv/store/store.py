@@ -27,38 +27,35 @@ Errors raise from the hierarchy in shmkv.errors. Keys are 16-byte `bytes`
 from __future__ import annotations
 
 import atexit
-import enum
 import logging
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shmkv import _C
-from shmkv.errors import (
-    BY_STATUS,
-    InvalidArgumentError,
-    PayloadTooLargeError,
-    SegmentCorruptError,
-    SegmentExistsError,
-    SegmentMismatchError,
-    SegmentNotFoundError,
-    StaleHandleError,
-    error_for,
+from shmkv.errors import InvalidArgumentError, PayloadTooLargeError
+from shmkv.store.handles import Lease, Reservation
+from shmkv.store.results import (
+    _PRESENCE,
+    _READ_RESULT,
+    FLAG_COMPRESSED,
+    FLAG_SPILLED,
+    Key,
+    Keys,
+    OpenOutcome,
+    Presence,
+    PutResult,
+    ReadResult,
+    Status,
+    _raise,
+    _raise_if_error,
 )
 
-if TYPE_CHECKING:
-    import numpy as np
-    import torch
-
 log = logging.getLogger("shmkv.store")
-
-Key = bytes
-Keys = Sequence[bytes] | bytes | bytearray | memoryview
 
 _MODE_CREATE, _MODE_ATTACH, _MODE_OPEN_OR_CREATE = 0, 1, 2
 DEFAULT_LOCK_TIMEOUT_S = 0.3
@@ -76,54 +73,6 @@ def _stop_reservers_at_exit() -> None:
 
 
 RESERVE_STEP = 256 << 20  # arena bytes the background reserver reserves (and maps) per call
-FLAG_SPILLED = int(_C.FLAG_SPILLED)  # Entry flag: a copy is in the disk tier
-FLAG_COMPRESSED = int(_C.FLAG_COMPRESSED)  # Entry flag: the payload is an encoded chunk (shmkv.disk.format)
-
-# The core's result codes (cpp/status.h, exported as _C.Status), as ints.
-Status = enum.IntEnum("Status", {name: int(v) for name, v in _C.Status.__members__.items()})
-_missing = {Status(c).name for c in _C.ERROR_CODES} - set(BY_STATUS)
-if _missing:  # a code added in C++ without its exception class (shmkv/errors.py)
-    raise ImportError(f"shmkv.errors.BY_STATUS lacks the C++ error codes {sorted(_missing)}")
-
-
-class PutResult(enum.Enum):
-    """Outcome of a store operation that is not an error."""
-
-    OK = Status.OK.value
-    FULL = Status.FULL.value  # no room even after evicting everything evictable
-    EXISTS = Status.EXISTS.value  # the key is already cached
-    BUSY = Status.BUSY.value  # another live process is writing the key right now (or holds the lock too long)
-    STALE = Status.STALE.value  # the reservation was reclaimed before commit; nothing stored
-    TIMED_OUT = Status.TIMED_OUT.value  # the table lock stayed held past the bound; nothing changed
-
-
-class ReadResult(enum.Enum):
-    """Outcome of copying one chunk out of the segment (Store.read_chunks)."""
-
-    OK = Status.OK.value
-    MISS = Status.MISS.value  # not cached (or not committed yet)
-    STALE = Status.STALE.value  # reclaimed during the copy: the bytes copied are not to be trusted
-    MISMATCH = Status.MISMATCH.value  # another size, or a compressed payload: nothing copied
-    TIMED_OUT = Status.TIMED_OUT.value  # the table lock stayed held past the bound
-
-
-class Presence(enum.Enum):
-    """Where a key stands in the table (Store.presence)."""
-
-    ABSENT = 0
-    READY = 1  # committed: readers get it
-    WRITING = 2  # reserved by a writer that has not committed yet
-
-
-_READ_RESULT = {r.value: r for r in ReadResult}
-_PRESENCE = {p.value: p for p in Presence}
-
-
-class OpenOutcome(enum.Enum):
-    CREATED = 0
-    ATTACHED = 1
-    REINITIALISED_STALE = 2  # a segment nobody was attached to was emptied
-    ADOPTED_STALE = 3  # ... or kept, after a rebuild, because it matched
 
 
 @dataclass(frozen=True)
@@ -164,159 +113,6 @@ class SegmentGeometry:
 def default_cache_name() -> str:
     """The cache name used when none is configured: one per user."""
     return f"shmkv-{os.getuid()}"
-
-
-def _raise(code: int, message: str) -> None:
-    name = Status(code).name if code in Status._value2member_map_ else str(code)
-    raise error_for(name, message or name)
-
-
-def _raise_if_error(code: int, message: str = "") -> None:
-    """Raise for the error codes of cpp/status.h; ordinary outcomes pass."""
-    if code in _C.ERROR_CODES:
-        _raise(code, message)
-
-
-def _torch_view(buf: memoryview, dtype: torch.dtype, shape: Sequence[int] | None) -> torch.Tensor:
-    import torch
-
-    with warnings.catch_warnings():
-        # read-only leases: torch warns that it cannot guarantee immutability
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.frombuffer(buf, dtype=torch.uint8)
-    t = t.view(dtype)
-    return t.reshape(tuple(shape)) if shape is not None else t
-
-
-class _PayloadHandle:
-    """Shared view helpers of Reservation and Lease."""
-
-    _c: Any
-    _views: list[memoryview]
-
-    @property
-    def size(self) -> int:
-        """Payload bytes."""
-        return int(self._c.size)
-
-    @property
-    def address(self) -> int:
-        """Address of the payload in this process (for copy kernels)."""
-        return int(self._c.address)
-
-    def view(self) -> memoryview:
-        """Zero-copy memoryview of the payload (read-only for leases)."""
-        mv = memoryview(self._c)
-        self._views.append(mv)
-        return mv
-
-    def numpy(self, dtype: Any = "uint8", shape: Sequence[int] | None = None) -> np.ndarray:
-        """Zero-copy numpy array over the payload."""
-        import numpy as np
-
-        a = np.frombuffer(self.view(), dtype=dtype)
-        return a.reshape(tuple(shape)) if shape is not None else a
-
-    def torch(self, dtype: torch.dtype | None = None, shape: Sequence[int] | None = None) -> torch.Tensor:
-        """Zero-copy CPU torch tensor over the payload."""
-        import torch
-
-        return _torch_view(self.view(), dtype or torch.uint8, shape)
-
-    def _drop_views(self) -> None:
-        for mv in self._views:
-            try:
-                mv.release()
-            except BufferError:
-                # a numpy/torch object made from it is still alive; the mapping
-                # stays valid, but its bytes may be reused from now on
-                pass
-        self._views.clear()
-
-
-class Reservation(_PayloadHandle):
-    """Room for one chunk, invisible to readers until commit().
-
-    As a context manager it commits when the block ends normally and aborts
-    when it raises. A reservation dropped without either is aborted.
-    """
-
-    __slots__ = ("_c", "_views", "key")
-
-    def __init__(self, c: Any, key: bytes) -> None:
-        self._c = c
-        self._views = []
-        self.key = key
-
-    def commit(self) -> PutResult:
-        """Make the chunk visible. STALE: it was reclaimed meanwhile (this
-        process was presumed dead); nothing was stored."""
-        self._drop_views()
-        code = self._c.commit()
-        _raise_if_error(code)
-        return PutResult(code)
-
-    def abort(self) -> None:
-        """Give the room back."""
-        self._drop_views()
-        _raise_if_error(self._c.abort())
-
-    @property
-    def is_open(self) -> bool:
-        return bool(self._c.is_open)
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if not self._c.is_open:
-            return
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
-
-
-class Lease(_PayloadHandle):
-    """A read lease on one READY chunk: its bytes cannot change or be evicted
-    until release(). Released on context exit; a lease dropped without release
-    is released by its destructor."""
-
-    __slots__ = ("_c", "_views")
-
-    def __init__(self, c: Any) -> None:
-        self._c = c
-        self._views = []
-
-    def release(self, *, cold: bool = False) -> bool:
-        """Give the lease back. False means it had been reclaimed: bytes read
-        through it may be wrong and must be discarded. `cold` leaves the chunk
-        where it was in the LRU order (a maintenance read is not a use)."""
-        self._drop_views()
-        code = self._c.release(cold)
-        _raise_if_error(code)
-        return code == Status.OK
-
-    @property
-    def tokens(self) -> int:
-        """The prompt tokens the chunk holds, as its writer gave them (0: not given)."""
-        return int(self._c.tokens)
-
-    @property
-    def compressed(self) -> bool:
-        """Whether the payload is an encoded chunk (shmkv.disk.format) rather than raw KV."""
-        return bool(self._c.flags & FLAG_COMPRESSED)
-
-    @property
-    def is_open(self) -> bool:
-        return bool(self._c.is_open)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._c.is_open and not self.release() and exc_type is None:
-            raise StaleHandleError("lease was reclaimed while in use; discard what was read")
 
 
 class Store:
@@ -680,79 +476,6 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store(name={self.name!r}, outcome={self.outcome.name})"
-
-
-_GEOMETRY_FIELDS = ("capacity_bytes", "arena_bytes", "max_payload_bytes", "max_entries")
-
-
-def open_store(cfg: Any) -> Store:
-    """The configured segment (a ShmkvConfig), attached or created.
-
-    With no explicit `capacity` (cfg.capacity == 0), a segment of that name
-    that exists, live or stale, is used as it is, whatever its size: chunks
-    survive restarts and every process agrees. Only when there is none (or it
-    is unusable and nobody is attached) one is created with
-    shmkv.config.default_capacity(), which depends on /dev/shm's size, never
-    on what is free in it.
-
-    With an explicit capacity: a live segment of another geometry (another
-    instance's or the daemon's settings) is attached as it is, with a warning;
-    a stale one is re-created with the explicit settings, and the log says how
-    many chunks that dropped."""
-    from shmkv.config import default_capacity
-
-    name, kw = cfg.cache_name, {"populate": cfg.populate, "lock_timeout_s": cfg.lock_timeout}
-    if not cfg.capacity:
-        try:
-            store = Store.attach(name, **kw)
-        except (SegmentNotFoundError, SegmentMismatchError, SegmentCorruptError) as e:
-            capacity = default_capacity()
-            if not isinstance(e, SegmentNotFoundError):
-                log.warning("shmkv: segment '%s' is not usable (%s); re-creating it unless a process uses it",
-                            name, str(e).replace("\n", ";"))
-            log.info("shmkv: creating segment '%s' with the default capacity %s (a quarter of /dev/shm's size, "
-                     "within 256 MiB..16 GiB; set `capacity` to choose)", name, _fmt_bytes(capacity))
-            store = Store.open_or_create(name, capacity, max_payload_bytes=cfg.max_payload, **kw)
-    else:
-        store = _open_explicit(cfg, kw)
-    st = store.stats()
-    log.info("shmkv: %s segment '%s' (capacity %.1f GiB, max chunk %.1f MiB, %d processes attached)",
-             store.outcome.name.lower().replace("_", " "), cfg.cache_name, st["capacity_bytes"] / 2**30,
-             st["max_payload_bytes"] / 2**20, st["processes_attached"])
-    return store
-
-
-def _open_explicit(cfg: Any, kw: dict[str, Any]) -> Store:
-    name = cfg.cache_name
-    want = SegmentGeometry(cfg.capacity, cfg.max_payload).resolved()
-    try:
-        probe: Store | None = Store.attach(name, populate=False, lock_timeout_s=kw["lock_timeout_s"],
-                                             background_reserve=False)
-    except (SegmentNotFoundError, SegmentMismatchError, SegmentCorruptError):
-        probe = None  # none, or one open_or_create re-creates (stale) or refuses (live)
-    if probe is not None:
-        st, outcome = probe.stats(), probe.outcome
-        probe.close()
-        del probe
-        diff = [f"{k} {st[k]} (asked {want[k]})" for k in _GEOMETRY_FIELDS if st[k] != want[k]]
-        if diff and outcome is OpenOutcome.ATTACHED:
-            log.warning("shmkv: segment '%s' is in use with other settings (%s); attaching it as it is",
-                        name, ", ".join(diff))
-            return Store.attach(name, **kw)
-        if diff:
-            try:
-                store = Store.create(name, cfg.capacity, max_payload_bytes=cfg.max_payload, **kw)
-            except SegmentExistsError:  # a process attached it meanwhile: use it as it is
-                return Store.attach(name, **kw)
-            log.warning("shmkv: re-created stale segment '%s' with the configured settings: %d chunks dropped "
-                        "(it had %s)", name, st["ready_entries"], ", ".join(diff))
-            return store
-    try:
-        return Store.open_or_create(name, cfg.capacity, max_payload_bytes=cfg.max_payload, **kw)
-    except SegmentMismatchError as e:  # created by someone else in between
-        log.warning("shmkv: segment '%s' exists with other settings; attaching it as it is (%s)",
-                    name, str(e).replace("\n", ";"))
-        return Store.attach(name, **kw)
 
 
 def _fmt_bytes(n: int) -> str:

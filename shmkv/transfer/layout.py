@@ -1,6 +1,6 @@
 """KV-cache layout descriptor: one description of a vLLM KV-cache group, built
 once from the per-layer tensors: its byte geometry, and the copy backend
-(shmkv.copy_backends, chosen once by the device) that gathers and scatters
+(shmkv.transfer.copy_backends, chosen once by the device) that gathers and scatters
 over it.
 
 Supported layouts (`kind`), each per layer, any element size (fp32, bf16,
@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from shmkv.copy_backends import as_index, backend_for
 from shmkv.errors import InvalidArgumentError
+from shmkv.transfer.copy_backends import as_index, backend_for
 
 KINDS = ("cpu", "nhd", "hnd", "kv_split", "mla")
 

@@ -1,6 +1,6 @@
 """GPU side of the segment: every process whose KV cache is on a CUDA device
 registers its mapping of the segment's payload arena with cudaHostRegister
-(pinned, mapped), so the CUDA copy backend (shmkv.copy_backends.CudaCopy)
+(pinned, mapped), so the CUDA copy backend (shmkv.transfer.copy_backends.CudaCopy)
 addresses payloads directly.
 
 Imported only for a KV cache on a CUDA device; a CPU-only process never

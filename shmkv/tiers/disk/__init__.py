@@ -11,10 +11,12 @@ log = logging.getLogger("shmkv.disk")
 
 
 def open_disk(cfg: Any, *, store: Any = None, element_size: int = 2) -> Any:
-    """The disk tier (shmkv.disk.tier.DiskTier) a ShmkvConfig asks for, or None (no disk_dir)."""
+    """The disk tier (shmkv.tiers.disk.tier.DiskTier) a ShmkvConfig asks for,
+    or None (no disk_dir); `store` only receives its counters. Called by
+    shmkv.tiers.chain.open_tiers."""
     if not cfg.disk_dir:
         return None
-    from shmkv.disk.tier import DiskTier
+    from shmkv.tiers.disk.tier import DiskTier
 
     tier = DiskTier(os.path.join(cfg.disk_dir, cfg.cache_name), capacity_bytes=cfg.disk_capacity,
                     level=cfg.disk_level, element_size=element_size, codec=cfg.disk_codec,

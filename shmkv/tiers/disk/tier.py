@@ -1,6 +1,6 @@
 """The disk tier: one file per chunk in a 0700 directory, files 0600.
 
-    <dir>/<key hex>.kv            a complete chunk (shmkv.disk.format)
+    <dir>/<key hex>.kv            a complete chunk (shmkv.tiers.format)
     <dir>/.<key hex>.<pid>.<thread>.tmp   being written; renamed into place when whole
 
 Any process may look chunks up (a stat per key: no shared index to keep
@@ -35,9 +35,10 @@ from typing import Any
 
 import zstandard
 
-from shmkv.codec import CodecChoice
-from shmkv.disk import format as fmt
+from shmkv.names import AUTO, DISK
 from shmkv.paths import open_private_dir
+from shmkv.tiers import format as fmt
+from shmkv.tiers.codec import CodecChoice
 
 log = logging.getLogger("shmkv.disk")
 
@@ -58,16 +59,16 @@ def _read_exact(fd: int, n: int, offset: int) -> bytes:
 class DiskTier:
     """The disk tier (a shmkv.tiers.Tier): one file per chunk."""
 
-    name = "disk"
+    name = DISK
 
     def __init__(self, directory: str, *, capacity_bytes: int, level: int = 1, element_size: int = 2,
-                 codec: str = "auto", counter: Callable[[str, int], None] | None = None) -> None:
+                 codec: str = AUTO, counter: Callable[[str, int], None] | None = None) -> None:
         self._d = open_private_dir(directory)
         self.dir = self._d.path
         self.capacity = capacity_bytes
         self.level = level
         self.element_size = element_size
-        self.codec = CodecChoice("disk", codec)
+        self.codec = CodecChoice(DISK, codec)
         self._count = counter or (lambda name, n: None)
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] | None = None  # maintainer only

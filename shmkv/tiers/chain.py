@@ -1,38 +1,77 @@
-"""The tier chain: shared memory -> disk -> remote, walked as one.
+"""The tier chain: shared memory -> disk -> remote, walked as one. It alone
+moves chunks between tiers; every process builds it with open_tiers().
 
-Every tier implements `Tier` with one signature; the chain owns the two
-walks that cross tiers, so the vLLM connector, the controller and the
-benchmarks never call a tier in a shape of its own:
+Every tier implements `Tier` with one signature and never touches another
+tier (no tier imports another; the remote tier gets the bytes it writes
+from the chain, through its `source` callback). The chain owns:
 
-  * the prefix walk (`cached_prefix`): the longest prefix of a prompt's
-    units that some tier holds, in prefix order: units 0..a from the shared
-    tier, a..b from disk, b..c from remote; the first unit no tier holds ends
-    it (later units are useless without it). A unit is held by a tier when
-    that tier holds the key of every TP rank. After the full chunks, the
-    longest tail piece (shmkv.chunking) any tier holds may extend it.
+  * the prefix walk (`held_prefix`, keys only: the caller's chunker made
+    them, shmkv.chunking.Chunker.cached_prefix): the longest prefix of a
+    prompt's units that some tier holds, in prefix order: units 0..a from the
+    shared tier, a..b from disk, b..c from remote; the first unit no tier
+    holds ends it (later units are useless without it). A unit is held by a
+    tier when that tier holds the key of every TP rank. `first_held` answers
+    which of the tail-piece candidates a tier holds.
   * promotion (`promote`): units found below the shared tier are read from
     the first lower tier that has them and put into the shared tier, in
     prefix order, stopping at the first that cannot be (missing, damaged,
     no room) or at a deadline.
+  * spill (`spill`: shared -> disk, then queued for remote), write-through
+    (`write_through`: a committed chunk queued for remote), `flush` (disk
+    synced, remote queue drained), `clear` and `close`.
 
 Invariants: the shared tier is always first (loads come only from it); a
 lower tier's miss, error or damage is a miss and a counter, never an
 exception to the caller; nothing here holds the table lock across tiers.
 """
-
 from __future__ import annotations
 
+import enum
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-import numpy as np
+from shmkv.chunking import Unit
+from shmkv.names import DISK, RAW, REMOTE, SHM
+from shmkv.store import PutResult, Store
+from shmkv.tiers import format as fmt
 
-from shmkv.chunking import Chunker, Unit
-from shmkv.keys import ExtraInputs
-from shmkv.store import FLAG_SPILLED, PutResult, Store
+
+class Spill(enum.Enum):
+    """What TierChain.spill did with one chunk."""
+
+    SPILLED = "spilled"  # written to disk (and queued for remote)
+    ALREADY = "already"  # the disk tier held it: marked spilled
+    GONE = "gone"  # no longer in the shared tier
+    RACED = "raced"  # reclaimed while it was written: the file was removed
+    FAILED = "failed"  # the disk write failed (full disk, I/O error): counted by the disk tier
+    NO_DISK = "no_disk"
+
+
+def kv_element_size(cfg: Any, kv_element_size: int | None = None) -> int:
+    """The one rule for the byte-shuffle element size of encoded chunks:
+    `disk_shuffle_bytes` when set, else the KV dtype's size when the caller
+    knows it, else 2 (bf16/fp16)."""
+    return int(cfg.disk_shuffle_bytes or kv_element_size or 2)
+
+
+def open_tiers(cfg: Any, store: Store, *, kv_element_size_bytes: int | None = None, disk: bool = True
+               ) -> TierChain:
+    """The tier chain a ShmkvConfig asks for: the shared tier, the disk tier
+    (`disk_dir`; `disk=False`: a process that never reads or spills, a
+    worker), the remote tier (`remote_url`). Every process builds its tiers
+    here and nowhere else."""
+    from shmkv.config import io_threads
+    from shmkv.tiers.disk import open_disk
+    from shmkv.tiers.remote import open_remote
+
+    es = kv_element_size(cfg, kv_element_size_bytes)
+    lower = [open_disk(cfg, store=store, element_size=es) if disk else None,
+             open_remote(cfg, store=store, element_size=es)]
+    return TierChain(store, lower, threads=io_threads(cfg), write_through=bool(cfg.remote_write_through))
 
 
 class Tier(Protocol):
@@ -65,7 +104,7 @@ class Tier(Protocol):
 class SharedTier:
     """The shared-memory segment as a Tier (plus the prefix lookup only it has)."""
 
-    name = "shm"
+    name = SHM
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -78,7 +117,7 @@ class SharedTier:
         if lease is None:
             return None
         with lease:
-            raw = decoded(lease, key, lossy_ok=True) if lease.compressed else bytes(lease.view())
+            raw = fmt.decode_or_none(lease.view(), key, lossy_ok=True) if lease.compressed else bytes(lease.view())
         return None if raw is None else (raw, namespace)
 
     def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview, tokens: int = 0) -> bool:
@@ -89,106 +128,6 @@ class SharedTier:
 
     def clear(self, namespace: bytes | None = None) -> int:
         return self.store.clear(namespace=namespace)
-
-    # ------------------------------------------------- compressed entries --
-    # POST /compress re-encodes a chunk into the chunk format (zstd of the
-    # byte-shuffled payload, every check of shmkv.disk.format) under the same
-    # key, flagged compressed; loads decode it (decoded()), spills write it as
-    # it is. /decompress puts the raw payload back.
-    def compress(self, entry: dict[str, Any], *, element_size: int, level: int = 1) -> str:
-        """Re-encode one raw chunk (`entry`: its Store.entries() record)
-        compressed: "compressed", or why not ("missing", "already", "pinned",
-        "incompressible", "raced")."""
-        return self._recode(entry, compress=True, element_size=element_size, level=level)
-
-    def decompress(self, entry: dict[str, Any]) -> str:
-        """Put one compressed chunk back raw: "decompressed", or why not
-        ("missing", "already", "pinned", "damaged", "raced")."""
-        return self._recode(entry, compress=False)
-
-    def make_lossy(self, entry: dict[str, Any], form: str, dtype: str, *, keep_exact: bool = False
-                   ) -> tuple[str, float]:
-        """Put the lossy `form` of one exact chunk in the lossy namespace
-        (shmkv.keys.lossy_key of its key and namespace), flagged compressed,
-        and drop the exact chunk unless `keep_exact`. (outcome, relative RMS
-        error of the form): "made", or why not ("missing", "pinned", "exists",
-        "not_finite", "raced", "full")."""
-        from shmkv.disk import format as fmt
-        from shmkv.keys import lossy_key
-
-        store = self.store
-        key, namespace = entry["key"], entry["namespace"]
-        if entry["pins"]:
-            return "pinned", 0.0
-        to = lossy_key(key, form)
-        if store.contains([to])[0]:
-            return "exists", 0.0
-        leases = store.acquire_prefix([key], count_lookup=False)
-        if not leases:
-            return "missing", 0.0
-        lease = leases[0]
-        data: bytes | None = None
-        err = 0.0
-        try:
-            tokens = lease.tokens
-            raw = decoded(lease, key) if lease.compressed else lease.view()
-            if raw is not None:
-                try:
-                    data, err = fmt.encode_fp8(to, lossy_key(namespace, form), raw, dtype)
-                except ValueError:
-                    return "not_finite", 0.0
-        finally:
-            if not lease.release(cold=True):
-                data = None
-        if data is None:
-            return "raced", 0.0
-        got = store.put(to, data, namespace=lossy_key(namespace, form), tokens=tokens, compressed=True)
-        if got is PutResult.EXISTS:
-            return "exists", 0.0
-        if got is not PutResult.OK:
-            return ("full" if got is PutResult.FULL else "raced"), 0.0
-        if not keep_exact:
-            store.delete(key)
-        return "made", err
-
-    def _recode(self, entry: dict[str, Any], *, compress: bool, element_size: int = 2, level: int = 1) -> str:
-        from shmkv.disk import format as fmt
-
-        store = self.store
-        key, namespace = entry["key"], entry["namespace"]
-        if entry["pins"]:
-            return "pinned"  # a pin is the operator's: its chunk is left as it is
-        leases = store.acquire_prefix([key], count_lookup=False)
-        if not leases:
-            return "missing"
-        lease = leases[0]
-        try:
-            if lease.compressed == compress:
-                return "already"
-            tokens = lease.tokens
-            if compress:
-                view = lease.view()
-                data = fmt.encode(key, namespace, view, element_size=element_size, level=level)
-                if len(data) >= memoryview(view).nbytes:
-                    return "incompressible"
-            else:
-                data = decoded(lease, key, lossy_ok=True)  # a lossy chunk stays under its lossy key
-                if data is None:
-                    return "damaged"
-        finally:
-            if not lease.release(cold=True):  # an admin read is not a use
-                data = None
-        if data is None:
-            return "raced"  # the lease was reclaimed: what was read may be wrong
-        spilled = bool(entry["flags"] & FLAG_SPILLED)
-        # NOTE: between the delete and the put a lookup misses (vLLM computes);
-        # a lease taken before the delete keeps the old bytes until released.
-        store.delete(key)
-        if store.put(key, data, namespace=namespace, tokens=tokens, compressed=compress) is not PutResult.OK:
-            return "raced"  # written meanwhile by someone else (or no room): theirs stays
-        if spilled:
-            store.mark_spilled(key)
-        return "compressed" if compress else "decompressed"
 
     def prefix_length(self, units: Sequence[Unit], count: bool) -> int:
         """How many of `units` every rank holds, as a prefix (one batched
@@ -204,13 +143,21 @@ class SharedTier:
 class TierChain:
     """The shared tier and the tiers below it, in order."""
 
-    def __init__(self, store: Store, lower: Sequence[Tier | None] = (), *, threads: int = 1) -> None:
-        """`threads`: chunks fetched (read and decoded, without the GIL) at once when promoting."""
+    def __init__(self, store: Store, lower: Sequence[Tier | None] = (), *, threads: int = 1,
+                 write_through: bool = False) -> None:
+        """`threads`: chunks fetched (read and decoded, without the GIL) at once
+        when promoting; `write_through`: write_through() queues committed
+        chunks for the remote tier (else only spilled ones go there)."""
         self.store = store
         self.shared = SharedTier(store)
         self.lower: list[Tier] = [t for t in lower if t is not None]
         self.threads = max(1, threads)
+        self.write_through_on = write_through
         self._pool: ThreadPoolExecutor | None = None
+        self.disk: Any = self.tier(DISK)
+        self.remote: Any = self.tier(REMOTE)
+        if self.remote is not None and hasattr(self.remote, "source"):
+            self.remote.source = functools.partial(self._bytes_for, self.remote)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -221,24 +168,12 @@ class TierChain:
         return next((t for t in self.lower if t.name == name), None)
 
     # ------------------------------------------------------------ walks --
-    def cached_prefix(self, chunker: Chunker, tokens: Sequence[int] | np.ndarray, units: Sequence[Unit], *,
-                      count: bool = False, lower: bool = True, extras: ExtraInputs | None = None
-                      ) -> list[tuple[Unit, str]]:
-        """The longest cached prefix of a prompt's `units` (chunker.units of
-        `tokens`) as (unit, name of the tier holding it); the lower tiers are
-        looked into only with `lower`."""
-        full = [u for u in units if u.tokens == chunker.chunk_size]
-        found = self._full_chunks(full, chunker.roots, count, lower)
-        if chunker.piece_size and chunker.piece_size < chunker.chunk_size:
-            prev = found[-1][0].chain if found else chunker.chain_roots
-            cands = chunker.piece_candidates(tokens, len(found) * chunker.chunk_size, prev, extras)
-            held = self.first_held(cands, chunker.roots, lower)
-            if held is not None:
-                found.append(held)
-        return found
-
-    def _full_chunks(self, full: list[Unit], roots: Sequence[bytes], count: bool, lower: bool
-                     ) -> list[tuple[Unit, str]]:
+    def held_prefix(self, full: Sequence[Unit], roots: Sequence[bytes], *, count: bool = False, lower: bool = True
+                    ) -> list[tuple[Unit, str]]:
+        """The longest prefix of `full` (units whose keys the caller made) that
+        the tiers hold, as (unit, name of the tier holding it); the lower
+        tiers are looked into only with `lower`; `count` counts the shared
+        tier's lookup in its hit stats. No key is computed here."""
         n = self.shared.prefix_length(full, count)
         found = [(u, self.shared.name) for u in full[:n]]
         rest = full[n:]
@@ -314,7 +249,7 @@ class TierChain:
                 if res.commit() is not PutResult.OK:
                     store.bump("promote_errors")
                     break
-                if source == "disk":
+                if source == DISK:
                     store.mark_spilled(key)  # a copy is on disk: evicting it loses nothing
                 store.bump(f"{source}_hits")
                 store.bump("promote_bytes", raw_len)
@@ -365,23 +300,100 @@ class TierChain:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shmkv-promote-io")
         return self._pool.submit(self._fetch, item)
 
-    def close(self) -> None:
+    # ------------------------------------------------------------- moves --
+    def spill(self, key: bytes, ns: bytes) -> Spill:
+        """Write one shared-tier chunk to the disk tier (as it is when it is
+        compressed), mark it spilled, and queue it for the remote tier."""
+        disk, store = self.disk, self.store
+        if disk is None:
+            return Spill.NO_DISK
+        if disk.contains([key])[0]:
+            store.mark_spilled(key)
+            return Spill.ALREADY
+        leases = store.acquire_prefix([key], count_lookup=False)
+        if not leases:
+            return Spill.GONE  # evicted or deleted meanwhile
+        lease = leases[0]
+        tokens = lease.tokens
+        try:
+            if lease.compressed:  # already in the chunk format: written as it is
+                ok = disk.write_encoded(key, lease.view(), tokens)
+            else:
+                ok = disk.write(key, ns, lease.view(), tokens)
+        finally:
+            valid = lease.release(cold=True)
+        if not ok:
+            return Spill.FAILED
+        if not valid:
+            disk.remove(key)  # the bytes may have been reused under us
+            return Spill.RACED
+        store.mark_spilled(key)
+        if self.remote is not None:
+            self.remote.enqueue(key, ns, tokens)
+        return Spill.SPILLED
+
+    def write_through(self, key: bytes, ns: bytes, tokens: int = 0) -> None:
+        """A chunk just committed to the shared tier: queued for the remote
+        tier when the chain writes through."""
+        if self.write_through_on and self.remote is not None:
+            self.remote.enqueue(key, ns, tokens)
+
+    def flush(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Make what the lower tiers were given durable: the disk tier's files
+        synced, the remote tier's queue drained (at most timeout_s)."""
+        out: dict[str, Any] = {}
+        if self.disk is not None:
+            out["synced_files"] = self.disk.sync()
+        if self.remote is not None:
+            out["remote_flushed"] = self.remote.flush(timeout_s=timeout_s)
+        return out
+
+    def _bytes_for(self, tier: Any, key: bytes, ns: bytes, codec: str
+                   ) -> tuple[bytes, tuple[str, int, float] | None] | None:
+        """A chunk's bytes in the chunk format for `tier` (the remote's
+        source): its disk file when that is compressed or raw is what the tier
+        picked (`codec`), else encoded with the tier's settings from the
+        file's raw body or from the shared tier; with the figures of encoding
+        it now (None: reused as they were). None if no tier holds it any more."""
+        raw: bytes | memoryview | None = None
+        if self.disk is not None:
+            data = self.disk.read_file(key)  # a sound header; decode() checks the rest on read
+            if data is not None:
+                if fmt.codec_of(data) != RAW or codec == RAW:  # compressed (or lossy): as it is
+                    return data, None
+                raw = fmt.decode_or_none(data, key)  # None: damaged; the disk tier drops it on its next read
+        if raw is not None:
+            t0 = time.perf_counter()
+            data = fmt.encode(key, ns, raw, element_size=tier.element_size, level=tier.level, codec=codec)
+            return data, (codec, len(raw), time.perf_counter() - t0)
+        leases = self.store.acquire_prefix([key], count_lookup=False)
+        if not leases:
+            return None
+        lease = leases[0]
+        try:
+            t0 = time.perf_counter()
+            view = lease.view()
+            if lease.compressed:  # already in the chunk format
+                data, measured = bytes(view), None
+            else:
+                data = fmt.encode(key, ns, view, element_size=tier.element_size, level=tier.level, codec=codec)
+                measured = (codec, memoryview(view).nbytes, time.perf_counter() - t0)
+        finally:
+            valid = lease.release()
+        return (data, measured) if valid else None
+
+    def close(self, flush_timeout_s: float = 10.0) -> None:
+        """Stop the chain's threads; the remote tier's queued writes get
+        flush_timeout_s to finish before it disconnects."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.remote is not None:
+            self.remote.flush(timeout_s=flush_timeout_s)
+            self.remote.close()
 
     # ----------------------------------------------------------- admin --
     def clear(self, namespace: bytes | None = None) -> dict[str, int]:
         """Drop every chunk (of one namespace) from every tier; how many per tier."""
         return {t.name: t.clear(namespace) for t in self.tiers}
 
-
-def decoded(lease: Any, key: bytes, *, lossy_ok: bool = False) -> bytes | None:
-    """The raw payload of a compressed chunk under `lease` (every check of
-    shmkv.disk.format), or None if it is damaged (or lossy, unless `lossy_ok`)."""
-    from shmkv.disk import format as fmt
-
-    try:
-        return fmt.decode(lease.view(), key, lossy_ok=lossy_ok)[0]
-    except fmt.DamagedChunk:
-        return None

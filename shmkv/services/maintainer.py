@@ -37,11 +37,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from shmkv.backoff import Backoff
 from shmkv.config import io_threads
-from shmkv.disk.tier import DiskTier
 from shmkv.errors import LockTimeoutError, SegmentCorruptError
 from shmkv.paths import daemon_lock, maintainer_lock
 from shmkv.store import FLAG_SPILLED
-from shmkv.tiers import TierChain
+from shmkv.tiers import Spill, TierChain
+from shmkv.tiers.disk.tier import DiskTier
 
 log = logging.getLogger("shmkv.maintainer")
 
@@ -49,15 +49,14 @@ log = logging.getLogger("shmkv.maintainer")
 class Maintainer:
     def __init__(self, chain: TierChain, *, low_watermark: float = 0.10, spill_ahead: float = 0.20,
                  threads: int = 1) -> None:
-        """The tiers are the chain's: spills go to its disk tier and are queued
-        for its remote tier. `threads`: chunks spilled at once (encoding runs
-        without the GIL)."""
+        """The tiers are the chain's: spills go through it (disk, then queued
+        for remote). `threads`: chunks spilled at once (encoding runs without
+        the GIL)."""
         self.chain = chain
         self.store = store = chain.store
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shmkv-spill") if self.threads > 1 else None
-        self.disk: DiskTier | None = chain.tier("disk")
-        self.remote = chain.tier("remote")  # spilled chunks are also queued for the remote tier
+        self.disk: DiskTier | None = chain.disk
         arena = store.arena_bytes
         self.low_bytes = int(arena * low_watermark)
         self.spill_ahead_bytes = int(arena * spill_ahead)
@@ -133,39 +132,19 @@ class Maintainer:
             self._pool.shutdown(wait=True)
 
     def spill(self, key: bytes, ns: bytes) -> int:
-        """Write one shared-tier chunk to disk and mark it spilled; 1 if written."""
+        """Spill one shared-tier chunk through the chain (disk, then queued for
+        remote), minding the backoff's log lines; 1 if written now."""
         assert self.disk is not None
-        if self.disk.contains([key])[0]:
-            self.store.mark_spilled(key)
-            return 0
-        leases = self.store.acquire_prefix([key], count_lookup=False)
-        if not leases:
-            return 0  # evicted or deleted meanwhile
-        lease = leases[0]
-        tokens = lease.tokens
-        try:
-            if lease.compressed:  # already in the chunk format: written as it is
-                ok = self.disk.write_encoded(key, lease.view(), tokens)
-            else:
-                ok = self.disk.write(key, ns, lease.view(), tokens)
-        finally:
-            valid = lease.release(cold=True)
-        if ok:
+        got = self.chain.spill(key, ns)
+        if got in (Spill.SPILLED, Spill.RACED):  # the write worked
             failures = self.backoff.worked()
             if failures:
                 log.info("shmkv: spilling to %s works again (after %d failed attempts)", self.disk.dir, failures)
-        elif self.backoff.failed():
+        elif got is Spill.FAILED and self.backoff.failed():
             log.warning("shmkv: spilling to %s fails (%s); chunks stay in memory only, retrying with a backoff "
                         "up to %.0f s", self.disk.dir, self.disk.last_write_error or "unknown error",
                         Backoff.MAX_S)
-        if ok and valid:
-            self.store.mark_spilled(key)
-            if self.remote is not None:
-                self.remote.enqueue(key, ns, tokens)
-            return 1
-        if ok and not valid:
-            self.disk.remove(key)  # the bytes may have been reused under us
-        return 0
+        return int(got is Spill.SPILLED)
 
 
 class MaintainerRole:

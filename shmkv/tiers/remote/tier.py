@@ -6,11 +6,12 @@
                                                       (only with a budget)
 
 Writes are asynchronous: `enqueue(key, ns)` is O(1) on the caller's thread; a
-writer thread later takes the chunk's encoded bytes from the disk tier's file
-(already compressed) or, failing that, encodes it from a lease on the shared
-tier, and SETs it (with the TTL, and the budget applied atomically by a Lua
-script that drops the least recently written chunks). A chunk gone from both
-by then is dropped with a counter; so is one that finds the queue full.
+writer thread later asks the tier's `source` (set by the tier chain,
+shmkv.tiers.chain: the disk file as it is, or the chunk encoded from the
+shared tier) for the chunk's encoded bytes and SETs them (with the TTL, and
+the budget applied atomically by a Lua script that drops the least recently
+written chunks). A chunk the source no longer has is dropped with a counter;
+so is one that finds the queue full.
 
 Reads (`contains`, `fetch`) check the header, key, namespace
 and payload checksum exactly like the disk tier: garbage is a miss, a counter
@@ -40,10 +41,14 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shmkv.backoff import Backoff
-from shmkv.codec import CodecChoice
-from shmkv.disk import format as fmt
+from shmkv.names import AUTO, REMOTE
+from shmkv.tiers import format as fmt
+from shmkv.tiers.codec import CodecChoice
 
 log = logging.getLogger("shmkv.remote")
+
+# (key, namespace, codec) -> (encoded bytes, (codec, raw bytes, encode seconds) | None) | None
+Source = Callable[[bytes, bytes, str], "tuple[bytes, tuple[str, int, float] | None] | None"]
 
 PREFIX = b"shmkv:v1:"
 _LRU, _SIZES, _BYTES = PREFIX + b"m:lru", PREFIX + b"m:sizes", PREFIX + b"m:bytes"
@@ -81,20 +86,22 @@ def chunk_key(key: bytes, namespace: bytes) -> bytes:
 class RemoteTier:
     """The remote tier (a shmkv.tiers.Tier) on Redis / Valkey."""
 
-    name = "remote"
+    name = REMOTE
 
     def __init__(self, url: str, *, timeout_s: float = 0.5, ttl_s: int = 0, capacity_bytes: int = 0,
-                 counter: Callable[[str, int], None] | None = None, store=None, disk=None,
-                 element_size: int = 2, level: int = 1, max_queue: int = 1024, codec: str = "auto") -> None:
+                 counter: Callable[[str, int], None] | None = None, element_size: int = 2, level: int = 1,
+                 max_queue: int = 1024, codec: str = AUTO, source: Source | None = None) -> None:
+        """`source(key, namespace, codec)`: the chunk's encoded bytes and the
+        figures of encoding them (None: reused as they were), or None when no
+        tier has it any more; the tier chain sets it."""
         self.url = url
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s
         self.capacity = capacity_bytes
-        self.store = store
-        self.disk = disk
+        self.source = source
         self.element_size = element_size
         self.level = level
-        self.codec = CodecChoice("remote", codec)
+        self.codec = CodecChoice(REMOTE, codec)
         self._count = counter or (lambda name, n: None)
         self.display_url = _redact(url)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -295,43 +302,8 @@ class RemoteTier:
                     self._cv.notify_all()
 
     def _encoded(self, key: bytes, ns: bytes) -> tuple[bytes, tuple[str, int, float] | None] | None:
-        """The chunk's encoded bytes, with the figures of encoding them now
-        (None: reused as they were): its disk file when that is compressed or
-        raw is what this tier picks, else encoded from the file's raw body or
-        from the shared tier; None if no tier holds it any more."""
-        codec = self.codec.pick()
-        raw: bytes | memoryview | None = None
-        if self.disk is not None:
-            data = self.disk.read_file(key)  # a sound header; decode() checks the rest on read
-            if data is not None:
-                if fmt.codec_of(data) != "none" or codec == "none":  # compressed (or lossy): as it is
-                    return data, None
-                try:  # a raw file: its checked body is the payload
-                    raw = fmt.decode(data, key)[0]
-                except fmt.DamagedChunk:
-                    raw = None  # the disk tier removes it when it next reads it; the shared tier may hold it
-        if raw is not None:
-            t0 = time.perf_counter()
-            data = fmt.encode(key, ns, raw, element_size=self.element_size, level=self.level, codec=codec)
-            return data, (codec, len(raw), time.perf_counter() - t0)
-        if self.store is None:
-            return None
-        leases = self.store.acquire_prefix([key], count_lookup=False)
-        if not leases:
-            return None
-        lease = leases[0]
-        try:
-            t0 = time.perf_counter()
-            view = lease.view()
-            if lease.compressed:  # already in the chunk format
-                data, measured = bytes(view), None
-            else:
-                data = fmt.encode(key, ns, view, element_size=self.element_size, level=self.level, codec=codec)
-                measured = (codec, memoryview(view).nbytes, time.perf_counter() - t0)
-        finally:
-            valid = lease.release()
-        return (data, measured) if valid else None
-
+        """The chunk's encoded bytes from the source, in the codec this tier picks now."""
+        return None if self.source is None else self.source(key, ns, self.codec.pick())
 
 def _redact(url: str) -> str:
     """The URL without its password, for logs."""

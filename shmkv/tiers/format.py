@@ -45,12 +45,13 @@ import xxhash
 import zstandard
 
 from shmkv import _C
+from shmkv.names import FP8, RAW, ZSTD
 
 MAGIC = b"SHMKVCK1"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 CODEC_ZSTD, CODEC_NONE, CODEC_FP8 = 0, 1, 2
-CODEC_IDS = {"zstd": CODEC_ZSTD, "none": CODEC_NONE, "fp8": CODEC_FP8}
+CODEC_IDS = {ZSTD: CODEC_ZSTD, RAW: CODEC_NONE, FP8: CODEC_FP8}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 FP8_GROUP = 1024  # values per scale
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
@@ -90,12 +91,12 @@ def encode_parts(key: bytes, namespace: bytes, raw: bytes | memoryview, *, eleme
                  codec: str = "zstd") -> tuple[bytes, bytes | memoryview]:
     """(header, body) of one chunk: with codec "none" the body is `raw`
     itself, not a copy (a writer gives both to writev)."""
-    if codec == "none":
+    if codec == RAW:
         body: bytes | memoryview = raw
         level = 0
-    elif codec == "fp8":
+    elif codec == FP8:
         raise ValueError("the fp8 form is made by encode_fp8(), which needs the payload's dtype")
-    elif codec == "zstd":
+    elif codec == ZSTD:
         body = (compressor or zstandard.ZstdCompressor(level=level)).compress(shuffle(raw, element_size))
     else:
         raise ValueError(f"codec {codec!r}: expected one of {sorted(CODEC_IDS)}")
@@ -188,7 +189,7 @@ def read_header(head: bytes) -> tuple[int, bytes, bytes, int, int, bytes]:
 
 def codec_of(head: bytes) -> str:
     """The codec name of a (checked) header."""
-    return CODEC_NAMES.get(head[11], "zstd")
+    return CODEC_NAMES.get(head[11], ZSTD)
 
 
 def decode(data: bytes | memoryview, key: bytes | None = None, *, max_raw: int = 1 << 34,
@@ -259,3 +260,12 @@ def _decompress(body: memoryview, raw_len: int, decompressor: zstandard.ZstdDeco
         raise DamagedChunk("decompressed length mismatch")
     return shuffled
 
+
+
+def decode_or_none(data: bytes | memoryview, key: bytes, *, lossy_ok: bool = False) -> bytes | None:
+    """The raw payload of an encoded chunk (every check above), or None if it
+    is damaged (or lossy, unless `lossy_ok`)."""
+    try:
+        return decode(data, key, lossy_ok=lossy_ok)[0]
+    except DamagedChunk:
+        return None

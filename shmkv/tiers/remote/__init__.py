@@ -14,18 +14,20 @@ from shmkv.errors import ConfigError
 log = logging.getLogger("shmkv.remote")
 
 
-def open_remote(cfg: Any, *, store: Any = None, disk: Any = None, element_size: int = 2) -> Any:
-    """The remote tier (shmkv.remote.tier.RemoteTier) a ShmkvConfig asks for, or None (no remote_url)."""
+def open_remote(cfg: Any, *, store: Any = None, element_size: int = 2) -> Any:
+    """The remote tier (shmkv.tiers.remote.tier.RemoteTier) a ShmkvConfig asks
+    for, or None (no remote_url); `store` only receives its counters. Called
+    by shmkv.tiers.chain.open_tiers, which gives it its source of bytes."""
     if not cfg.remote_url:
         return None
     try:
-        from shmkv.remote.tier import RemoteTier, _redact
+        from shmkv.tiers.remote.tier import RemoteTier, _redact
     except ImportError as e:
         raise ConfigError(f"remote_url is set but the remote tier cannot load ({e}); "
                           "install it with: pip install 'shmkv[remote]'") from e
     tier = RemoteTier(cfg.remote_url, timeout_s=cfg.remote_timeout, ttl_s=cfg.remote_ttl,
                       capacity_bytes=cfg.remote_capacity, counter=store.bump if store is not None else None,
-                      store=store, disk=disk, element_size=element_size, level=cfg.disk_level,
+                      element_size=element_size, level=cfg.disk_level,
                       codec=cfg.remote_codec)
     log.info("shmkv: remote tier %s (timeout %.2f s, ttl %s, budget %s, write-through %s, codec %s)",
              _redact(cfg.remote_url),
