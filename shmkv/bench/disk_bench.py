@@ -27,9 +27,8 @@ import xxhash
 from shmkv import PutResult, Store
 from shmkv.config import io_threads, load_config
 from shmkv.services.maintainer import Maintainer
-from shmkv.tiers import TierChain
 from shmkv.tiers import format as fmt
-from shmkv.tiers.disk.tier import DiskTier
+from shmkv.tiers import open_tiers
 
 MiB = 1 << 20
 
@@ -55,18 +54,20 @@ def _throughput(chunks: list[bytes], workdir: str, level: int, threads: int = 1,
     try:
         for _ in range(repeat):
             shutil.rmtree(os.path.join(workdir, "disk"), ignore_errors=True)
-            disk = DiskTier(os.path.join(workdir, "disk"), capacity_bytes=1 << 40, level=level, element_size=2,
-                            codec=codec)
+            cfg = load_config({"cache_name": name, "disk_dir": os.path.join(workdir, "disk"), "disk_capacity": 1 << 40,
+                               "disk_level": level, "disk_codec": codec, "disk_shuffle_bytes": 2,
+                               "io_threads": threads}, env={})
+            chain = open_tiers(cfg, store)
+            disk = chain.disk
             store.clear()
             for k, c in zip(keys, chunks):
                 assert store.put(k, c, namespace=b"n" * 16) is PutResult.OK
-            m = Maintainer(TierChain(store, [disk]), threads=threads)
+            m = Maintainer(chain, threads=threads)
             t0 = time.perf_counter()
             assert m.spill_all() == (len(chunks), 0)
             spills.append(total / (time.perf_counter() - t0) / 1e9)
             m.close()
             store.clear()
-            chain = TierChain(store, [disk], threads=threads)
             t0 = time.perf_counter()
             assert chain.promote(keys, [b"n" * 16] * len(keys)) == len(keys)
             proms.append(total / (time.perf_counter() - t0) / 1e9)

@@ -24,9 +24,10 @@ import xxhash
 
 from shmkv import Store
 from shmkv.bench.redis_server import PrivateRedis
-from shmkv.tiers import TierChain
+from shmkv.config import load_config
 from shmkv.tiers import format as fmt
-from shmkv.tiers.remote.tier import RemoteTier, chunk_key
+from shmkv.tiers import open_tiers
+from shmkv.tiers.remote.tier import chunk_key
 
 MiB = 1 << 20
 NS = b"bench-namespace!"
@@ -55,8 +56,9 @@ def run(argv: list[str]) -> dict:
     raw = sum(map(len, chunks))
     name = f"shmkv-bench-remote-{os.getpid()}"
     store = Store.create(name, a.chunks * size + 64 * MiB, max_payload_bytes=size, populate=False)
-    tier = RemoteTier(url, timeout_s=30, counter=store.bump, element_size=2, level=a.level)
-    chain = TierChain(store, [tier])
+    chain = open_tiers(load_config({"cache_name": name, "remote_url": url, "remote_timeout": 30, "disk_level": a.level,
+                                    "disk_shuffle_bytes": 2}, env={}), store)
+    tier = chain.remote
     client = redis.Redis.from_url(url, socket_timeout=30)
     best: dict[str, float] = {}
 
@@ -94,7 +96,7 @@ def run(argv: list[str]) -> dict:
         return result
     finally:
         tier.clear(NS)
-        tier.close()
+        chain.close()
         client.close()
         store.close()
         Store.unlink(name)
