@@ -248,7 +248,7 @@ class Table:
 class PagedLayout:
     def __init__(self, layer_bases: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], geometry: typing.Any) -> None:
         """
-        One KV-cache group: its layers' base addresses and its geometry (shmkv.layout.LayoutGeometry).
+        One KV-cache group: its layers' base addresses and its geometry (shmkv.transfer.layout.LayoutGeometry).
         """
     def gather_blocks(self, block_ids: typing_extensions.Buffer, payload: typing_extensions.Buffer, payload_first: typing.SupportsInt | typing.SupportsIndex = 0, payload_blocks: typing.SupportsInt | typing.SupportsIndex = -1, layer_begin: typing.SupportsInt | typing.SupportsIndex = 0, layer_end: typing.SupportsInt | typing.SupportsIndex = -1) -> None:
         ...
