@@ -111,10 +111,13 @@ class EngineProcess:
         """Empty vLLM's own prefix cache; with `connector`, shmkv's chunks of this engine too."""
         return self.call(cmd="reset_prefix_cache", connector=connector)["reset"]
 
-    def close(self) -> None:
+    def close(self, shutdown_timeout: float = 30.0) -> None:
+        """Shut the engine down, giving EngineCore `shutdown_timeout` s for
+        its teardown before vLLM kills it (vLLM's own default for LLM is 5 s;
+        `vllm serve` gives --shutdown-timeout, default 0: killed at once)."""
         if self.proc.poll() is None:
             try:
-                self.call(cmd="quit", timeout=60)
+                self.call(cmd="quit", shutdown_timeout=shutdown_timeout, timeout=shutdown_timeout + 60)
                 self.proc.wait(timeout=60)
             except Exception:
                 pass
@@ -125,6 +128,14 @@ class EngineProcess:
         self.proc.wait()
         self._log.close()
         _remove_orphan_psm(_psm_segments() - self._shm_before)
+
+    def kill(self) -> None:
+        """End the engine as `vllm serve` does by default: no teardown (SIGKILL to every process of it)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.close()
 
     def __enter__(self) -> EngineProcess:
         return self
@@ -221,6 +232,10 @@ def _serve(spec: EngineSpec) -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "quit":
+            # As `vllm serve --shutdown-timeout N` does: EngineCore gets N s to run its
+            # teardown (the connectors' shutdown) before it is killed. LLM's own exit
+            # path gives it 5 s, which the CPU worker's exit alone can use up.
+            llm.llm_engine.engine_core.shutdown(timeout=float(cmd.get("shutdown_timeout", 5.0)))
             say({"bye": True})
             return
         if cmd["cmd"] == "reset_prefix_cache":

@@ -18,8 +18,10 @@ log = logging.getLogger("shmkv.store")
 _GEOMETRY_FIELDS = ("capacity_bytes", "arena_bytes", "max_payload_bytes", "max_entries")
 
 
-def open_store(cfg: Any) -> Store:
+def open_store(cfg: Any, *, populate: bool | None = None) -> Store:
     """The configured segment (a ShmkvConfig), attached or created.
+    `populate` overrides cfg.populate (a process that copies few payloads,
+    like vLLM's scheduler, need not map the whole arena up front).
 
     With no explicit `capacity` (cfg.capacity == 0), a segment of that name
     that exists, live or stale, is used as it is, whatever its size: chunks
@@ -34,7 +36,8 @@ def open_store(cfg: Any) -> Store:
     many chunks that dropped."""
     from shmkv.config import default_capacity
 
-    name, kw = cfg.cache_name, {"populate": cfg.populate, "lock_timeout_s": cfg.lock_timeout}
+    populate = cfg.populate if populate is None else populate
+    name, kw = cfg.cache_name, {"populate": populate, "lock_timeout_s": cfg.lock_timeout}
     if not cfg.capacity:
         try:
             store = Store.attach(name, **kw)

@@ -1,7 +1,9 @@
 """With default settings (kv_connector_extra_config={}), engines that do not
 overlap in time share the cache: engine 1 stores and exits, engine 2 starts
-afterwards and hits. Engine 1 shuts down with no error in its log (the
-connector used to shadow vLLM's own `_role` attribute and fail there)."""
+afterwards and hits, whether engine 1 was shut down with time for its
+teardown (its connectors' shutdown runs to its end with no error in the log;
+the connector used to shadow vLLM's own `_role` attribute and fail there) or
+killed outright, as `vllm serve` does with its default --shutdown-timeout 0."""
 
 from __future__ import annotations
 
@@ -19,6 +21,15 @@ P = random_prompt(3000, seed=11)
 ERROR_LINE = re.compile(r"Traceback|AttributeError| ERROR |\bError\b.*shutdown", re.IGNORECASE)
 
 
+def _second_engine_hits(label, cache_name, start_engine, reference, env) -> None:
+    b = start_engine(label, shmkv={}, env=env)
+    r = b.generate([P])
+    assert r["num_cached_tokens"][0] == 2944, "11 chunks and the 128-token tail piece, from engine 1"
+    assert r["outputs"][0] == reference.output(P, 2944)
+    st = Store.attach(cache_name, populate=False).stats()
+    assert st["capacity_bytes"] == default_capacity() and st["segment_resets"] == 0
+
+
 def test_default_settings_survive_a_restart(cache_name, start_engine, reference):
     env = {"SHMKV_CACHE_NAME": cache_name}  # the test's own segment; every other setting is the default
     a = start_engine("defaults-a", shmkv={}, env=env)
@@ -30,10 +41,14 @@ def test_default_settings_survive_a_restart(cache_name, start_engine, reference)
     assert not bad, "errors in engine 1's log:\n" + "\n".join(bad[:20])
     assert "exists with other settings" not in log
     assert "worker connector shut down" in log and "scheduler connector shut down" in log, "shutdown ran to its end"
+    _second_engine_hits("defaults-b", cache_name, start_engine, reference, env)
 
-    b = start_engine("defaults-b", shmkv={}, env=env)
-    r = b.generate([P])
-    assert r["num_cached_tokens"][0] == 2944, "11 chunks and the 128-token tail piece, from engine 1"
-    assert r["outputs"][0] == reference.output(P, 2944)
-    st = Store.attach(cache_name, populate=False).stats()
-    assert st["capacity_bytes"] == default_capacity() and st["segment_resets"] == 0
+
+def test_a_killed_engine_leaves_its_chunks(cache_name, start_engine, reference):
+    env = {"SHMKV_CACHE_NAME": cache_name}
+    a = start_engine("killed-a", shmkv={}, env=env)
+    assert a.generate([P])["num_cached_tokens"] == [0]
+    a.kill()
+    log = open(a.log_path, errors="replace").read()
+    assert "connector shut down" not in log, "killed: no teardown ran"
+    _second_engine_hits("killed-b", cache_name, start_engine, reference, env)

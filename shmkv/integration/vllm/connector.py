@@ -142,7 +142,10 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
                 "shmkv: connector off for this engine: %s; vLLM serves without the shared cache", self.off_reason)
             return
         _require_cuda_kernels_if_on_cuda()
-        self.store = open_store(self.cfg)
+        # The scheduler copies only what it promotes from disk or remote: its mapping
+        # is faulted in on first touch, not populated (seconds of CPU at start, and
+        # page tables to tear down at exit, in the process vLLM kills after 5 s).
+        self.store = open_store(self.cfg, populate=self.cfg.populate and role != KVConnectorRole.SCHEDULER)
         if role == KVConnectorRole.SCHEDULER:
             from shmkv.integration.vllm.scheduler import SchedulerSide
 
