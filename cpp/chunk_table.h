@@ -166,6 +166,8 @@ class ChunkTable {
   void rebuild();                // force a full rebuild from authoritative records
   std::vector<std::string> check_consistency();
   std::map<std::string, uint64_t> stats();
+  // evictions + deletes + resets: moves whenever a chunk may have left the table (lock-free read)
+  uint64_t removal_count();
   std::vector<std::string> drain_events();
   LockHolder lock_holder() const;
   // Take and give back the table lock, waiting at most the bound: whether it

@@ -160,6 +160,11 @@ std::vector<std::string> ChunkTable::check_consistency() {
   return guarded([&] { return do_check_consistency_locked(); });
 }
 
+uint64_t ChunkTable::removal_count() {
+  return c().evictions.load(std::memory_order_relaxed) + c().deletes.load(std::memory_order_relaxed) +
+         h()->epoch.load();
+}
+
 std::map<std::string, uint64_t> ChunkTable::stats() {
   std::map<std::string, uint64_t> m;
   Header* hd = h();

@@ -519,6 +519,8 @@ void register_table(py::module_& m) {
         return bad;
       })
       .def("stats", [](PyTable& t) { return t.t->stats(); })
+      .def("removal_count", [](PyTable& t) { return t.t->removal_count(); },
+           "evictions + deletes + segment resets: moves whenever a chunk may have left the table")
       .def("lock_holder", [](PyTable& t) {
         LockHolder who = t.t->lock_holder();
         return py::make_tuple(who.pid, double(who.held_ns) / 1e9);
@@ -565,6 +567,8 @@ void register_table(py::module_& m) {
         return reinterpret_cast<uintptr_t>(t.t->segment()->arena());
       })
       .def_property_readonly("arena_bytes", [](const PyTable& t) { return t.t->segment()->geo().arena_bytes; })
+      .def_property_readonly("max_payload_bytes",
+                             [](const PyTable& t) { return t.t->segment()->geo().max_payload_bytes; })
       .def_property_readonly("capacity_bytes", [](const PyTable& t) {
         return t.t->segment()->geo().capacity_bytes;  // this process's copy: no page of the segment is read
       })

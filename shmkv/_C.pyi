@@ -215,6 +215,10 @@ class Table:
         ...
     def reclaim(self) -> dict:
         ...
+    def removal_count(self) -> int:
+        """
+        evictions + deletes + segment resets: moves whenever a chunk may have left the table
+        """
     def reserve(self, key: bytes, size: typing.SupportsInt | typing.SupportsIndex, ns: typing.Any = None, tokens: typing.SupportsInt | typing.SupportsIndex = 0, flags: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple:
         ...
     def reserve_more(self, max_bytes: typing.SupportsInt | typing.SupportsIndex, map_pages: bool) -> tuple:
@@ -241,6 +245,9 @@ class Table:
         ...
     @property
     def capacity_bytes(self) -> int:
+        ...
+    @property
+    def max_payload_bytes(self) -> int:
         ...
     @property
     def name(self) -> str:

@@ -52,7 +52,7 @@ from shmkv.chunking import Chunker, Unit
 from shmkv.config import ShmkvConfig
 from shmkv.errors import ConfigError, LockTimeoutError, RequestError
 from shmkv.keys import lossy_key
-from shmkv.names import TIERS
+from shmkv.names import SHM, TIERS
 from shmkv.namespaces import known, namespace_from_dict
 from shmkv.services.maintainer import Maintainer, MaintainerRole
 from shmkv.services.stats import render_prometheus, snapshot
@@ -172,9 +172,7 @@ class Controller:
         else:
             self.maintainer = Maintainer(chain if chain is not None else open_tiers(cfg, store),
                                          low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead)
-        self.chain = self.maintainer.chain  # the one chain of this process's tiers
-        self.disk = self.chain.disk
-        self.remote = self.chain.remote
+        self.chain = self.maintainer.chain  # the one chain of this process's tiers: every tier is reached through it
         self.started = time.time()
         self.counters = {"requests": 0, "bad_requests": 0, "errors": 0}
         self._count_lock = threading.Lock()
@@ -253,17 +251,17 @@ class Controller:
     def health(self, _args: None) -> dict[str, Any]:
         return {"status": "ok", "cache": self.store.name, "pid": os.getpid(),
                 "maintainer": bool(self.role and self.role.lock.held),
-                "disk_tier": self.disk.dir if self.disk else None,
-                "remote_tier": self.remote.display_url if self.remote else None,
+                "disk_tier": self.chain.disk.dir if self.chain.disk else None,
+                "remote_tier": self.chain.remote.display_url if self.chain.remote else None,
                 "uptime_s": round(time.time() - self.started, 3)}
 
     def stats(self, _args: None = None) -> dict[str, Any]:
         snap = snapshot(self.store, self.cfg.disk_dir or None)
         snap["controller"] = self._controller_counters()
-        if self.disk is not None:  # this process's writes: which codec, and why
-            snap["disk"]["codec"] = self.disk.codec.describe()
-        if self.remote is not None:
-            snap["remote"]["codec"] = self.remote.codec.describe()
+        if self.chain.disk is not None:  # this process's writes: which codec, and why
+            snap["disk"]["codec"] = self.chain.disk.codec.describe()
+        if self.chain.remote is not None:
+            snap["remote"]["codec"] = self.chain.remote.codec.describe()
         return snap
 
     def metrics(self, _args: None) -> str:
@@ -326,7 +324,7 @@ class Controller:
 
     def flush(self, _args: EmptyArgs) -> dict[str, Any]:
         self._need_disk("flush")
-        assert self.disk is not None
+        assert self.chain.disk is not None
         with self._mutate:
             spilled, left = self.maintainer.spill_all()
             # spilled chunks are queued for the remote tier too: the flush waits for its writer
@@ -339,7 +337,7 @@ class Controller:
         if remote is not None:
             out["remote_flushed"] = remote
         if left:
-            err = self.disk.last_write_error
+            err = self.chain.disk.last_write_error
             out["not_on_disk"] = left
             out["error"] = (f"{left} chunks of the shared tier are not on disk"
                             + (f" (last write error: {err})" if err else ""))
@@ -437,7 +435,7 @@ class Controller:
                            "Try again later", 503)
 
     def _need_disk(self, what: str) -> None:
-        if self.disk is None:
+        if self.chain.disk is None:
             raise RequestError(f"{what} needs the disk tier; start the daemon with --disk-dir DIR", 409)
 
     def _namespace(self, args: NamespaceArgs) -> _Resolved:
@@ -508,7 +506,7 @@ class Controller:
 
     def _promote(self, ns: _Resolved, tokens: list[int]) -> int:
         """Bring the disk / remote part of the cached prefix into the shared tier."""
-        below = [u for u, tier in self._cached(ns, tokens, lower=True) if tier != self.chain.shared.name]
+        below = [u for u, tier in self._cached(ns, tokens, lower=True) if tier != SHM]
         if not below:
             return 0
         return self.chain.promote([u.keys[0] for u in below], [ns.root] * len(below),

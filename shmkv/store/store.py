@@ -440,6 +440,11 @@ class Store:
         holds it now."""
         return dict(self.table.stats())
 
+    def removal_count(self) -> int:
+        """A count that moves whenever a chunk may have left the segment
+        (evictions + deletes + resets; one read, no lock, no dict)."""
+        return int(self.table.removal_count())
+
     def lock_holder(self) -> tuple[int, float]:
         """(pid, seconds held) of the process holding the table lock; pid 0: nobody."""
         pid, held = self.table.lock_holder()
@@ -473,6 +478,11 @@ class Store:
     @property
     def arena_bytes(self) -> int:
         return int(self.table.arena_bytes)
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """The largest payload one chunk of this segment may have."""
+        return int(self.table.max_payload_bytes)
 
     def __repr__(self) -> str:
         return f"Store(name={self.name!r}, outcome={self.outcome.name})"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -38,6 +39,8 @@ from shmkv.chunking import Unit
 from shmkv.names import DISK, RAW, REMOTE, SHM
 from shmkv.store import PutResult, Store
 from shmkv.tiers import format as fmt
+
+log = logging.getLogger("shmkv.tiers")
 
 
 class Spill(enum.Enum):
@@ -58,12 +61,14 @@ def kv_element_size(cfg: Any, kv_element_size: int | None = None) -> int:
     return int(cfg.disk_shuffle_bytes or kv_element_size or 2)
 
 
-def open_tiers(cfg: Any, store: Store, *, kv_element_size_bytes: int | None = None, disk: bool = True
-               ) -> TierChain:
+def open_tiers(cfg: Any, store: Store, *, kv_element_size_bytes: int | None = None, disk: bool = True,
+               max_chunk_bytes: int | None = None) -> TierChain:
     """The tier chain a ShmkvConfig asks for: the shared tier, the disk tier
     (`disk_dir`; `disk=False`: a process that never reads or spills, a
     worker), the remote tier (`remote_url`). Every process builds its tiers
-    here and nowhere else."""
+    here and nowhere else. `max_chunk_bytes`: the largest raw chunk this
+    process can use (an engine's: its layout's chunk; default: the segment's
+    largest payload); a stored chunk declaring more is refused unread."""
     from shmkv.config import io_threads
     from shmkv.tiers.disk import open_disk
     from shmkv.tiers.remote import open_remote
@@ -71,7 +76,8 @@ def open_tiers(cfg: Any, store: Store, *, kv_element_size_bytes: int | None = No
     es = kv_element_size(cfg, kv_element_size_bytes)
     lower = [open_disk(cfg, store=store, element_size=es) if disk else None,
              open_remote(cfg, store=store, element_size=es)]
-    return TierChain(store, lower, threads=io_threads(cfg), write_through=bool(cfg.remote_write_through))
+    return TierChain(store, lower, threads=io_threads(cfg), write_through=bool(cfg.remote_write_through),
+                     max_chunk_bytes=max_chunk_bytes)
 
 
 class Tier(Protocol):
@@ -85,10 +91,13 @@ class Tier(Protocol):
     def fetch(self, key: bytes, namespace: bytes) -> tuple[bytes, bytes] | None:
         """(payload, namespace) of a checked chunk, or None (missing, damaged, unreachable)."""
 
-    def fetch_into(self, key: bytes, namespace: bytes, alloc: Callable[[int, bytes], Any]) -> tuple[Any, bytes] | None:
+    def fetch_into(self, key: bytes, namespace: bytes, alloc: Callable[[int, bytes], Any], *,
+                   max_raw: int | None = None) -> tuple[Any, bytes] | None:
         """Like fetch, but decoded straight into alloc(raw_len, namespace)'s
         buffer: (that buffer, namespace), or None (missing, damaged, or alloc
-        gave no buffer; what alloc gave is then the caller's to discard)."""
+        gave no buffer; what alloc gave is then the caller's to discard). A
+        chunk whose header declares more than `max_raw` bytes is damaged
+        (counted, removed) before anything is decompressed or allocated."""
 
     def write(self, key: bytes, namespace: bytes, raw: bytes | memoryview, tokens: int = 0) -> bool:
         """Store one chunk's payload (`tokens`: the prompt tokens it holds, for
@@ -144,11 +153,13 @@ class TierChain:
     """The shared tier and the tiers below it, in order."""
 
     def __init__(self, store: Store, lower: Sequence[Tier | None] = (), *, threads: int = 1,
-                 write_through: bool = False) -> None:
+                 write_through: bool = False, max_chunk_bytes: int | None = None) -> None:
         """`threads`: chunks fetched (read and decoded, without the GIL) at once
         when promoting; `write_through`: write_through() queues committed
-        chunks for the remote tier (else only spilled ones go there)."""
+        chunks for the remote tier (else only spilled ones go there);
+        `max_chunk_bytes`: see open_tiers."""
         self.store = store
+        self.max_raw = min(store.max_payload_bytes, max_chunk_bytes or store.max_payload_bytes)
         self.shared = SharedTier(store)
         self.lower: list[Tier] = [t for t in lower if t is not None]
         self.threads = max(1, threads)
@@ -277,12 +288,15 @@ class TierChain:
 
         for tier in self.lower:
             try:
-                got = tier.fetch_into(key, ns, alloc)
-            except BaseException:
+                got = tier.fetch_into(key, ns, alloc, max_raw=self.max_raw)
+            except Exception as e:  # a tier's own faults are misses; anything else must not reach vLLM either
                 for r in held:
                     if not isinstance(r, PutResult):
                         r.abort()
-                raise
+                self.store.bump("promote_errors")
+                log.warning("shmkv: promoting chunk %s from the %s tier failed: %s: %s", key.hex(), tier.name,
+                            type(e).__name__, e)
+                return None, None
             res = held.pop() if held else None
             if got is not None:
                 return (res, memoryview(got[0]).nbytes), tier.name

@@ -59,6 +59,7 @@ FP8_SOURCES = {"bfloat16": 1, "float16": 2, "float32": 3}  # dtype -> header cod
 FP8_DTYPES = {v: k for k, v in FP8_SOURCES.items()}
 _HEADER = struct.Struct("<8sHBBi16s16sQQ16s")  # 80 bytes
 HEADER_BYTES = _HEADER.size + 8
+MAX_RAW = 1 << 34  # the bound of a reader that names none (16 GiB); readers pass the chunk they can hold
 assert _HEADER.size == 80
 
 
@@ -192,7 +193,7 @@ def codec_of(head: bytes) -> str:
     return CODEC_NAMES.get(head[11], ZSTD)
 
 
-def decode(data: bytes | memoryview, key: bytes | None = None, *, max_raw: int = 1 << 34,
+def decode(data: bytes | memoryview, key: bytes | None = None, *, max_raw: int = MAX_RAW,
            decompressor: zstandard.ZstdDecompressor | None = None, lossy_ok: bool = False
            ) -> tuple[bytearray, bytes]:
     """(raw payload, namespace digest) of a chunk file, after every check."""
@@ -203,7 +204,7 @@ def decode(data: bytes | memoryview, key: bytes | None = None, *, max_raw: int =
 
 
 def decode_into(data: bytes | memoryview, key: bytes | None, alloc: Callable[[int, bytes], Any], *,
-                namespace: bytes | None = None, max_raw: int = 1 << 34,
+                namespace: bytes | None = None, max_raw: int = MAX_RAW,
                 decompressor: zstandard.ZstdDecompressor | None = None, lossy_ok: bool = False
                 ) -> tuple[Any, bytes] | None:
     """Decode a chunk straight into the buffer alloc(raw_len, namespace)

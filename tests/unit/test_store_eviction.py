@@ -93,3 +93,21 @@ def test_entry_table_full_evicts_for_a_record(cache_name):
         st = s.stats()
         assert st["entries"] == 8 and st["entry_table_full"] > 0
         assert s.check_consistency() == []
+
+
+def test_removal_count_moves_with_every_removal(store):
+    """The cheap counter the native tier polls each step: evictions, deletes and clears move it,
+    puts and gets do not."""
+    n = units(store)
+    for i in range(n):
+        store.put(key(i), b"x" * UNIT)
+    before = store.removal_count()
+    assert store.get(key(0)) is not None and store.removal_count() == before
+    store.put(key("new"), b"y" * UNIT)  # evicts one
+    assert store.removal_count() == before + 1
+    assert store.delete(key(2))
+    assert store.removal_count() == before + 2
+    removed = store.clear()
+    assert store.removal_count() == before + 2 + removed
+    st = store.stats()
+    assert store.removal_count() == st["evictions"] + st["deletes"] + st["epoch"]

@@ -34,9 +34,9 @@ class DictTier:
         raw = self.chunks.get((key, namespace))
         return None if raw is None else (raw, namespace)
 
-    def fetch_into(self, key, namespace, alloc):
+    def fetch_into(self, key, namespace, alloc, *, max_raw=None):
         raw = self.chunks.get((key, namespace))
-        if raw is None:
+        if raw is None or (max_raw is not None and len(raw) > max_raw):
             return None
         buf = alloc(len(raw), namespace)
         if buf is None:

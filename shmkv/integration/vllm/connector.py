@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from shmkv.config import load_config
 from shmkv.errors import ConfigError
-from shmkv.integration.vllm.engine_inputs import groups_field, kv_groups_of, namespace_for
+from shmkv.integration.vllm.engine_inputs import groups_field, kv_groups_of, max_chunk_bytes, namespace_for
 from shmkv.integration.vllm.metadata import ShmKVMetadata
 from shmkv.integration.vllm.metrics import HIT_SOURCES, ShmKVPromMetrics, ShmKVStats
 from shmkv.store import open_store
@@ -153,7 +153,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
             namespaces = [dataclasses.replace(n, extra=n.extra + groups_field(groups))
                           for n in (namespace_for(vllm_config, self.cfg, r) for r in range(tp))]
             self._sched = SchedulerSide(vllm_config, self.cfg, self.store, namespaces, groups,
-                                        loads=ktc.is_kv_consumer, stores=ktc.is_kv_producer, ktc=ktc)
+                                        loads=ktc.is_kv_consumer, stores=ktc.is_kv_producer, ktc=ktc,
+                                        max_chunk_bytes=max_chunk_bytes(kv_cache_config, self.cfg.chunk_size))
         else:
             from shmkv.integration.vllm.worker import WorkerSide
 

@@ -61,6 +61,20 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tupl
     return groups, None
 
 
+def max_chunk_bytes(kv_cache_config: KVCacheConfig | None, chunk_size: int) -> int | None:
+    """An upper bound of one chunk's payload on one TP rank (every layer's
+    pages of `chunk_size` tokens, twice over for layouts that pad), so that a
+    stored chunk declaring more is refused before it is decompressed; None
+    when vLLM gave no KV-cache config (then the segment's own bound holds)."""
+    if kv_cache_config is None:
+        return None
+    total = 0
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        total += spec.page_size_bytes * len(g.layer_names) * -(-chunk_size // spec.block_size)
+    return 2 * total + (1 << 20) if total else None
+
+
 def groups_field(groups: list[KVGroup]) -> tuple[tuple[str, str], ...]:
     """Namespace field of a hybrid engine's groups (none for one full-attention group, so
     plain models keep their keys): the payload's sections follow them."""

@@ -163,7 +163,7 @@ class ShmkvSecondaryTier(SecondaryTierManager):
         self._reported: dict[str, int] = dict.fromkeys(COUNTER_METRICS, 0)
         self._events_on = bool(config.enable_kv_cache_events)
         self._announced: dict[bytes, OffloadKey] = {}  # chunks reported stored and not yet removed
-        self._removal_mark = self._removal_count()
+        self._removal_mark = self.store.removal_count()
         self._sweep: list[bytes] = []
         self._check_hashes()
         log.info("shmkv: native offloading tier ready (cache %s, namespace root %s: model %s, %s, %d-byte chunks%s)",
@@ -333,10 +333,6 @@ class ShmkvSecondaryTier(SecondaryTierManager):
         out, self._events = self._events, []
         return out
 
-    def _removal_count(self) -> int:
-        st = self.store.stats()
-        return st["evictions"] + st["deletes"] + st["epoch"]
-
     def _sweep_removed(self) -> None:
         """Report chunks this engine announced that have left the segment.
         A sweep over the announced keys starts whenever the segment's
@@ -344,7 +340,7 @@ class ShmkvSecondaryTier(SecondaryTierManager):
         if not self._sweep:
             if not self._announced:
                 return
-            now = self._removal_count()
+            now = self.store.removal_count()
             if now == self._removal_mark:
                 return
             self._removal_mark = now

@@ -36,6 +36,7 @@ import numpy as np
 
 from shmkv.chunking import Chunker, Unit
 from shmkv.keys import ExtraInputs, Namespace
+from shmkv.names import SHM
 from shmkv.tiers import TierChain
 from shmkv.transfer.items import GroupWindow, LoadItem, StoreItem
 
@@ -112,7 +113,7 @@ class Planner:
         if tiers is not None:
             for u, tier in keep:
                 tiers.setdefault(u.start, tier)
-        return hit, [u for u, _ in keep], [u for u, tier in keep if tier != chain.shared.name]
+        return hit, [u for u, _ in keep], [u for u, tier in keep if tier != SHM]
 
     # ----------------------------------------------------- group windows --
     def stored_blocks(self, u: Unit, group: int) -> tuple[int, int]:

@@ -70,7 +70,8 @@ class SchedulerSide:
     """One engine's scheduler half over one store."""
 
     def __init__(self, vllm_config: VllmConfig, cfg: ShmkvConfig, store: Store, namespaces: list[Namespace],
-                 groups: list[KVGroup], *, loads: bool, stores: bool, ktc: Any) -> None:
+                 groups: list[KVGroup], *, loads: bool, stores: bool, ktc: Any,
+                 max_chunk_bytes: int | None = None) -> None:
         self._vllm_config = vllm_config
         self.cfg = cfg
         self.store = store
@@ -111,7 +112,8 @@ class SchedulerSide:
                         "POST /compress with form %s; roots %s); its outputs are not those of exact KV",
                         self.cfg.lossy_form, self.cfg.lossy_form, self.cfg.lossy_form,
                         ", ".join(r.hex() for r in self._base_roots()))
-        self.chain = open_tiers(self.cfg, self.store, kv_element_size_bytes=self._dtype_bytes())
+        self.chain = open_tiers(self.cfg, self.store, kv_element_size_bytes=self._dtype_bytes(),
+                                max_chunk_bytes=max_chunk_bytes)
         self.disk, self.remote = self.chain.disk, self.chain.remote
         if self.chain.lower:
             # NOTE: promotion reads and decompresses off the scheduler's thread

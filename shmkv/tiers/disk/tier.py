@@ -174,18 +174,20 @@ class DiskTier:
         """(raw payload, namespace digest), or None (missing, or damaged and removed)."""
         return self.fetch_into(key, namespace, lambda n, _ns: bytearray(n))
 
-    def fetch_into(self, key: bytes, namespace: bytes | None,
-                   alloc: Callable[[int, bytes], Any]) -> tuple[Any, bytes] | None:
+    def fetch_into(self, key: bytes, namespace: bytes | None, alloc: Callable[[int, bytes], Any], *,
+                   max_raw: int | None = None) -> tuple[Any, bytes] | None:
         """Decode a chunk straight into alloc(raw_len, namespace)'s buffer:
         (that buffer, namespace), or None (missing, no room, or damaged and
-        removed; what alloc gave must then be discarded)."""
+        removed; what alloc gave must then be discarded). A header declaring
+        more than `max_raw` bytes is damage, found before any decompression."""
         data = self.read_file(key)
         if data is None:
             return None
         try:
             # NOTE: lossy_ok: a lossy chunk is keyed by shmkv.keys.lossy_key, so moving it between
             # tiers under its own key never hands it to an exact request
-            got = fmt.decode_into(data, key, alloc, decompressor=self._dctx(), lossy_ok=True)
+            got = fmt.decode_into(data, key, alloc, decompressor=self._dctx(), lossy_ok=True,
+                                  max_raw=max_raw or fmt.MAX_RAW)
         except fmt.DamagedChunk as e:
             self._damaged(_name(key), key, e.reason)
             return None

@@ -158,8 +158,10 @@ class RemoteTier:
         """(raw payload, namespace) of a checked chunk, or None (missing, damaged, down)."""
         return self.fetch_into(key, namespace, lambda n, _ns: bytearray(n))
 
-    def fetch_into(self, key: bytes, namespace: bytes, alloc: Callable[[int, bytes], Any]) -> tuple[Any, bytes] | None:
-        """Like fetch, decoded straight into alloc(raw_len, namespace)'s buffer."""
+    def fetch_into(self, key: bytes, namespace: bytes, alloc: Callable[[int, bytes], Any], *,
+                   max_raw: int | None = None) -> tuple[Any, bytes] | None:
+        """Like fetch, decoded straight into alloc(raw_len, namespace)'s buffer;
+        a value declaring more than `max_raw` bytes is damage (counted, unlinked)."""
         rkey = chunk_key(key, namespace)
         ok, data = self._call("get", lambda: self._client.get(rkey))
         if not ok or data is None:
@@ -167,7 +169,8 @@ class RemoteTier:
             return None
         self._count("remote_get_bytes", len(data))
         try:
-            got = fmt.decode_into(data, key, alloc, namespace=namespace, lossy_ok=True)  # see DiskTier.fetch_into
+            got = fmt.decode_into(data, key, alloc, namespace=namespace, lossy_ok=True,  # see DiskTier.fetch_into
+                                  max_raw=max_raw or fmt.MAX_RAW)
         except fmt.DamagedChunk as e:
             log.warning("shmkv: remote chunk %s rejected (%s): removed", rkey.decode(), e.reason)
             self._count("remote_damaged", 1)
