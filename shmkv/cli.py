@@ -2,6 +2,7 @@
 
     shmkv daemon [...]     the maintainer and controller (python -m shmkv.daemon)
     shmkv stats [...]      what the cache is doing (python -m shmkv.stats)
+    shmkv ctl METHOD PATH  one request to the daemon's controller, with its token
     shmkv bench NAME [...] benchmarks (python -m shmkv.bench)
 
 Each subcommand takes the same options as its `python -m` module, which keeps
@@ -16,6 +17,7 @@ import sys
 SUBCOMMANDS = {
     "daemon": ("shmkv.services.daemon", "the cache's maintainer and controller API"),
     "stats": ("shmkv.services.stats", "what the cache is doing, read from the segment"),
+    "ctl": ("shmkv.services.controller_client", "one request to the daemon's controller API (sends its token)"),
     "bench": ("shmkv.bench.__main__", "benchmarks: store, kernels, ttft, disk, remote, soak, controller"),
 }
 

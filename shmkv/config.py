@@ -13,6 +13,7 @@ accepted; unknown keys are errors too (a typo must not be silently ignored).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 <
 
 
 MAX_SIZE = 1 << 62
+# SHMKV_* variables that are not settings (shmkv.paths reads it)
+ENV_NOT_SETTINGS = frozenset({"SHMKV_RUNTIME_DIR"})
 
 
 def parse_size(key: str, value: Any) -> int:
@@ -59,10 +62,12 @@ def _parse_bool(key: str, value: Any) -> bool:
 
 
 def _parse_int(key: str, value: Any, lo: int, hi: int) -> int:
-    try:
-        n = int(value) if not isinstance(value, bool) else None
-    except (TypeError, ValueError):
-        n = None
+    """An integer setting: an int, or a string of one (never 32.7 -> 32, nor True -> 1)."""
+    n: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        n = int(value)
     if n is None or not lo <= n <= hi:
         raise ConfigError(f"{key}={value!r}: expected an integer in [{lo}, {hi}]")
     return n
@@ -136,6 +141,9 @@ class ShmkvConfig:
     log_level: str = "info"
     log_summary_s: float = 60.0  # one INFO line of activity per this many seconds (requests: DEBUG); 0: none
     listen: str = "127.0.0.1:7470"  # daemon controller: loopback HOST:PORT or unix:/path (socket 0600)
+    controller_token_file: str = ""  # the controller's bearer token (0600); "": <runtime dir>/<cache>.controller-token
+    controller_open_metrics: bool = False  # serve /metrics without the token (a Prometheus scraper on this host)
+    controller_allow_uids: tuple[int, ...] = ()  # other uids a unix-socket controller accepts (besides ours, root)
     debug_digest_file: str = ""  # append per-chunk KV digests (tests prove byte equality)
     config_file: str = ""
 
@@ -172,6 +180,9 @@ class ShmkvConfig:
             "cuda_store_copy": lambda k, v: _parse_choice(k, v, ("auto", "dma", "kernel")),
             "cuda_load_copy": lambda k, v: _parse_choice(k, v, ("auto", "kernel", "dma")),
             "listen": _parse_listen,
+            "controller_token_file": lambda k, v: os.path.expanduser(str(v)),
+            "controller_open_metrics": _parse_bool,
+            "controller_allow_uids": _parse_uids,
             "debug_digest_file": lambda k, v: str(v),
             "config_file": lambda k, v: str(v),
         }
@@ -195,6 +206,8 @@ def parse_listen(value: str) -> tuple[str, str, int]:
     import socket
 
     s = str(value).strip()
+    if "\x00" in s:
+        raise ConfigError(f"listen={value!r}: holds a NUL character")
     if s.startswith("unix:"):
         path = s[5:]
         if not path.startswith("/"):
@@ -219,6 +232,35 @@ def _parse_listen(key: str, value: Any) -> str:
     return str(value).strip()
 
 
+def _parse_uids(key: str, value: Any) -> tuple[int, ...]:
+    """uids as a list or a comma-separated string ("1000,1001")."""
+    items = value if isinstance(value, (list, tuple)) else [x for x in str(value).split(",") if x.strip()]
+    return tuple(_parse_int(key, x.strip() if isinstance(x, str) else x, 0, (1 << 32) - 2) for x in items)
+
+
+def redact_url(url: str) -> str:
+    """A URL without any credential, for logs and answers: the password of
+    its userinfo and the value of a `password` query parameter become ***."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        creds, _, hostport = netloc.rpartition("@")
+        user = creds.split(":", 1)[0]
+        netloc = f"{user}:***@{hostport}" if ":" in creds else f"{user}@{hostport}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if k.lower() in ("password", "pass", "pwd") else v) for k, v in pairs],
+                          safe="*")
+    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else ""))
+
+
 def _check_name(key: str, value: Any) -> str:
     s = str(value)
     if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}", s):
@@ -237,12 +279,19 @@ def load_config(explicit: dict[str, Any] | None = None, env: dict[str, str] | No
     if unknown:
         raise ConfigError(f"unknown shmkv setting(s) {unknown}; known: {', '.join(sorted(known))}")
     env_values = {k: env[f"SHMKV_{k.upper()}"] for k in known if f"SHMKV_{k.upper()}" in env}
+    _warn_unknown_env(env, known)
 
     file_values: dict[str, Any] = {}
     path = explicit.get("config_file") or env_values.get("config_file")
     if path:
         import yaml
 
+        from shmkv.paths import check_private_file
+
+        try:
+            check_private_file(path, "config_file")
+        except PermissionError as e:
+            raise ConfigError(str(e)) from None
         try:
             with open(path) as f:
                 loaded = yaml.safe_load(f) or {}
@@ -262,6 +311,23 @@ def load_config(explicit: dict[str, Any] | None = None, env: dict[str, str] | No
         for k, v in source.items():
             merged[k] = parsers[k](k, v)
     return dataclasses.replace(ShmkvConfig(), **merged)
+
+
+_warned_env: set[str] = set()
+
+
+def _warn_unknown_env(env: dict[str, str], known: set[str]) -> None:
+    """One warning per process for each SHMKV_* variable that names no setting
+    (a typo would otherwise leave the default in force, silently)."""
+    import difflib
+
+    names = {f"SHMKV_{k.upper()}" for k in known} | ENV_NOT_SETTINGS
+    for var in sorted(v for v in env if v.startswith("SHMKV_") and v not in names and v not in _warned_env):
+        _warned_env.add(var)
+        close = difflib.get_close_matches(var, sorted(names), n=1)
+        logging.getLogger("shmkv.config").warning(
+            "shmkv: environment variable %s is not a shmkv setting (ignored)%s", var,
+            f"; did you mean {close[0]}?" if close else "")
 
 
 def io_threads(cfg: ShmkvConfig) -> int:

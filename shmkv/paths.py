@@ -150,6 +150,9 @@ def _walk(path: str, *, create: bool, final_private: bool, links: int = 0) -> tu
             if last and final_private:
                 if st.st_uid != os.geteuid():
                     raise _refuse(here, _describe(st))
+                if stat.S_IMODE(st.st_mode) & 0o022:  # others could have planted files in it: never adopt it silently
+                    raise _refuse(here, f"{_describe(st)}: writable by group or others, so its files may be "
+                                        f"anyone's; check them, then `chmod 700 {here}`")
                 if stat.S_IMODE(st.st_mode) != 0o700:
                     os.fchmod(fd, 0o700)
             elif not _trusted_parent(st):
@@ -168,6 +171,25 @@ def open_private_dir(path: str, *, create: bool = True) -> PrivateDir:
     links (module doc). Raises PermissionDeniedError naming what is wrong."""
     fd, real = _walk(path, create=create, final_private=True)
     return PrivateDir(real, fd)
+
+
+def check_private_file(path: str, what: str) -> None:
+    """Refuse, as OpenSSH does, a file (a config, a token) that someone else
+    could have written: owned by another uid than ours or root, or writable
+    by group or others. The message names the file, its owner and mode and
+    the fix. A missing file is left to the caller's open()."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise PermissionDeniedError(f"{what} {path}: not a regular file")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise PermissionDeniedError(f"{what} {path}: {_describe(st)}, not by us (uid {os.geteuid()}) or root: "
+                                    f"whoever owns it chooses our settings; use a file of yours")
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        raise PermissionDeniedError(f"{what} {path}: {_describe(st)}: writable by group or others; "
+                                    f"`chmod go-w {path}` if its contents are yours")
 
 
 def check_trusted_dir(path: str) -> str:

@@ -8,12 +8,14 @@ check of the debug digest file. Import them with `from helpers import ...`
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import uuid
 from collections.abc import Iterator
 
+import pytest
 import xxhash
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,6 +112,7 @@ class DaemonProcess:
     """`scripts/start_shm_daemon.sh ARGS` in the foreground; `url` once it serves."""
 
     def __init__(self, cache: str, *args: str, log_path: str) -> None:
+        self.cache = cache
         self.log_path = log_path
         self.log = open(log_path, "ab")
         env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -129,7 +132,15 @@ class DaemonProcess:
             self.proc.wait()
             raise AssertionError(f"daemon did not start: {line!r}; log:\n{open(self.log_path).read()}")
         self.url = line.rsplit(" ", 1)[-1].strip()
+        CONTROLLER_TOKENS[self.url] = self.token()
         return self.url
+
+    def token(self) -> str:
+        """The daemon's controller token (what `shmkv ctl` sends)."""
+        from shmkv.config import load_config
+        from shmkv.services.controller_auth import read_token
+
+        return read_token(load_config({"cache_name": self.cache}))
 
     def stop(self, timeout: float = 30) -> int:
         import signal
@@ -140,9 +151,13 @@ class DaemonProcess:
         self.log.close()
         return rc
 
+CONTROLLER_TOKENS: dict[str, str] = {}  # controller URL -> its daemon's token (DaemonProcess.wait_ready)
+
+
 def http(url: str, method: str, path: str, body=None, *, raw: bytes | None = None,
-         headers: dict | None = None) -> tuple[int, object]:
-    """One controller request (http://host:port or unix:/path); (status, JSON or text)."""
+         headers: dict | None = None, token: bool = True) -> tuple[int, object]:
+    """One controller request (http://host:port or unix:/path); (status, JSON
+    or text). With `token` it sends the daemon's token, as `shmkv ctl` does."""
     import http.client
     import json
     import socket
@@ -159,7 +174,10 @@ def http(url: str, method: str, path: str, body=None, *, raw: bytes | None = Non
         host, port = url.removeprefix("http://").rsplit(":", 1)
         conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=60)
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(method, path, body=data, headers=headers or {})
+    headers = dict(headers or {})
+    if token and url in CONTROLLER_TOKENS and not any(k.lower() == "authorization" for k in headers):
+        headers["Authorization"] = f"Bearer {CONTROLLER_TOKENS[url]}"
+    conn.request(method, path, body=data, headers=headers)
     resp = conn.getresponse()
     text = resp.read().decode()
     conn.close()
@@ -354,3 +372,21 @@ class NativeEngine:
     def close(self) -> None:
         del self.view  # vLLM unmaps the primary region at shutdown: no export of it may remain
         self.manager.shutdown()
+
+
+# ---------------------------------------------------------- other users ---
+SETPRIV = shutil.which("setpriv")
+NOBODY = ["--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+AS_ANOTHER_USER = pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None,
+                                     reason="switching to another user needs root and setpriv")
+
+
+def as_nobody(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run Python code as nobody, with an interpreter nobody can execute."""
+    for py in (sys.executable, "/usr/bin/python3"):
+        probe = subprocess.run([SETPRIV, *NOBODY, py, "-c", "pass"], capture_output=True)
+        if probe.returncode == 0:
+            return subprocess.run([SETPRIV, *NOBODY, py, "-c", code, *args], capture_output=True, text=True,
+                                  timeout=120, cwd="/")
+    pytest.skip("no Python interpreter the nobody user can execute")
+

@@ -13,7 +13,6 @@ stopped by the benchmark (its segment is unlinked afterwards).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import socket
@@ -24,6 +23,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from shmkv import Store
+from shmkv.config import load_config
+from shmkv.services.controller_auth import read_token
+from shmkv.services.controller_client import request
 
 
 def _percentiles(xs: list[float]) -> dict[str, float]:
@@ -32,16 +34,10 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
     return {"p50": round(pick(0.50) * 1e3, 3), "p99": round(pick(0.99) * 1e3, 3), "max": round(xs[-1] * 1e3, 3)}
 
 
-def _request(host: str, port: int, method: str, path: str, body: bytes | None) -> tuple[int, float]:
+def _request(url: str, token: str, method: str, path: str, body: bytes | None) -> tuple[int, float]:
     t0 = time.perf_counter()
-    conn = http.client.HTTPConnection(host, port, timeout=30)
-    try:
-        conn.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status, time.perf_counter() - t0
-    finally:
-        conn.close()
+    status, _ = request(url, token, method, path, body, timeout=30)
+    return status, time.perf_counter() - t0
 
 
 def run(argv: list[str]) -> dict:
@@ -59,20 +55,22 @@ def run(argv: list[str]) -> dict:
         line = proc.stdout.readline() if proc.stdout else ""
         if "ready" not in line:
             raise RuntimeError(f"daemon did not start: {line!r}")
-        host, port_s = line.rsplit(" ", 1)[-1].strip().removeprefix("http://").rsplit(":", 1)
+        url = line.rsplit(" ", 1)[-1].strip()
+        host, port_s = url.removeprefix("http://").rsplit(":", 1)
         port = int(port_s)
+        token = read_token(load_config({"cache_name": cache}))
         body = json.dumps({"tokens": list(range(4096)), "namespace": {
             "model_id": "bench", "dtype": "bfloat16", "num_layers": 2, "num_kv_heads": 2, "head_size": 64,
             "chunk_size": 256, "block_size": 128}}).encode()
 
         def client(_i: int) -> list[tuple[int, float]]:
-            return [_request(host, port, "POST", "/lookup", body) for _ in range(args.requests)]
+            return [_request(url, token, "POST", "/lookup", body) for _ in range(args.requests)]
 
         with ThreadPoolExecutor(args.clients) as ex:
             results = [r for batch in ex.map(client, range(args.clients)) for r in batch]
         idle = [socket.create_connection((host, port), timeout=30) for _ in range(args.idle)]
         try:
-            health = [_request(host, port, "GET", "/health", None) for _ in range(50)]
+            health = [_request(url, token, "GET", "/health", None) for _ in range(50)]
         finally:
             for s in idle:
                 s.close()

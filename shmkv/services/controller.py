@@ -73,6 +73,7 @@ PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 # Controller.handle) validate with them, and request_error() turns pydantic's
 # errors into one 4xx message naming the field.
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=1 << 32)]
+ChunkSize = Annotated[int, Field(strict=True, ge=16, le=1 << 16)]  # the config's own bounds of chunk_size
 Size = Annotated[int, Field(strict=True, ge=1, le=1 << 16)]
 
 
@@ -88,7 +89,7 @@ class NamespaceArgs(_Body):
     """A namespace: a 32-hex root key or an object of Namespace fields; left
     out when exactly one namespace is registered."""
     namespace: Any = None
-    chunk_size: Size | None = None  # only with a root key that is not registered
+    chunk_size: ChunkSize | None = None  # only with a root key that is not registered
     block_size: Size | None = None
     lossy_form: Literal["fp8"] | None = None  # the namespace's lossy form
 
@@ -174,7 +175,7 @@ class Controller:
                                          low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead)
         self.chain = self.maintainer.chain  # the one chain of this process's tiers: every tier is reached through it
         self.started = time.time()
-        self.counters = {"requests": 0, "bad_requests": 0, "errors": 0}
+        self.counters = {"requests": 0, "bad_requests": 0, "refused_requests": 0, "errors": 0}
         self._count_lock = threading.Lock()
         self._mutate = threading.Lock()  # one changing operation at a time
         # path -> (method, request model or None for GET, endpoint)
@@ -242,7 +243,9 @@ class Controller:
         """Count one answered request (the transport calls it for what it refuses itself)."""
         with self._count_lock:
             self.counters["requests"] += 1
-            if 400 <= status < 500:
+            if status in (401, 403):
+                self.counters["refused_requests"] += 1
+            elif 400 <= status < 500:
                 self.counters["bad_requests"] += 1
             elif status >= 500:
                 self.counters["errors"] += 1

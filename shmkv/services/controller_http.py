@@ -6,14 +6,18 @@ shared host needs; the answers themselves are shmkv.controller's.
 Invariants:
   * it listens only on loopback TCP or on a unix socket that is born 0600 in
     a directory only we can change (checked before binding);
+  * every request passes shmkv.services.controller_auth's gate (token, Host,
+    Origin; a unix socket's peer uid when it connects) before its body is read;
   * a body is read whole, as its headers frame it (uvicorn's parser: chunked
     or Content-Length), before anything runs: a body over MAX_BODY_BYTES is a
     413 (refused from Content-Length before it is read), one that does not
     arrive within IO_TIMEOUT_S is a 408, and one cut short never runs;
   * a connection must deliver each request head within IO_TIMEOUT_S of
     opening or of its last answer, or it is closed (a slow or idle client
-    holds no slot for long); past MAX_CONNECTIONS open connections new
-    requests get a 503 from uvicorn;
+    holds no slot for long); at MAX_CONNECTIONS open connections a new one
+    closes the oldest that has no request running (an idle or half-sent
+    one), so clients that hold connections cannot lock /health out;
+  * /health is answered on the event loop itself, never behind busy workers;
   * endpoints run in a thread pool, so a long /flush does not stop /health;
     stop() lets the requests in flight finish for up to IO_TIMEOUT_S.
 """
@@ -51,6 +55,7 @@ from shmkv.services.controller import (
     TokensArgs,
     request_error,
 )
+from shmkv.services.controller_auth import Gate, peer_uid
 
 log = logging.getLogger("shmkv.controller")
 
@@ -60,7 +65,7 @@ BACKLOG = 128
 
 
 # ------------------------------------------------------------------ app --
-def make_app(controller: Controller) -> FastAPI:
+def make_app(controller: Controller, gate: Gate | None = None) -> FastAPI:
     """The routes of controller.routes, each with its typed body."""
     app = FastAPI(title="shmkv controller", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -73,7 +78,7 @@ def make_app(controller: Controller) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return await run("/health", None)
+        return answer("/health", None)  # cheap and lock-free: never queued behind the thread pool
 
     @app.get("/stats")
     async def stats() -> Response:
@@ -144,20 +149,25 @@ def make_app(controller: Controller) -> FastAPI:
             message = str(exc.detail)
         return refuse(RequestError(message, exc.status_code))
 
-    return _BodyLimits(app, controller)
+    return _BodyLimits(app, controller, gate)
 
 
 class _BodyLimits:
-    """ASGI middleware: read each request's body whole, within the size and
-    time limits, before the app sees it (then hand it over in one piece)."""
+    """ASGI middleware: pass the gate, then read each request's body whole,
+    within the size and time limits, before the app sees it (then hand it
+    over in one piece)."""
 
-    def __init__(self, app: Any, controller: Controller) -> None:
+    def __init__(self, app: Any, controller: Controller, gate: Gate | None) -> None:
         self.app = app
         self.controller = controller
+        self.gate = gate
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        refused = self.gate.check(scope["path"], scope["headers"]) if self.gate is not None else None
+        if refused is not None:
+            return await self._refuse(send, *refused)
         declared = [v for k, v in scope["headers"] if k == b"content-length"]
         if declared and declared[0].isdigit() and int(declared[0]) > MAX_BODY_BYTES:
             return await self._refuse(send, 413, f"a body of {int(declared[0])} bytes is over the limit of "
@@ -215,10 +225,38 @@ class _HeadDeadline(H11Protocol):
     h11 refuses as malformed are counted with the controller's."""
 
     controller: Controller  # set on the subclass ControllerServer makes
+    gate: Gate | None
+    live: dict  # this server's open connections (protocol -> None), oldest first
+    cap: int
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.gate is not None and self.gate.kind == "unix":
+            uid = peer_uid(transport.get_extra_info("socket"))
+            if not self.gate.uid_allowed(uid):
+                self.controller.count(403)
+                log.warning("shmkv: controller refused a connection from uid %s (allowed: ours, root, "
+                            "controller_allow_uids)", uid)
+                transport.close()
+                return
+        if len(self.live) >= self.cap:
+            idle = next((p for p in self.live if p._idle()), None)
+            if idle is None:
+                self.controller.count(503)
+                transport.close()
+                return
+            idle.transport.close()
+            self.live.pop(idle, None)
+        self.live[self] = None
         self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.live.pop(self, None)
+        super().connection_lost(exc)
+
+    def _idle(self) -> bool:
+        """No request of this connection is running (its head is not complete, or it waits for the next)."""
+        return self.cycle is None or self.cycle.response_complete
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -252,12 +290,17 @@ class _Server(uvicorn.Server):
 class ControllerServer:
     """A bound controller server: serve() blocks until stop(); close() removes the socket."""
 
-    def __init__(self, listen: str, controller: Controller) -> None:
+    def __init__(self, listen: str, controller: Controller, token: str | None = None) -> None:
+        """`token`: the bearer token TCP clients must send (None: no gate, for
+        in-process tests of the transport alone)."""
         self.controller = controller
         self.sock, self.url = _bind(listen)
-        protocol = type("ControllerProtocol", (_HeadDeadline,), {"controller": controller})
-        config = uvicorn.Config(make_app(controller), http=protocol, lifespan="off", access_log=False,
-                                log_config=None, log_level=logging.WARNING, limit_concurrency=_connection_cap(),
+        gate = Gate.for_listener(controller.cfg, self.url, token) if token is not None else None
+        cap = _connection_cap()
+        protocol = type("ControllerProtocol", (_HeadDeadline,),
+                        {"controller": controller, "gate": gate, "live": {}, "cap": cap})
+        config = uvicorn.Config(make_app(controller, gate), http=protocol, lifespan="off", access_log=False,
+                                log_config=None, log_level=logging.WARNING, limit_concurrency=None,  # our cap: above
                                 timeout_keep_alive=int(IO_TIMEOUT_S), server_header=False, backlog=BACKLOG,
                                 timeout_graceful_shutdown=int(IO_TIMEOUT_S))
         self.server = _Server(config)

@@ -34,9 +34,10 @@ from shmkv.config import ShmkvConfig, load_config
 from shmkv.errors import ShmkvError
 from shmkv.paths import daemon_lock, runtime_dir
 from shmkv.services.controller import Controller
+from shmkv.services.controller_auth import load_or_create_token, token_path
 from shmkv.services.controller_http import ControllerServer
 from shmkv.services.maintainer import MaintainerRole
-from shmkv.store import open_store
+from shmkv.store import OpenOutcome, Store, open_store
 from shmkv.tiers import TierChain, open_tiers
 
 log = logging.getLogger("shmkv.daemon")
@@ -55,16 +56,43 @@ class Daemon:
         self.chain: TierChain | None = None
         self.server: ControllerServer | None = None
         self.url = ""
+        self.token = ""  # the controller's bearer token, once started
 
     def start(self) -> None:
-        """Everything up to serving; raises on what stops the daemon from starting."""
+        """Everything up to serving; raises on what stops the daemon from
+        starting, and then leaves no segment behind that this start created."""
         cfg = self.cfg
+        token = load_or_create_token(cfg)  # before the segment: a bad token file refuses the start
         self.store = open_store(cfg)
-        self.chain = open_tiers(cfg, self.store)
-        self.role = MaintainerRole(cfg, self.chain, standby_s=0.2, yield_to_daemon=False)
-        self.role.start()
-        self.server = ControllerServer(cfg.listen, Controller(cfg, self.store, self.chain, self.role))
-        self.url = self.server.url
+        try:
+            self.chain = open_tiers(cfg, self.store)
+            self.role = MaintainerRole(cfg, self.chain, standby_s=0.2, yield_to_daemon=False)
+            self.role.start()
+            self.server = ControllerServer(cfg.listen, Controller(cfg, self.store, self.chain, self.role), token)
+        except BaseException:
+            self._undo_start()
+            raise
+        self.url, self.token = self.server.url, token
+        log.info("shmkv: controller token in %s (clients read it there; TCP requests send it as a bearer token)",
+                 token_path(cfg))
+
+    def _undo_start(self) -> None:
+        """After a refused start: stop what started, and remove the segment if
+        this start created it and nobody else has attached it since."""
+        created = self.store is not None and self.store.outcome is OpenOutcome.CREATED
+        if self.role is not None:
+            self.role.stop()
+            self.role = None
+        if self.chain is not None:
+            self.chain.close(flush_timeout_s=0)
+            self.chain = None
+        if self.store is not None:
+            alone = self.store.stats()["processes_attached"] <= 1
+            self.store.close()
+            self.store = None
+            if created and alone:
+                Store.unlink(self.cfg.cache_name)
+                log.info("shmkv: removed segment '%s', which this refused start had created", self.cfg.cache_name)
 
     def serve(self) -> None:
         assert self.server is not None

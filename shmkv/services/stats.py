@@ -49,6 +49,7 @@ _REMOTE_METRICS = _tier_metrics("remote")
 CONTROLLER_METRICS = [
     ("requests", "Requests the controller answered", "counter"),
     ("bad_requests", "Requests refused with a 4xx (malformed or out of range)", "counter"),
+    ("refused_requests", "Requests refused for their credentials, Host or Origin (401, 403)", "counter"),
     ("errors", "Requests that failed inside the daemon (5xx)", "counter"),
     ("uptime_seconds", "Seconds since the daemon started", "gauge"),
 ]

@@ -10,7 +10,7 @@ import stat
 import threading
 
 import pytest
-from helpers import http, payload_for
+from helpers import CONTROLLER_TOKENS, http, payload_for
 
 from shmkv import Store
 from shmkv.chunking import Chunker
@@ -38,6 +38,7 @@ def start_daemon(cache_name, tmp_path, listen="127.0.0.1:0", disk=True, remote="
     d = Daemon(cfg)
     assert d.lock.try_acquire()
     d.start()
+    CONTROLLER_TOKENS[d.url] = d.token  # helpers.http sends it, as `shmkv ctl` does
     t = threading.Thread(target=d.serve, daemon=True)
     t.start()
     return d, t

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import http, payload_for
+from helpers import CONTROLLER_TOKENS, http, payload_for
 
 import shmkv.services.controller_http as transport
 from shmkv.config import load_config
@@ -33,6 +33,7 @@ def start_daemon(cache_name: str) -> tuple[Daemon, threading.Thread]:
     d = Daemon(cfg)
     assert d.lock.try_acquire()
     d.start()
+    CONTROLLER_TOKENS[d.url] = d.token  # helpers.http sends it, as `shmkv ctl` does
     t = threading.Thread(target=d.serve, daemon=True)
     t.start()
     host, port = d.url.removeprefix("http://").rsplit(":", 1)
@@ -57,9 +58,17 @@ def served(cache_name):
     yield from serve_filled(cache_name)
 
 
+def authed(addr, data: bytes) -> bytes:
+    """`data` with "Host: x" replaced by the controller's own Host and its token."""
+    token = CONTROLLER_TOKENS[f"http://{addr[0]}:{addr[1]}"]
+    return data.replace(b"Host: x\r\n", f"Host: {addr[0]}:{addr[1]}\r\nAuthorization: Bearer {token}\r\n".encode())
+
+
 def raw_request(addr, data: bytes, *, half_close: bool = False, timeout: float = 10) -> tuple[int | None, dict]:
     """(status, JSON body or {"text": ...}) of one raw request; (None, {})
-    when the server closed the connection without answering."""
+    when the server closed the connection without answering. "Host: x" in
+    `data` stands for the controller's own Host and its token."""
+    data = authed(addr, data)
     with socket.create_connection(addr, timeout=timeout) as s:
         s.sendall(data)
         if half_close:
@@ -125,7 +134,7 @@ def test_health_answers_with_200_idle_connections_open(served):
     idle = [socket.create_connection(served.addr, timeout=5) for _ in range(200)]
     try:
         with socket.create_connection(served.addr, timeout=2) as s:  # well inside a 2 s client timeout
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.sendall(f"GET /health HTTP/1.1\r\nHost: {served.addr[0]}:{served.addr[1]}\r\n\r\n".encode())
             assert s.recv(65536).startswith(b"HTTP/1.1 200")
     finally:
         for s in idle:
@@ -188,7 +197,8 @@ def test_idle_connections_are_closed_after_the_timeout(quick):
 def test_a_slow_body_gets_a_408_and_changes_nothing(quick):
     body = json.dumps({"namespace": NS[0].root_key().hex()}).encode()
     with socket.create_connection(quick.addr, timeout=10) as s:
-        s.sendall(b"POST /clear HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5])
+        s.sendall(authed(quick.addr, b"POST /clear HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+                  + body[:5])
         reply = s.recv(65536)
         assert reply.startswith(b"HTTP/1.1 408"), reply
         assert b"did not arrive within 0.5 s (5 bytes read)" in reply

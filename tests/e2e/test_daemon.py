@@ -176,4 +176,17 @@ def test_port_in_use_is_reported(daemon, cache_name):
         port = s.getsockname()[1]
         d = daemon(cache_name, "--capacity", "16MiB", "--listen", f"127.0.0.1:{port}", ready=False)
         assert d.proc.wait(timeout=60) == 4
-        assert "cannot start" in open(d.log_path).read()
+        log = open(d.log_path).read()
+        assert "cannot start" in log
+    assert not os.path.exists(f"/dev/shm/{cache_name}"), "the refused start removed the segment it had created"
+    assert "which this refused start had created" in log
+
+
+def test_a_nul_in_listen_is_refused_before_any_segment(cache_name, tmp_path):
+    cfg = tmp_path / "shmkv.yaml"
+    cfg.write_text('listen: "unix:/tmp/a\\0b"\n')  # YAML's \0 escape: a NUL in the path
+    os.chmod(cfg, 0o600)
+    r = subprocess.run([sys.executable, "-m", "shmkv.daemon", "--cache", cache_name, "--config", str(cfg)],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 2 and "NUL" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not os.path.exists(f"/dev/shm/{cache_name}")

@@ -11,12 +11,10 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import threading
 
 import pytest
-from helpers import REPO, key
+from helpers import AS_ANOTHER_USER, REPO, as_nobody, key
 
 from shmkv import Store
 from shmkv.config import load_config
@@ -25,11 +23,7 @@ from shmkv.paths import runtime_dir
 from shmkv.services.daemon import Daemon
 from shmkv.tiers.disk.tier import DiskTier
 
-SETPRIV = shutil.which("setpriv")
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None,
-                                reason="switching to another user needs root and setpriv")
-
-NOBODY = ["--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+pytestmark = AS_ANOTHER_USER
 
 PROBE = r"""
 import errno, json, os, socket, sys
@@ -65,15 +59,6 @@ if args.get("ext_dir"):  # the real attach path, when this interpreter can load 
 print(json.dumps(out))
 """
 
-
-def as_nobody(code: str, *args: str) -> subprocess.CompletedProcess:
-    """Run Python code as nobody, with an interpreter nobody can execute."""
-    for py in (sys.executable, "/usr/bin/python3"):
-        probe = subprocess.run([SETPRIV, *NOBODY, py, "-c", "pass"], capture_output=True)
-        if probe.returncode == 0:
-            return subprocess.run([SETPRIV, *NOBODY, py, "-c", code, *args], capture_output=True, text=True,
-                                  timeout=120, cwd="/")
-    pytest.skip("no Python interpreter the nobody user can execute")
 
 
 def ext_dir(workdir: str) -> str:

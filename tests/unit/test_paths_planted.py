@@ -71,3 +71,32 @@ def test_a_planted_runtime_directory_is_refused_with_the_fix(sticky_tmp, monkeyp
     r = subprocess.run([sys.executable, "-m", "shmkv.daemon", "--cache", "shmkv-planted-test", "--capacity",
                         "8MiB", "--listen", "127.0.0.1:0"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "65534" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o703])
+def test_our_directory_that_others_can_write_is_refused_not_chmodded(sticky_tmp, mode):
+    d = os.path.join(sticky_tmp, "disk", "shmkv-x")
+    os.makedirs(d)
+    os.chmod(d, mode)
+    if mode & 0o002:  # what makes such a directory dangerous: anyone could have put a chunk there
+        as_nobody('printf planted > "$1/00000000000000000000000000000000.kv"', d)
+    with pytest.raises(PermissionDeniedError) as e:
+        DiskTier(d, capacity_bytes=1 << 20)
+    assert d in str(e.value) and "writable by group or others" in str(e.value) and f"chmod 700 {d}" in str(e.value)
+    assert stat.S_IMODE(os.stat(d).st_mode) == mode, "left as it was: the owner checks it first"
+
+
+def test_a_chunk_file_of_another_user_is_removed_and_counted(sticky_tmp):
+    from helpers import key
+
+    from shmkv.tiers import format as fmt
+
+    d = os.path.join(sticky_tmp, "disk", "shmkv-x")
+    counts: dict[str, int] = {}
+    tier = DiskTier(d, capacity_bytes=1 << 30, counter=lambda n, k: counts.__setitem__(n, counts.get(n, 0) + k))
+    k = key(7)
+    assert tier.write(k, b"N" * 16, b"\x01" * 4096)
+    os.chown(tier.path(k), 65534, 65534)  # as if another uid had written it (a well-formed chunk)
+    assert fmt.decode(open(tier.path(k), "rb").read(), k)[0] == b"\x01" * 4096
+    assert tier.fetch(k) is None
+    assert counts.get("disk_damaged") == 1 and not os.path.exists(tier.path(k))

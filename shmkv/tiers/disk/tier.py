@@ -143,6 +143,9 @@ class DiskTier:
             if not stat.S_ISREG(st.st_mode):
                 self._not_a_file(name, key, st.st_mode)
                 return None
+            if st.st_uid != os.geteuid():  # not written by us: whoever did chooses the KV it holds
+                self._damaged(name, key, f"owned by uid {st.st_uid}, not by us")
+                return None
             head = _read_exact(fd, fmt.HEADER_BYTES, 0)
             try:
                 comp_len = fmt.read_header(head)[4]

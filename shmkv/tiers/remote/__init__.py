@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from shmkv.config import redact_url
 from shmkv.errors import ConfigError
 
 log = logging.getLogger("shmkv.remote")
@@ -21,7 +22,7 @@ def open_remote(cfg: Any, *, store: Any = None, element_size: int = 2) -> Any:
     if not cfg.remote_url:
         return None
     try:
-        from shmkv.tiers.remote.tier import RemoteTier, _redact
+        from shmkv.tiers.remote.tier import RemoteTier
     except ImportError as e:
         raise ConfigError(f"remote_url is set but the remote tier cannot load ({e}); "
                           "install it with: pip install 'shmkv[remote]'") from e
@@ -30,7 +31,7 @@ def open_remote(cfg: Any, *, store: Any = None, element_size: int = 2) -> Any:
                       element_size=element_size, level=cfg.disk_level,
                       codec=cfg.remote_codec)
     log.info("shmkv: remote tier %s (timeout %.2f s, ttl %s, budget %s, write-through %s, codec %s)",
-             _redact(cfg.remote_url),
+             redact_url(cfg.remote_url),
              cfg.remote_timeout, f"{cfg.remote_ttl} s" if cfg.remote_ttl else "none",
              f"{cfg.remote_capacity / 2**30:.1f} GiB" if cfg.remote_capacity else "none",
              "on" if cfg.remote_write_through else "off", cfg.remote_codec)

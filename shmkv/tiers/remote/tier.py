@@ -30,6 +30,7 @@ hosts. Needs a single Redis/Valkey (the budget script touches several keys).
 from __future__ import annotations
 
 import collections
+import ipaddress
 import logging
 import threading
 import time
@@ -41,6 +42,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shmkv.backoff import Backoff
+from shmkv.config import redact_url
 from shmkv.names import AUTO, REMOTE
 from shmkv.tiers import format as fmt
 from shmkv.tiers.codec import CodecChoice
@@ -79,6 +81,59 @@ return dropped
 """
 
 
+# -------------------------------------------------------------- deadlines --
+# redis-py bounds each socket read by socket_timeout, not a call: a server
+# that drips one byte per read would hold a call for ever. Every call of this
+# tier sets a deadline (thread-local); the sockets below cut each read to
+# what is left of it.
+_deadline = threading.local()
+
+
+class _DeadlineSocket:
+    """A connected socket whose reads end at the calling thread's deadline."""
+
+    def __init__(self, sock: Any, timeout_s: float) -> None:
+        self._sock = sock
+        self._timeout_s = timeout_s
+
+    def _arm(self) -> None:
+        at = getattr(_deadline, "at", None)
+        if at is None:
+            return
+        left = at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the remote call's deadline passed")
+        self._sock.settimeout(min(left, self._timeout_s))
+
+    def recv(self, *args: Any) -> Any:
+        self._arm()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> Any:
+        self._arm()
+        return self._sock.recv_into(*args)
+
+    def settimeout(self, t: float | None) -> None:
+        self._timeout_s = self._timeout_s if t is None else t
+        self._sock.settimeout(t)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _DeadlineMixin:
+    def _connect(self) -> Any:
+        sock = super()._connect()  # type: ignore[misc]
+        return _DeadlineSocket(sock, self.socket_timeout or 1.0)  # type: ignore[attr-defined]
+
+
+_CONNECTIONS = {
+    "redis": type("DeadlineConnection", (_DeadlineMixin, redis.connection.Connection), {}),
+    "rediss": type("DeadlineSSLConnection", (_DeadlineMixin, redis.connection.SSLConnection), {}),
+    "unix": type("DeadlineUnixConnection", (_DeadlineMixin, redis.connection.UnixDomainSocketConnection), {}),
+}
+
+
 def chunk_key(key: bytes, namespace: bytes) -> bytes:
     return PREFIX + b"c:" + namespace.hex().encode() + b":" + key.hex().encode()
 
@@ -103,9 +158,11 @@ class RemoteTier:
         self.level = level
         self.codec = CodecChoice(REMOTE, codec)
         self._count = counter or (lambda name, n: None)
-        self.display_url = _redact(url)
+        self.display_url = redact_url(url)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+                                            retry=Retry(NoBackoff(), 0), health_check_interval=0,
+                                            connection_class=_CONNECTIONS[url.partition("://")[0]])
+        _warn_if_clear_text(url)
         self._put_script = self._client.register_script(_PUT_WITH_BUDGET)
         self._backoff = Backoff()
         self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
@@ -124,14 +181,17 @@ class RemoteTier:
         """(ok, result) of one bounded call; a failure marks the tier down."""
         if not self.available:
             return False, None
+        _deadline.at = time.monotonic() + self.timeout_s
         try:
             result = fn()
-        except (redis.RedisError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - any fault of the server or the client library is a miss
             self._backoff.failed()
             self._count("remote_errors", 1)
             log.warning("shmkv: remote tier %s: %s failed (%s: %s); treated as a miss, next try in %.2f s",
                         self.display_url, what, type(e).__name__, e, self._backoff.delay_s)
             return False, None
+        finally:
+            _deadline.at = None
         if self._backoff.worked():
             log.info("shmkv: remote tier %s reachable again", self.display_url)
         return True, result
@@ -146,7 +206,10 @@ class RemoteTier:
             pipe = self._client.pipeline(transaction=False)
             for k, ns in zip(keys, namespaces):
                 pipe.exists(chunk_key(k, ns))
-            return pipe.execute()
+            res = pipe.execute()
+            if len(res) != len(keys) or not all(type(x) is int for x in res):
+                raise redis.ResponseError(f"EXISTS answered {str(res)[:60]}: not a Redis server's answer")
+            return res
 
         ok, res = self._call("lookup", run)
         flags = [bool(x) for x in res] if ok else [False] * len(keys)
@@ -164,6 +227,8 @@ class RemoteTier:
         a value declaring more than `max_raw` bytes is damage (counted, unlinked)."""
         rkey = chunk_key(key, namespace)
         ok, data = self._call("get", lambda: self._client.get(rkey))
+        if ok and data is not None and not isinstance(data, bytes):
+            ok, data = False, None  # not a value a Redis server gives for GET
         if not ok or data is None:
             self._count("remote_misses", 1)
             return None
@@ -248,14 +313,14 @@ class RemoteTier:
         pattern = PREFIX + b"c:" + (namespace.hex().encode() if namespace else b"*") + b":*"
 
         def run() -> int:
-            n = 0
-            batch: list[bytes] = []
-            for k in self._client.scan_iter(match=pattern, count=1000):
-                batch.append(k)
-                if len(batch) == 1000:
+            n, cursor = 0, 0
+            while True:  # each batch is one bounded call's worth (a fresh deadline)
+                _deadline.at = time.monotonic() + self.timeout_s
+                cursor, batch = self._client.scan(cursor, match=pattern, count=1000)
+                if batch:
                     n += self._drop(batch)
-                    batch = []
-            return n + (self._drop(batch) if batch else 0)
+                if not cursor:
+                    return n
 
         ok, n = self._call("clear", run)
         return int(n) if ok else 0
@@ -308,11 +373,20 @@ class RemoteTier:
         """The chunk's encoded bytes from the source, in the codec this tier picks now."""
         return None if self.source is None else self.source(key, ns, self.codec.pick())
 
-def _redact(url: str) -> str:
-    """The URL without its password, for logs."""
-    scheme, sep, rest = url.partition("://")
-    creds, at, host = rest.rpartition("@")
-    if not at:
-        return url
-    user = creds.split(":", 1)[0]
-    return f"{scheme}{sep}{user}:***@{host}"
+
+def _warn_if_clear_text(url: str) -> None:
+    """One warning when chunks would cross a network in clear: redis:// to a
+    host that is not loopback (rediss:// encrypts; unix:// stays on the host)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme != "redis":
+        return
+    host = parts.hostname or "localhost"
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    if not local:
+        log.warning("shmkv: remote tier %s: redis:// to another host: chunks travel in clear and unauthenticated "
+                    "(anyone on the path can read the KV, or plant it); use rediss://", redact_url(url))
