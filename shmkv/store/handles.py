@@ -1,10 +1,22 @@
 """Reservation and Lease: a writable / read-only window on one chunk's payload
 in the segment, with zero-copy numpy and torch views. A handle dropped while
-open is aborted / released (only in the process that made it)."""
+open is aborted / released (only in the process that made it).
+
+Views never outlive what they view:
+  * a Lease's views are read-only (memoryview, numpy); Lease.torch() is a
+    copy, since torch has no read-only tensors and a writable tensor over a
+    committed chunk would change it for every process;
+  * Reservation.commit() refuses (StaleHandleError naming the key) while a
+    numpy or torch object made from one of its views is alive: the chunk must
+    not change once readers can see it;
+  * Reservation.abort() with such an object alive keeps the room reserved
+    until the object is gone (retried by the process's next reserve), so a
+    stale view never writes into a chunk that reuses the extent."""
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +28,8 @@ if TYPE_CHECKING:
     import torch
 
 
-def _torch_view(buf: memoryview, dtype: torch.dtype, shape: Sequence[int] | None) -> torch.Tensor:
+def _torch_view(buf: memoryview, dtype: torch.dtype, shape: Sequence[int] | None,
+                exports: list[weakref.ref] | None = None) -> torch.Tensor:
     import torch
 
     with warnings.catch_warnings():
@@ -24,7 +37,12 @@ def _torch_view(buf: memoryview, dtype: torch.dtype, shape: Sequence[int] | None
         warnings.simplefilter("ignore", UserWarning)
         t = torch.frombuffer(buf, dtype=torch.uint8)
     t = t.view(dtype)
-    return t.reshape(tuple(shape)) if shape is not None else t
+    t = t.reshape(tuple(shape)) if shape is not None else t
+    if exports is not None:
+        # NOTE: the tensor handed out; a view made from it and kept after it is
+        # dropped is not tracked (torch frees the Python object of a _base)
+        exports.append(weakref.ref(t))
+    return t
 
 
 class _PayloadHandle:
@@ -32,6 +50,7 @@ class _PayloadHandle:
 
     _c: Any
     _views: list[memoryview]
+    _exports: list[weakref.ref]  # numpy arrays / torch tensors made over the payload
 
     @property
     def size(self) -> int:
@@ -54,23 +73,33 @@ class _PayloadHandle:
         import numpy as np
 
         a = np.frombuffer(self.view(), dtype=dtype)
+        self._exports.append(weakref.ref(a))  # arrays made from it keep it alive (their base)
         return a.reshape(tuple(shape)) if shape is not None else a
 
     def torch(self, dtype: torch.dtype | None = None, shape: Sequence[int] | None = None) -> torch.Tensor:
-        """Zero-copy CPU torch tensor over the payload."""
+        """Zero-copy CPU torch tensor over the payload (a Lease's: a copy, see the module doc)."""
         import torch
 
-        return _torch_view(self.view(), dtype or torch.uint8, shape)
+        return _torch_view(self.view(), dtype or torch.uint8, shape, self._exports)
 
-    def _drop_views(self) -> None:
+    def _drop_views(self) -> bool:
+        """Release this handle's views; False (nothing released) when a numpy
+        or torch object made from one is still alive."""
+        self._exports = [w for w in self._exports if w() is not None]
+        if self._exports:
+            return False
         for mv in self._views:
             try:
                 mv.release()
-            except BufferError:
-                # a numpy/torch object made from it is still alive; the mapping
-                # stays valid, but its bytes may be reused from now on
+            except BufferError:  # exported by a consumer we do not track: it keeps the mapping alive
                 pass
         self._views.clear()
+        return True
+
+
+# Reservations aborted while a view of them was alive: their room stays
+# reserved until the views die (retry_deferred_aborts, from Store.reserve).
+_DEFERRED: list[Reservation] = []
 
 
 class Reservation(_PayloadHandle):
@@ -80,24 +109,34 @@ class Reservation(_PayloadHandle):
     when it raises. A reservation dropped without either is aborted.
     """
 
-    __slots__ = ("_c", "_views", "key")
+    __slots__ = ("_c", "_views", "_exports", "key")
 
     def __init__(self, c: Any, key: bytes) -> None:
         self._c = c
         self._views = []
+        self._exports = []
         self.key = key
 
     def commit(self) -> PutResult:
         """Make the chunk visible. STALE: it was reclaimed meanwhile (this
-        process was presumed dead); nothing was stored."""
-        self._drop_views()
+        process was presumed dead); nothing was stored. Raises
+        StaleHandleError, leaving the reservation open, while an object made
+        from one of its views is alive (delete it, then commit)."""
+        if not self._drop_views():
+            raise StaleHandleError(f"reservation of chunk {self.key.hex()}: {len(self._views)} view(s) still "
+                                   "exported to numpy/torch objects; delete them before commit (a committed "
+                                   "chunk must not change)")
         code = self._c.commit()
         _raise_if_error(code)
         return PutResult(code)
 
     def abort(self) -> None:
-        """Give the room back."""
-        self._drop_views()
+        """Give the room back; while an object made from one of its views is
+        alive, once it is gone (module doc)."""
+        if not self._drop_views():
+            if self not in _DEFERRED:
+                _DEFERRED.append(self)
+            return
         _raise_if_error(self._c.abort())
 
     @property
@@ -116,25 +155,48 @@ class Reservation(_PayloadHandle):
             self.abort()
 
 
+def retry_deferred_aborts() -> None:
+    """Abort the deferred reservations whose views have died since."""
+    for r in list(_DEFERRED):
+        if r._drop_views():
+            _DEFERRED.remove(r)
+            if r._c.is_open:
+                _raise_if_error(r._c.abort())
+
+
 class Lease(_PayloadHandle):
     """A read lease on one READY chunk: its bytes cannot change or be evicted
     until release(). Released on context exit; a lease dropped without release
     is released by its destructor."""
 
-    __slots__ = ("_c", "_views")
+    __slots__ = ("_c", "_views", "_exports")
 
     def __init__(self, c: Any) -> None:
         self._c = c
         self._views = []
+        self._exports = []
 
     def release(self, *, cold: bool = False) -> bool:
         """Give the lease back. False means it had been reclaimed: bytes read
         through it may be wrong and must be discarded. `cold` leaves the chunk
-        where it was in the LRU order (a maintenance read is not a use)."""
+        where it was in the LRU order (a maintenance read is not a use). A
+        numpy array taken from it must not be read after this."""
+        self._exports.clear()
         self._drop_views()
         code = self._c.release(cold)
         _raise_if_error(code)
         return code == Status.OK
+
+    def torch(self, dtype: torch.dtype | None = None, shape: Sequence[int] | None = None) -> torch.Tensor:
+        """A CPU torch tensor holding a copy of the payload: torch has no
+        read-only tensors (numpy() and view() are zero-copy and read-only)."""
+        import torch
+
+        mv = memoryview(self._c)
+        try:
+            return _torch_view(memoryview(bytearray(mv)), dtype or torch.uint8, shape)
+        finally:
+            mv.release()
 
     @property
     def tokens(self) -> int:

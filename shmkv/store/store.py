@@ -38,7 +38,7 @@ from typing import Any
 
 from shmkv import _C
 from shmkv.errors import InvalidArgumentError, PayloadTooLargeError
-from shmkv.store.handles import Lease, Reservation
+from shmkv.store.handles import _DEFERRED, Lease, Reservation, retry_deferred_aborts
 from shmkv.store.results import (
     _PRESENCE,
     _READ_RESULT,
@@ -296,6 +296,8 @@ class Store:
         `compressed`: the payload is an encoded chunk, not raw KV."""
         if nbytes <= 0:
             raise InvalidArgumentError(f"payload size must be > 0, got {nbytes}")
+        if _DEFERRED:
+            retry_deferred_aborts()
         code, res = self.table.reserve(key, nbytes, namespace, tokens, FLAG_COMPRESSED if compressed else 0)
         if code == Status.OK:
             return Reservation(res, key)
