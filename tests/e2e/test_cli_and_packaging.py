@@ -64,3 +64,25 @@ def test_bench_gpu_without_a_gpu_says_so_on_one_line():
         assert r.returncode == 0, r.stderr[-2000:]
         lines = r.stdout.strip().splitlines()
         assert len(lines) == 1 and "no CUDA GPU" in lines[0], r.stdout
+
+
+def test_the_build_leaves_nothing_at_the_repository_root():
+    """CMake builds in a temporary directory (pyproject.toml): after
+    scripts/setup.sh the root holds what git tracks, and no build output."""
+    import os
+
+    import shmkv
+
+    leftovers = {"CMakeCache.txt", "CMakeFiles", "build.ninja", "build", "_skbuild", "cmake_install.cmake",
+                 ".ninja_deps", ".ninja_log"} & set(os.listdir(REPO))
+    assert not leftovers, f"build output at {REPO}: {sorted(leftovers)}"
+    assert shmkv._C.__name__ == "shmkv._C", "and the extension is installed"
+
+
+def test_ctl_sends_the_token_by_itself(cache_name, daemon, capsys):
+    d = daemon(cache_name, "--capacity", "16MiB", "--listen", "127.0.0.1:0")
+    rc = main(["ctl", "--cache", cache_name, "--listen", d.url.removeprefix("http://"), "GET", "/stats"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f'"cache": "{cache_name}"' in out, out
+    rc = main(["ctl", "--cache", "shmkv-no-such-cache", "--listen", d.url.removeprefix("http://"), "GET", "/stats"])
+    assert rc == 2 and "no controller token at" in capsys.readouterr().err
