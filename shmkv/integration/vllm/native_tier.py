@@ -141,7 +141,8 @@ class ShmkvSecondaryTier(SecondaryTierManager):
             raise ConfigError(f"a chunk of the primary tier is {self.chunk_bytes} bytes, over the segment's "
                               f"max_payload_bytes {max_payload} (cache {self.cfg.cache_name}); lower "
                               "blocks_per_chunk or recreate the segment with a larger max_payload_bytes")
-        self.chain = open_tiers(self.cfg, self.store, kv_element_size_bytes=_dtype_bytes(config.model.dtype))
+        self.chain = open_tiers(self.cfg, self.store, kv_element_size_bytes=_dtype_bytes(config.model.dtype),
+                                max_chunk_bytes=self.chunk_bytes)  # every chunk of this tier is exactly that
         self._maintainer_role = None
         if self.cfg.maintainer:
             from shmkv.services.maintainer import MaintainerRole
