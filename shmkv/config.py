@@ -132,6 +132,7 @@ class ShmkvConfig:
     remote_capacity: int = 0  # byte budget in the remote (oldest writes dropped); 0 = none
     remote_write_through: bool = False  # also write each chunk when committed, not only when spilled
     remote_codec: str = "auto"  # as disk_codec, measured against the remote's link
+    remote_secret_file: str = ""  # a 0600 file of shared secret: remote chunks carry its MAC; "": unauthenticated
     low_watermark: float = 0.10  # keep this fraction of the shared tier free (spilled chunks evicted)
     spill_ahead: float = 0.20  # keep this fraction of the coldest chunks already on disk
     maintainer: bool = True  # without a daemon, a vLLM scheduler process maintains the cache
@@ -173,6 +174,7 @@ class ShmkvConfig:
             "remote_ttl": lambda k, v: _parse_int(k, v, 0, 1 << 31),
             "remote_capacity": lambda k, v: 0 if str(v) == "0" else parse_size(k, v),
             "remote_write_through": _parse_bool,
+            "remote_secret_file": lambda k, v: os.path.expanduser(str(v)),
             "low_watermark": lambda k, v: _parse_fraction(k, v),
             "spill_ahead": lambda k, v: _parse_fraction(k, v),
             "maintainer": _parse_bool,

@@ -22,17 +22,22 @@ def open_remote(cfg: Any, *, store: Any = None, element_size: int = 2) -> Any:
     if not cfg.remote_url:
         return None
     try:
-        from shmkv.tiers.remote.tier import RemoteTier
+        from shmkv.tiers.remote.tier import RemoteTier, read_secret
     except ImportError as e:
         raise ConfigError(f"remote_url is set but the remote tier cannot load ({e}); "
                           "install it with: pip install 'shmkv[remote]'") from e
+    secret = read_secret(cfg.remote_secret_file) if cfg.remote_secret_file else None
     tier = RemoteTier(cfg.remote_url, timeout_s=cfg.remote_timeout, ttl_s=cfg.remote_ttl,
                       capacity_bytes=cfg.remote_capacity, counter=store.bump if store is not None else None,
                       element_size=element_size, level=cfg.disk_level,
-                      codec=cfg.remote_codec)
-    log.info("shmkv: remote tier %s (timeout %.2f s, ttl %s, budget %s, write-through %s, codec %s)",
+                      codec=cfg.remote_codec, secret=secret)
+    if secret is None:
+        log.info("shmkv: remote tier %s has no remote_secret_file: anyone who can write to it can plant KV that "
+                 "every engine using it will load", redact_url(cfg.remote_url))
+    log.info("shmkv: remote tier %s (timeout %.2f s, ttl %s, budget %s, write-through %s, codec %s, chunks %s)",
              redact_url(cfg.remote_url),
              cfg.remote_timeout, f"{cfg.remote_ttl} s" if cfg.remote_ttl else "none",
              f"{cfg.remote_capacity / 2**30:.1f} GiB" if cfg.remote_capacity else "none",
-             "on" if cfg.remote_write_through else "off", cfg.remote_codec)
+             "on" if cfg.remote_write_through else "off", cfg.remote_codec,
+             "with a MAC of the shared secret" if secret else "unauthenticated")
     return tier

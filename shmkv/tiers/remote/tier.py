@@ -2,6 +2,9 @@
 
     shmkv:v1:c:<namespace root hex>:<chunk key hex>   a chunk, in the disk tier's
                                                       checked, compressed format
+    shmkv:v1:a:<namespace root hex>:<chunk key hex>   the same with a shared secret:
+                                                      HMAC-SHA256(secret, key name +
+                                                      chunk) (32 bytes), then the chunk
     shmkv:v1:m:lru / :sizes / :bytes                  byte-budget bookkeeping
                                                       (only with a budget)
 
@@ -22,16 +25,23 @@ and each socket read; redis-py's own retries are off), an error is a miss and
 a counter, and the tier then stays "down" (calls return a miss at once) for a
 backoff that doubles from 0.25 s to 30 s and resets on the first success.
 
-Trust: anyone who can write to the Redis can plant chunks (the checksum is
-not a MAC): give shmkv a private instance or ACL user, and rediss:// across
-hosts. Needs a single Redis/Valkey (the budget script touches several keys).
+Trust: without a secret, anyone who can write to the Redis can plant chunks
+(the checksum is not a MAC): give shmkv a private instance or ACL user, and
+rediss:// across hosts. With `remote_secret_file` every chunk carries a MAC
+of the secret; one without a valid MAC is a miss, a `remote_damaged` count
+and an UNLINK. Hosts with and without the secret use separate key names, so
+neither ever reads (or removes) the other's chunks. Needs a single
+Redis/Valkey (the budget script touches several keys).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import ipaddress
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -134,8 +144,39 @@ _CONNECTIONS = {
 }
 
 
-def chunk_key(key: bytes, namespace: bytes) -> bytes:
-    return PREFIX + b"c:" + namespace.hex().encode() + b":" + key.hex().encode()
+MAC_BYTES = 32
+
+
+def chunk_key(key: bytes, namespace: bytes, authenticated: bool = False) -> bytes:
+    """The Redis key of a chunk (module doc); `authenticated`: of a tier with a secret."""
+    return PREFIX + (b"a:" if authenticated else b"c:") + namespace.hex().encode() + b":" + key.hex().encode()
+
+
+def read_secret(path: str) -> bytes:
+    """The shared secret in `path`: a file of ours (or root's) that no one
+    else can read or write, of at least 16 bytes (surrounding whitespace
+    dropped). Raises PermissionDeniedError / ConfigError naming the file."""
+    import stat
+
+    from shmkv.errors import ConfigError, PermissionDeniedError
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"remote_secret_file={path!r}: cannot read it: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or stat.S_IMODE(st.st_mode) & 0o077:
+            raise PermissionDeniedError(
+                f"remote_secret_file {path}: owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}; it must "
+                f"be a regular file of ours that nobody else can read or write (`chmod 600 {path}`)")
+        secret = os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
+    if len(secret) < 16:
+        raise ConfigError(f"remote_secret_file {path}: holds {len(secret)} bytes; give it at least 16 random bytes "
+                          "(e.g. `openssl rand -hex 32 > FILE`)")
+    return secret
 
 
 class RemoteTier:
@@ -145,11 +186,14 @@ class RemoteTier:
 
     def __init__(self, url: str, *, timeout_s: float = 0.5, ttl_s: int = 0, capacity_bytes: int = 0,
                  counter: Callable[[str, int], None] | None = None, element_size: int = 2, level: int = 1,
-                 max_queue: int = 1024, codec: str = AUTO, source: Source | None = None) -> None:
+                 max_queue: int = 1024, codec: str = AUTO, source: Source | None = None,
+                 secret: bytes | None = None) -> None:
         """`source(key, namespace, codec)`: the chunk's encoded bytes and the
         figures of encoding them (None: reused as they were), or None when no
-        tier has it any more; the tier chain sets it."""
+        tier has it any more; the tier chain sets it. `secret`: chunks carry
+        a MAC of it (module doc)."""
         self.url = url
+        self._secret = secret
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s
         self.capacity = capacity_bytes
@@ -205,7 +249,7 @@ class RemoteTier:
         def run():  # noqa: ANN202
             pipe = self._client.pipeline(transaction=False)
             for k, ns in zip(keys, namespaces):
-                pipe.exists(chunk_key(k, ns))
+                pipe.exists(self._rkey(k, ns))
             res = pipe.execute()
             if len(res) != len(keys) or not all(type(x) is int for x in res):
                 raise redis.ResponseError(f"EXISTS answered {str(res)[:60]}: not a Redis server's answer")
@@ -225,7 +269,7 @@ class RemoteTier:
                    max_raw: int | None = None) -> tuple[Any, bytes] | None:
         """Like fetch, decoded straight into alloc(raw_len, namespace)'s buffer;
         a value declaring more than `max_raw` bytes is damage (counted, unlinked)."""
-        rkey = chunk_key(key, namespace)
+        rkey = self._rkey(key, namespace)
         ok, data = self._call("get", lambda: self._client.get(rkey))
         if ok and data is not None and not isinstance(data, bytes):
             ok, data = False, None  # not a value a Redis server gives for GET
@@ -234,7 +278,10 @@ class RemoteTier:
             return None
         self._count("remote_get_bytes", len(data))
         try:
-            got = fmt.decode_into(data, key, alloc, namespace=namespace, lossy_ok=True,  # see DiskTier.fetch_into
+            chunk = data if self._secret is None else self._authentic(rkey, data)
+            if chunk is None:
+                raise fmt.DamagedChunk("no valid MAC of our secret: not written by a host that holds it")
+            got = fmt.decode_into(chunk, key, alloc, namespace=namespace, lossy_ok=True,  # see DiskTier.fetch_into
                                   max_raw=max_raw or fmt.MAX_RAW)
         except fmt.DamagedChunk as e:
             log.warning("shmkv: remote chunk %s rejected (%s): removed", rkey.decode(), e.reason)
@@ -269,7 +316,7 @@ class RemoteTier:
                                 measured=(codec, memoryview(raw).nbytes, time.perf_counter() - t0))
 
     def remove(self, key: bytes, namespace: bytes) -> bool:
-        ok, n = self._call("remove", lambda: self._drop([chunk_key(key, namespace)]))
+        ok, n = self._call("remove", lambda: self._drop([self._rkey(key, namespace)]))
         return bool(ok and n)
 
     def put_encoded(self, key: bytes, namespace: bytes, data: bytes, tokens: int = 0,
@@ -277,7 +324,9 @@ class RemoteTier:
         """Write one encoded chunk now (the writer thread's step; also for
         benchmarks). `measured`: (codec, raw bytes, encode seconds) of this
         chunk's encoding, for the codec choice."""
-        rkey = chunk_key(key, namespace)
+        rkey = self._rkey(key, namespace)
+        if self._secret is not None:
+            data = self._mac(rkey, data) + bytes(data)
         t0 = time.perf_counter()
         if self.capacity:
             ok, _ = self._call("put", lambda: self._put_script(
@@ -310,7 +359,7 @@ class RemoteTier:
 
     def clear(self, namespace: bytes | None = None) -> int:
         """Remove every shmkv chunk (or one namespace's) from the remote; how many."""
-        pattern = PREFIX + b"c:" + (namespace.hex().encode() if namespace else b"*") + b":*"
+        pattern = PREFIX + b"[ac]:" + (namespace.hex().encode() if namespace else b"*") + b":*"  # both key spaces
 
         def run() -> int:
             n, cursor = 0, 0
@@ -368,6 +417,21 @@ class RemoteTier:
                 with self._cv:
                     self._busy -= 1
                     self._cv.notify_all()
+
+    def _rkey(self, key: bytes, namespace: bytes) -> bytes:
+        return chunk_key(key, namespace, self._secret is not None)
+
+    def _mac(self, rkey: bytes, data: bytes | memoryview) -> bytes:
+        h = hmac.new(self._secret or b"", rkey, hashlib.sha256)
+        h.update(data)
+        return h.digest()
+
+    def _authentic(self, rkey: bytes, value: bytes) -> memoryview | None:
+        """The chunk of a value under a secret, or None when its MAC is not ours."""
+        if len(value) < MAC_BYTES:
+            return None
+        chunk = memoryview(value)[MAC_BYTES:]
+        return chunk if hmac.compare_digest(value[:MAC_BYTES], self._mac(rkey, chunk)) else None
 
     def _encoded(self, key: bytes, ns: bytes) -> tuple[bytes, tuple[str, int, float] | None] | None:
         """The chunk's encoded bytes from the source, in the codec this tier picks now."""
