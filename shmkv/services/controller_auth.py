@@ -109,6 +109,35 @@ def peer_uid(sock: socket.socket) -> int | None:
     return struct.unpack("3i", creds)[1]
 
 
+def tcp_peer_uid(sock: socket.socket) -> int | None:
+    """The uid owning the other end of a loopback TCP connection (from
+    /proc/net/tcp{,6}: the socket whose local address is our peer's), or
+    None when it cannot be told."""
+    try:
+        peer, local = sock.getpeername(), sock.getsockname()
+        v6 = sock.family == socket.AF_INET6
+        want = (_proc_address(peer[0], peer[1], v6), _proc_address(local[0], local[1], v6))
+        with open("/proc/net/tcp6" if v6 else "/proc/net/tcp") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if (fields[1], fields[2]) == want:
+                    return int(fields[7])
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return None
+
+
+def _proc_address(host: str, port: int, v6: bool) -> str:
+    """An address as /proc/net/tcp writes it: the address in host byte order, then the port, in hex."""
+    if v6:
+        raw = socket.inet_pton(socket.AF_INET6, host)
+        addr = "".join(raw[i:i + 4][::-1].hex() for i in range(0, 16, 4))
+    else:
+        addr = socket.inet_aton(host)[::-1].hex()
+    return f"{addr.upper()}:{port:04X}"
+
+
 @dataclass(frozen=True)
 class Gate:
     """The checks of one controller listener (module doc)."""
@@ -136,6 +165,11 @@ class Gate:
 
     def uid_allowed(self, uid: int | None) -> bool:
         return uid is not None and (uid in (os.geteuid(), 0) or uid in self.allow_uids)
+
+    @staticmethod
+    def trusted_uid(uid: int | None) -> bool:
+        """Ours or root's: clients that can hold the token (other uids cannot read its file)."""
+        return uid in (os.geteuid(), 0)
 
     def check(self, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, str] | None:
         """None when the request may run; else (status, message) to refuse it with."""

@@ -16,7 +16,9 @@ Invariants:
     opening or of its last answer, or it is closed (a slow or idle client
     holds no slot for long); at MAX_CONNECTIONS open connections a new one
     closes the oldest that has no request running (an idle or half-sent
-    one), so clients that hold connections cannot lock /health out;
+    one), so clients that hold connections cannot lock /health out; another
+    uid (a TCP peer's, from /proc/net/tcp) holds at most MAX_FOREIGN_CONNECTIONS
+    and gets FOREIGN_HEAD_TIMEOUT_S for each request head;
   * /health is answered on the event loop itself, never behind busy workers;
   * endpoints run in a thread pool, so a long /flush does not stop /health;
     stop() lets the requests in flight finish for up to IO_TIMEOUT_S.
@@ -55,12 +57,14 @@ from shmkv.services.controller import (
     TokensArgs,
     request_error,
 )
-from shmkv.services.controller_auth import Gate, peer_uid
+from shmkv.services.controller_auth import Gate, peer_uid, tcp_peer_uid
 
 log = logging.getLogger("shmkv.controller")
 
 IO_TIMEOUT_S = 10.0  # for a request head, and for a whole body
+FOREIGN_HEAD_TIMEOUT_S = 2.0  # for each request head of another uid's connection (it cannot hold the token)
 MAX_CONNECTIONS = 256
+MAX_FOREIGN_CONNECTIONS = 16  # per other uid: one neighbour cannot fill the connection cap
 BACKLOG = 128
 
 
@@ -231,14 +235,30 @@ class _HeadDeadline(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        self.peer: int | None = None
+        self.head_timeout_s = IO_TIMEOUT_S
         if self.gate is not None and self.gate.kind == "unix":
-            uid = peer_uid(transport.get_extra_info("socket"))
+            uid = peer_uid(sock)
             if not self.gate.uid_allowed(uid):
                 self.controller.count(403)
                 log.warning("shmkv: controller refused a connection from uid %s (allowed: ours, root, "
                             "controller_allow_uids)", uid)
                 transport.close()
                 return
+        elif self.gate is not None:
+            self.peer = tcp_peer_uid(sock)
+            if not Gate.trusted_uid(self.peer):
+                self.head_timeout_s = min(FOREIGN_HEAD_TIMEOUT_S, IO_TIMEOUT_S)
+                mine = [p for p in self.live if p.peer == self.peer]
+                if len(mine) >= MAX_FOREIGN_CONNECTIONS:
+                    idle = next((p for p in mine if p._idle()), None)
+                    if idle is None:
+                        self.controller.count(503)
+                        transport.close()
+                        return
+                    idle.transport.close()
+                    self.live.pop(idle, None)
         if len(self.live) >= self.cap:
             idle = next((p for p in self.live if p._idle()), None)
             if idle is None:
@@ -268,7 +288,7 @@ class _HeadDeadline(H11Protocol):
         super().send_400_response(msg)
 
     def _arm(self) -> None:
-        self.loop.call_later(IO_TIMEOUT_S, self._head_deadline, self.cycle)
+        self.loop.call_later(self.head_timeout_s, self._head_deadline, self.cycle)
 
     def _head_deadline(self, cycle_then: Any) -> None:
         if self.cycle is cycle_then and not self.transport.is_closing():  # no new request head since

@@ -228,3 +228,44 @@ def test_a_unix_socket_checks_its_peers_uid(cache_name, sticky_tmp, allowed):
         assert reply.startswith("HTTP/1.1 200") if allowed else reply == "", reply
     finally:
         stop(d, t)
+
+
+HOLDER = r"""
+import json, socket, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+conns = []
+for _ in range(40):
+    s = socket.create_connection((host, port), timeout=10)
+    s.sendall(b"POST /clear HTTP/1.1\r\nHo")  # a head that never ends
+    conns.append(s)
+def closed(s):
+    try:
+        return s.recv(1) == b""
+    except (socket.timeout, TimeoutError):
+        return False
+    except OSError:
+        return True
+import select
+still, deadline = list(conns), time.monotonic() + 1.0  # what the server closes within 1 s (its cap)
+while still and (left := deadline - time.monotonic()) > 0:
+    for s in select.select(still, [], [], left)[0]:
+        if closed(s):
+            still.remove(s)
+open_now = len(still)
+t0 = time.monotonic()
+for s in conns:
+    s.settimeout(5)  # another uid gets 2 s for a head (everyone else 10 s)
+all_closed = all(closed(s) for s in conns)
+print(json.dumps({"open": open_now, "all_closed": all_closed, "s": round(time.monotonic() - t0, 2)}))
+"""
+
+
+@AS_ANOTHER_USER
+def test_another_uid_holds_few_connections_for_a_short_time(served):
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    r = as_nobody(HOLDER, host, port)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["open"] <= 16, got  # MAX_FOREIGN_CONNECTIONS
+    assert got["all_closed"], got  # each within the 2 s head deadline of another uid
+    assert http(served.url, "GET", "/health")[0] == 200
