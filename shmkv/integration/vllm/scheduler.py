@@ -114,7 +114,6 @@ class SchedulerSide:
                         ", ".join(r.hex() for r in self._base_roots()))
         self.chain = open_tiers(self.cfg, self.store, kv_element_size_bytes=self._dtype_bytes(),
                                 max_chunk_bytes=max_chunk_bytes)
-        self.disk, self.remote = self.chain.disk, self.chain.remote
         if self.chain.lower:
             # NOTE: promotion reads and decompresses off the scheduler's thread
             self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-promote")
@@ -203,7 +202,7 @@ class SchedulerSide:
                 assert self._promoter is not None
                 self._promotions[request.request_id] = self._promoter.submit(
                     self.chain.promote, keys, roots, tokens=tokens_of,
-                    deadline_s=max(2.0, 4 * self.cfg.remote_timeout) if self.remote is not None else None)
+                    deadline_s=max(2.0, 4 * self.cfg.remote_timeout) if self.chain.remote is not None else None)
                 log.debug("shmkv: request %s: %d tokens found on disk or remote, promoting", request.request_id,
                           sum(u.tokens for u in lower))
                 self.activity.add(promotions=1, promoted_tokens=sum(u.tokens for u in lower))
