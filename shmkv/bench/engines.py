@@ -214,6 +214,10 @@ def _serve(spec: EngineSpec) -> None:
     if spec.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
     kwargs.update(spec.llm_kwargs)
+    if isinstance(kwargs.get("kv_events_config"), dict):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
     if spec.shmkv is not None:
         from vllm.config import KVTransferConfig
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +59,7 @@ from shmkv.store import open_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -271,6 +273,10 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self._work is None else self._work.load_errors()
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The shared tier's stores and removals, for vLLM's KV-event publisher (kv_events.py)."""
+        return self._sched.take_events() if self._sched is not None else ()
 
     def shutdown(self) -> None:
         for side in (self._work, self._sched):

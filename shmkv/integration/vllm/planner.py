@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +61,7 @@ class RequestPlan:
     extras: ExtraInputs | None = None  # multimodal items / prompt embeddings (in the keys of the chunks they cover)
     tiers: dict[int, str] = field(default_factory=dict)  # unit start -> the tier it was first found in
     planner: Planner | None = None  # of the request's namespace (its salt and LoRA adapter)
+    request: Any = None  # vLLM's Request (its block hashes name the chunks in KV events)
 
 
 class Planner:

@@ -29,6 +29,7 @@ from shmkv.integration.vllm.engine_inputs import (
     prompt_tokens,
     request_extras,
 )
+from shmkv.integration.vllm.kv_events import SharedTierEvents
 from shmkv.integration.vllm.metadata import RequestSummary, ShmKVMetadata
 from shmkv.integration.vllm.planner import NULL_BLOCK, Planner, RequestPlan
 from shmkv.keys import Namespace, lossy_key
@@ -36,6 +37,7 @@ from shmkv.names import DISK, REMOTE, SHM, TIERS
 from shmkv.namespaces import register
 from shmkv.store import Store
 from shmkv.tiers import open_tiers
+from shmkv.transfer.items import StoreItem
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,12 +95,16 @@ class SchedulerSide:
         self._promotions: dict[str, Future] = {}
         self._promoted: set[str] = set()  # promotion done: look up in memory only
         self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0, "delayed_frees": 0,
-                                         "finished_sending": 0, "unexpected_finished_sending": 0}
+                                         "finished_sending": 0, "unexpected_finished_sending": 0, "event_errors": 0}
         # Delayed frees (worker.py): requests whose store items were shipped, then those
         # whose blocks vLLM keeps until the workers report them in finished_sending.
         self._shipped_stores: set[str] = set()
         self.delayed: set[str] = set()
         self._promoter: ThreadPoolExecutor | None = None
+        kec = getattr(vllm_config, "kv_events_config", None)
+        # announced to KV-cache-aware routers through vLLM's publisher (kv_events.py)
+        self.events = SharedTierEvents(store, self.block_size) \
+            if kec is not None and kec.enable_kv_cache_events and stores else None
         if groups_field(self._groups):
             log.info("shmkv: hybrid KV cache, %d groups: %s", len(self._groups), "; ".join(
                 f"{len(g.layer_names)} layers with " + (f"a {g.window}-token sliding window" if g.window
@@ -183,7 +189,7 @@ class SchedulerSide:
                 planner = self._planner(getattr(request, "cache_salt", None), lora_extra(request))
                 extras = request_extras(request)
                 plan = RequestPlan(request.request_id, len(tokens), planner.units(tokens, extras), roots=planner.roots)
-                plan.extras, plan.planner = extras, planner
+                plan.extras, plan.planner, plan.request = extras, planner, request
                 self._plans[request.request_id] = plan
             planner = plan.planner
             plan.local_tokens = num_computed_tokens
@@ -333,7 +339,7 @@ class SchedulerSide:
                 continue
             plan.block_ids = [list(ids) for ids in new.block_ids]
             done = new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)
-            meta.stores.extend(planner.store_items(plan, done))
+            meta.stores.extend(self._announce(plan, planner.store_items(plan, done)))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             plan = self._plans.get(req_id)
@@ -346,7 +352,28 @@ class SchedulerSide:
                 for mine, ids in zip(plan.block_ids, new_ids):
                     mine.extend(ids)
             done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
-            meta.stores.extend(planner.store_items(plan, done))
+            meta.stores.extend(self._announce(plan, planner.store_items(plan, done)))
+
+    def _announce(self, plan: RequestPlan, items: list[StoreItem]) -> list[StoreItem]:
+        """Tell the KV events (if on) which units these store items write."""
+        if self.events is not None and items and plan.request is not None:
+            shipped = {it.keys for it in items}
+            try:
+                self.events.stores_planned(plan.request, [u for u in plan.units if tuple(u.keys) in shipped])
+            except Exception:  # events are for routers: never a reason to skip a store
+                self.counters["event_errors"] += 1
+                log.exception("shmkv: KV events of request %s could not be prepared", plan.req_id)
+        return items
+
+    def take_events(self) -> list[Any]:
+        if self.events is None:
+            return []
+        try:
+            return self.events.take_events()
+        except Exception:
+            self.counters["event_errors"] += 1
+            log.exception("shmkv: taking the shared tier's KV events failed")
+            return []
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         plan = self._plans.pop(request.request_id, None)
