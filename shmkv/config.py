@@ -192,9 +192,14 @@ class ShmkvConfig:
 
 def _parse_remote_url(key: str, value: Any) -> str:
     s = str(value).strip()
-    if s and not s.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"{key}={value!r}: expected a redis://, rediss:// or unix:// URL (or empty)")
-    return s
+    parts = [p.strip() for p in s.split(",")] if s else []
+    if any(not p.startswith(("redis://", "rediss://", "unix://")) for p in parts):
+        raise ConfigError(f"{redact_url(s)!r} for {key}: expected a redis://, rediss:// or unix:// URL, or a "
+                          "comma-separated list of a cluster's redis:// / rediss:// seed URLs (or empty)")
+    if len(parts) > 1 and (any(p.startswith("unix://") for p in parts)
+                           or len({p.partition("://")[0] for p in parts}) > 1):
+        raise ConfigError(f"{key}: the seed URLs of a cluster are all redis:// or all rediss://")
+    return ",".join(parts)
 
 
 def _parse_seconds(key: str, value: Any) -> float:

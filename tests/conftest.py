@@ -76,6 +76,19 @@ def redis_server(tmp_path) -> Iterator:
     server.kill()
 
 
+@pytest.fixture
+def redis_cluster(tmp_path) -> Iterator:
+    """A private Redis Cluster of 3 primaries on loopback (helpers.PrivateRedisCluster)."""
+    from helpers import PrivateRedisCluster
+
+    try:
+        cluster = PrivateRedisCluster(str(tmp_path))
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
+    yield cluster
+    cluster.kill()
+
+
 # ---------------------------------------------------------------- vLLM ----
 # Shared by the end-to-end tests: one small random-weight Llama, and one
 # reference engine WITHOUT the connector that produces the greedy output of a

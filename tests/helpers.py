@@ -390,3 +390,91 @@ def as_nobody(code: str, *args: str) -> subprocess.CompletedProcess:
                                   timeout=120, cwd="/")
     pytest.skip("no Python interpreter the nobody user can execute")
 
+
+
+# ------------------------------------------------------- redis cluster ---
+class PrivateRedisCluster:
+    """A throwaway Redis Cluster on loopback: `masters` primaries (each with
+    `replicas` replicas), slots spread by redis-cli, nothing persisted."""
+
+    def __init__(self, workdir: str, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000) -> None:
+        import socket
+
+        binary = shutil.which("redis-server") or shutil.which("valkey-server")
+        cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        if binary is None or cli is None:
+            raise FileNotFoundError("redis-server and redis-cli are needed: scripts/setup.sh installs them")
+        self.ports: list[int] = []
+        self.procs: dict[int, subprocess.Popen] = {}
+        import random
+
+        rng = random.Random()
+        while len(self.ports) < masters * (1 + replicas):  # a node needs its port and its bus port (+10000) free
+            port = rng.randrange(20000, 30000)
+            try:
+                with socket.socket() as a, socket.socket() as b:
+                    a.bind(("127.0.0.1", port))
+                    b.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+            if port not in self.ports:
+                self.ports.append(port)
+        for port in self.ports:
+            d = os.path.join(workdir, str(port))
+            os.makedirs(d, exist_ok=True)
+            self.procs[port] = subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
+                 "--save", "", "--appendonly", "no", "--dir", d],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for port in self.ports:
+            self._wait(lambda p=port: subprocess.run([cli, "-p", str(p), "ping"], capture_output=True,
+                                                     text=True).stdout.strip() == "PONG")
+        r = subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
+                            "--cluster-replicas", str(replicas), "--cluster-yes"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        self.cli = cli
+        self._wait(lambda: all("cluster_state:ok" in self.info(p) for p in self.ports))
+        self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def info(self, port: int) -> str:
+        return subprocess.run([self.cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True).stdout
+
+    @staticmethod
+    def _wait(ok, timeout_s: float = 60.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not ok():
+            assert time.monotonic() < deadline, "the cluster did not come up"
+            time.sleep(0.1)  # polling a server process that is starting: bounded above
+
+    def keys_per_node(self) -> dict[int, int]:
+        import redis
+
+        return {p: redis.Redis(port=p, socket_timeout=5).dbsize() for p in self.ports}
+
+    def masters(self) -> list[int]:
+        out = subprocess.run([self.cli, "-p", str(self.alive()[0]), "cluster", "nodes"], capture_output=True,
+                             text=True).stdout
+        return sorted(int(line.split()[1].split(":")[1].split("@")[0]) for line in out.splitlines()
+                      if "master" in line.split()[2] and "fail" not in line.split()[2])
+
+    def alive(self) -> list[int]:
+        return [p for p, proc in self.procs.items() if proc.poll() is None]
+
+    def kill_node(self, port: int) -> None:
+        self.procs[port].kill()
+        self.procs[port].wait(timeout=30)
+
+    def wait_for_failover(self, dead: int, timeout_s: float = 60.0) -> None:
+        """Until a replica has taken over the dead primary's slots (cluster_state ok again)."""
+        self._wait(lambda: dead not in self.masters() and len(self.masters()) == 3
+                   and all("cluster_state:ok" in self.info(p) for p in self.alive()), timeout_s)
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)

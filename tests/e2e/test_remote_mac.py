@@ -17,7 +17,8 @@ from shmkv.config import load_config
 from shmkv.errors import ConfigError, PermissionDeniedError
 from shmkv.tiers import TierChain, open_tiers
 from shmkv.tiers import format as fmt
-from shmkv.tiers.remote.tier import MAC_BYTES, chunk_key, read_secret
+from shmkv.tiers.remote.client import read_secret
+from shmkv.tiers.remote.tier import MAC_BYTES, chunk_key
 
 NS = b"N" * 16
 SIZE = 16 * 1024

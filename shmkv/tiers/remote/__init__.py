@@ -22,7 +22,8 @@ def open_remote(cfg: Any, *, store: Any = None, element_size: int = 2) -> Any:
     if not cfg.remote_url:
         return None
     try:
-        from shmkv.tiers.remote.tier import RemoteTier, read_secret
+        from shmkv.tiers.remote.client import read_secret
+        from shmkv.tiers.remote.tier import RemoteTier
     except ImportError as e:
         raise ConfigError(f"remote_url is set but the remote tier cannot load ({e}); "
                           "install it with: pip install 'shmkv[remote]'") from e

@@ -39,23 +39,21 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
-import ipaddress
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from shmkv.backoff import Backoff
 from shmkv.config import redact_url
+from shmkv.errors import ConfigError
 from shmkv.names import AUTO, REMOTE
 from shmkv.tiers import format as fmt
 from shmkv.tiers.codec import CodecChoice
+from shmkv.tiers.remote.client import make_client, set_deadline
 
 log = logging.getLogger("shmkv.remote")
 
@@ -91,92 +89,12 @@ return dropped
 """
 
 
-# -------------------------------------------------------------- deadlines --
-# redis-py bounds each socket read by socket_timeout, not a call: a server
-# that drips one byte per read would hold a call for ever. Every call of this
-# tier sets a deadline (thread-local); the sockets below cut each read to
-# what is left of it.
-_deadline = threading.local()
-
-
-class _DeadlineSocket:
-    """A connected socket whose reads end at the calling thread's deadline."""
-
-    def __init__(self, sock: Any, timeout_s: float) -> None:
-        self._sock = sock
-        self._timeout_s = timeout_s
-
-    def _arm(self) -> None:
-        at = getattr(_deadline, "at", None)
-        if at is None:
-            return
-        left = at - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the remote call's deadline passed")
-        self._sock.settimeout(min(left, self._timeout_s))
-
-    def recv(self, *args: Any) -> Any:
-        self._arm()
-        return self._sock.recv(*args)
-
-    def recv_into(self, *args: Any) -> Any:
-        self._arm()
-        return self._sock.recv_into(*args)
-
-    def settimeout(self, t: float | None) -> None:
-        self._timeout_s = self._timeout_s if t is None else t
-        self._sock.settimeout(t)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-
-class _DeadlineMixin:
-    def _connect(self) -> Any:
-        sock = super()._connect()  # type: ignore[misc]
-        return _DeadlineSocket(sock, self.socket_timeout or 1.0)  # type: ignore[attr-defined]
-
-
-_CONNECTIONS = {
-    "redis": type("DeadlineConnection", (_DeadlineMixin, redis.connection.Connection), {}),
-    "rediss": type("DeadlineSSLConnection", (_DeadlineMixin, redis.connection.SSLConnection), {}),
-    "unix": type("DeadlineUnixConnection", (_DeadlineMixin, redis.connection.UnixDomainSocketConnection), {}),
-}
-
-
 MAC_BYTES = 32
 
 
 def chunk_key(key: bytes, namespace: bytes, authenticated: bool = False) -> bytes:
     """The Redis key of a chunk (module doc); `authenticated`: of a tier with a secret."""
     return PREFIX + (b"a:" if authenticated else b"c:") + namespace.hex().encode() + b":" + key.hex().encode()
-
-
-def read_secret(path: str) -> bytes:
-    """The shared secret in `path`: a file of ours (or root's) that no one
-    else can read or write, of at least 16 bytes (surrounding whitespace
-    dropped). Raises PermissionDeniedError / ConfigError naming the file."""
-    import stat
-
-    from shmkv.errors import ConfigError, PermissionDeniedError
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise ConfigError(f"remote_secret_file={path!r}: cannot read it: {e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or stat.S_IMODE(st.st_mode) & 0o077:
-            raise PermissionDeniedError(
-                f"remote_secret_file {path}: owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}; it must "
-                f"be a regular file of ours that nobody else can read or write (`chmod 600 {path}`)")
-        secret = os.read(fd, 4096).strip()
-    finally:
-        os.close(fd)
-    if len(secret) < 16:
-        raise ConfigError(f"remote_secret_file {path}: holds {len(secret)} bytes; give it at least 16 random bytes "
-                          "(e.g. `openssl rand -hex 32 > FILE`)")
-    return secret
 
 
 class RemoteTier:
@@ -203,10 +121,11 @@ class RemoteTier:
         self.codec = CodecChoice(REMOTE, codec)
         self._count = counter or (lambda name, n: None)
         self.display_url = redact_url(url)
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                            retry=Retry(NoBackoff(), 0), health_check_interval=0,
-                                            connection_class=_CONNECTIONS[url.partition("://")[0]])
-        _warn_if_clear_text(url)
+        self._client, self.cluster = make_client(url, timeout_s)
+        if self.cluster and capacity_bytes:
+            raise ConfigError("remote_capacity keeps one server's byte budget with a multi-key script, which a "
+                              "cluster cannot run across slots: leave it 0 and give every shard `maxmemory` and "
+                              "`maxmemory-policy allkeys-lru` (README: the remote tier)")
         self._put_script = self._client.register_script(_PUT_WITH_BUDGET)
         self._backoff = Backoff()
         self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
@@ -225,7 +144,7 @@ class RemoteTier:
         """(ok, result) of one bounded call; a failure marks the tier down."""
         if not self.available:
             return False, None
-        _deadline.at = time.monotonic() + self.timeout_s
+        set_deadline(time.monotonic() + self.timeout_s)
         try:
             result = fn()
         except Exception as e:  # noqa: BLE001 - any fault of the server or the client library is a miss
@@ -235,7 +154,7 @@ class RemoteTier:
                         self.display_url, what, type(e).__name__, e, self._backoff.delay_s)
             return False, None
         finally:
-            _deadline.at = None
+            set_deadline(None)
         if self._backoff.worked():
             log.info("shmkv: remote tier %s reachable again", self.display_url)
         return True, result
@@ -363,8 +282,17 @@ class RemoteTier:
 
         def run() -> int:
             n, cursor = 0, 0
+            if self.cluster:  # every primary's keys, a bounded call's worth at a time
+                batch: list[bytes] = []
+                for k in self._client.scan_iter(match=pattern, count=1000):
+                    batch.append(k)
+                    if len(batch) == 1000:
+                        n += self._drop(batch)
+                        batch = []
+                        set_deadline(time.monotonic() + self.timeout_s)
+                return n + (self._drop(batch) if batch else 0)
             while True:  # each batch is one bounded call's worth (a fresh deadline)
-                _deadline.at = time.monotonic() + self.timeout_s
+                set_deadline(time.monotonic() + self.timeout_s)
                 cursor, batch = self._client.scan(cursor, match=pattern, count=1000)
                 if batch:
                     n += self._drop(batch)
@@ -384,6 +312,11 @@ class RemoteTier:
 
     # ------------------------------------------------------------ internals --
     def _drop(self, rkeys: list[bytes]) -> int:
+        if self.cluster:  # no budget bookkeeping on a cluster; keys of many slots: one UNLINK each
+            pipe = self._client.pipeline(transaction=False)
+            for k in rkeys:
+                pipe.unlink(k)
+            return sum(int(n) for n in pipe.execute())
         sizes = self._client.hmget(_SIZES, rkeys)
         pipe = self._client.pipeline(transaction=False)
         pipe.unlink(*rkeys)
@@ -436,21 +369,3 @@ class RemoteTier:
     def _encoded(self, key: bytes, ns: bytes) -> tuple[bytes, tuple[str, int, float] | None] | None:
         """The chunk's encoded bytes from the source, in the codec this tier picks now."""
         return None if self.source is None else self.source(key, ns, self.codec.pick())
-
-
-def _warn_if_clear_text(url: str) -> None:
-    """One warning when chunks would cross a network in clear: redis:// to a
-    host that is not loopback (rediss:// encrypts; unix:// stays on the host)."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if parts.scheme != "redis":
-        return
-    host = parts.hostname or "localhost"
-    try:
-        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        local = False
-    if not local:
-        log.warning("shmkv: remote tier %s: redis:// to another host: chunks travel in clear and unauthenticated "
-                    "(anyone on the path can read the KV, or plant it); use rediss://", redact_url(url))

@@ -1,0 +1,170 @@
+"""The remote tier's connection to Redis / Valkey: one server or a cluster.
+
+Owns how a `remote_url` becomes a redis-py client, and the bounds of every
+call made through it:
+
+  * `remote_url` is one server's redis:// / rediss:// / unix:// URL; a
+    redis:// or rediss:// URL of any node of a Redis or Valkey Cluster (the
+    server's `INFO cluster` says so at start); or a comma-separated list of
+    seed nodes' URLs (always a cluster). A cluster gets redis-py's cluster
+    client: keys spread over every slot, MOVED/ASK and failovers handled by
+    it; the single-server mode stays as it was;
+  * every call has one deadline across its connect and socket reads (a
+    thread-local set by RemoteTier._call): redis-py bounds each read by
+    socket_timeout, not a call, so a server dripping its answer would hold a
+    call for ever;
+  * a redis:// URL to a host that is not loopback is named in a warning:
+    chunks would travel in clear.
+
+Also the shared secret's file (read_secret): a file of ours that nobody
+else can read or write.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from shmkv.config import redact_url
+
+log = logging.getLogger("shmkv.remote")
+
+_deadline = threading.local()
+
+
+def set_deadline(at: float | None) -> None:
+    """The calling thread's deadline (time.monotonic()) for its remote reads; None: none."""
+    _deadline.at = at
+
+
+class _DeadlineSocket:
+    """A connected socket whose reads end at the calling thread's deadline."""
+
+    def __init__(self, sock: Any, timeout_s: float) -> None:
+        self._sock = sock
+        self._timeout_s = timeout_s
+
+    def _arm(self) -> None:
+        at = getattr(_deadline, "at", None)
+        if at is None:
+            return
+        left = at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the remote call's deadline passed")
+        self._sock.settimeout(min(left, self._timeout_s))
+
+    def recv(self, *args: Any) -> Any:
+        self._arm()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> Any:
+        self._arm()
+        return self._sock.recv_into(*args)
+
+    def settimeout(self, t: float | None) -> None:
+        self._timeout_s = self._timeout_s if t is None else t
+        self._sock.settimeout(t)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _DeadlineMixin:
+    def _connect(self) -> Any:
+        sock = super()._connect()  # type: ignore[misc]
+        return _DeadlineSocket(sock, self.socket_timeout or 1.0)  # type: ignore[attr-defined]
+
+
+_CONNECTIONS = {
+    "redis": type("DeadlineConnection", (_DeadlineMixin, redis.connection.Connection), {}),
+    "rediss": type("DeadlineSSLConnection", (_DeadlineMixin, redis.connection.SSLConnection), {}),
+    "unix": type("DeadlineUnixConnection", (_DeadlineMixin, redis.connection.UnixDomainSocketConnection), {}),
+}
+
+
+def make_client(url: str, timeout_s: float) -> tuple[Any, bool]:
+    """(redis-py client, whether it is a cluster's) for a remote_url (module doc)."""
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    for u in urls:
+        _warn_if_clear_text(u)
+    scheme = urls[0].partition("://")[0]
+    common = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+              "connection_class": _CONNECTIONS[scheme]}
+    if len(urls) == 1:
+        single = redis.Redis.from_url(urls[0], retry=Retry(NoBackoff(), 0), health_check_interval=0, **common)
+        if scheme == "unix" or not _is_cluster(single, urls[0], timeout_s):
+            return single, False
+        single.close()
+    # NOTE: redis-py gives every node our connection class only for a client made from a URL, and a
+    # rediss:// URL would replace it with its own SSL class: the first URL goes in as redis://, the
+    # class (ours, with TLS for rediss) set here
+    first = "redis" + urls[0][len(scheme):]
+    nodes = [redis.cluster.ClusterNode(p.hostname or "localhost", p.port or 6379) for p in map(urlsplit, urls[1:])]
+    client = redis.cluster.RedisCluster(url=first, startup_nodes=nodes, require_full_coverage=False,
+                                        retry=Retry(NoBackoff(), 1), **common)
+    return client, True
+
+
+def _is_cluster(client: redis.Redis, url: str, timeout_s: float) -> bool:
+    set_deadline(time.monotonic() + timeout_s)
+    try:
+        return bool(client.info("cluster").get("cluster_enabled"))
+    except Exception as e:  # noqa: BLE001 - unreachable now: used as one server (calls fail over to misses)
+        log.warning("shmkv: remote tier %s: could not ask whether it is a cluster (%s: %s); used as one server",
+                    redact_url(url), type(e).__name__, e)
+        return False
+    finally:
+        set_deadline(None)
+
+
+def read_secret(path: str) -> bytes:
+    """The shared secret in `path`: a file of ours (or root's) that no one
+    else can read or write, of at least 16 bytes (surrounding whitespace
+    dropped). Raises PermissionDeniedError / ConfigError naming the file."""
+    import stat
+
+    from shmkv.errors import ConfigError, PermissionDeniedError
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"remote_secret_file={path!r}: cannot read it: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or stat.S_IMODE(st.st_mode) & 0o077:
+            raise PermissionDeniedError(
+                f"remote_secret_file {path}: owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}; it must "
+                f"be a regular file of ours that nobody else can read or write (`chmod 600 {path}`)")
+        secret = os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
+    if len(secret) < 16:
+        raise ConfigError(f"remote_secret_file {path}: holds {len(secret)} bytes; give it at least 16 random bytes "
+                          "(e.g. `openssl rand -hex 32 > FILE`)")
+    return secret
+
+
+def _warn_if_clear_text(url: str) -> None:
+    """One warning when chunks would cross a network in clear: redis:// to a
+    host that is not loopback (rediss:// encrypts; unix:// stays on the host)."""
+    parts = urlsplit(url)
+    if parts.scheme != "redis":
+        return
+    host = parts.hostname or "localhost"
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    if not local:
+        log.warning("shmkv: remote tier %s: redis:// to another host: chunks travel in clear and unauthenticated "
+                    "(anyone on the path can read the KV, or plant it); use rediss://", redact_url(url))
