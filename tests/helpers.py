@@ -456,10 +456,11 @@ class PrivateRedisCluster:
         return {p: redis.Redis(port=p, socket_timeout=5).dbsize() for p in self.ports}
 
     def masters(self) -> list[int]:
+        """Ports of the primaries that hold slots."""
         out = subprocess.run([self.cli, "-p", str(self.alive()[0]), "cluster", "nodes"], capture_output=True,
                              text=True).stdout
         return sorted(int(line.split()[1].split(":")[1].split("@")[0]) for line in out.splitlines()
-                      if "master" in line.split()[2] and "fail" not in line.split()[2])
+                      if "master" in line.split()[2] and "fail" not in line.split()[2] and len(line.split()) > 8)
 
     def alive(self) -> list[int]:
         return [p for p, proc in self.procs.items() if proc.poll() is None]
@@ -468,8 +469,22 @@ class PrivateRedisCluster:
         self.procs[port].kill()
         self.procs[port].wait(timeout=30)
 
+    def promote_replica_of(self, dead: int) -> int:
+        """Make the dead primary's replica take its slots now (CLUSTER FAILOVER TAKEOVER: no
+        waiting for the node timeout); its port."""
+        out = subprocess.run([self.cli, "-p", str(self.alive()[0]), "cluster", "nodes"], capture_output=True,
+                             text=True).stdout.splitlines()
+        node_id = next(line.split()[0] for line in out if f":{dead}@" in line.split()[1])
+        replica = next(int(line.split()[1].split(":")[1].split("@")[0]) for line in out if line.split()[3] == node_id)
+        r = subprocess.run([self.cli, "-p", str(replica), "cluster", "failover", "takeover"], capture_output=True,
+                           text=True)
+        assert r.stdout.strip() == "OK", r.stdout + r.stderr
+        self.wait_for_failover(dead)
+        return replica
+
     def wait_for_failover(self, dead: int, timeout_s: float = 60.0) -> None:
-        """Until a replica has taken over the dead primary's slots (cluster_state ok again)."""
+        """Until a replica has taken over the dead primary's slots (cluster_state ok again);
+        masters() counts only primaries that hold slots."""
         self._wait(lambda: dead not in self.masters() and len(self.masters()) == 3
                    and all("cluster_state:ok" in self.info(p) for p in self.alive()), timeout_s)
 

@@ -166,6 +166,8 @@ class RemoteTier:
             return []
 
         def run():  # noqa: ANN202
+            if self.cluster:
+                return self._exists_per_shard([self._rkey(k, ns) for k, ns in zip(keys, namespaces)])
             pipe = self._client.pipeline(transaction=False)
             for k, ns in zip(keys, namespaces):
                 pipe.exists(self._rkey(k, ns))
@@ -350,6 +352,35 @@ class RemoteTier:
                 with self._cv:
                     self._busy -= 1
                     self._cv.notify_all()
+
+    def _exists_per_shard(self, rkeys: list[bytes]) -> list[int]:
+        """EXISTS of each key, one pipeline per shard: a shard that cannot be
+        reached (its primary down, before or during a failover) answers 0 for
+        its keys, counted in remote_errors, and the others answer as usual.
+        Raises only when no shard answered."""
+        by_node: dict[str, list[int]] = {}
+        for i, rk in enumerate(rkeys):
+            by_node.setdefault(self._client.get_node_from_key(rk).name, []).append(i)
+        out, failed, last = [0] * len(rkeys), 0, None
+        for idx in by_node.values():
+            pipe = self._client.pipeline(transaction=False)
+            for i in idx:
+                pipe.exists(rkeys[i])
+            try:
+                res = pipe.execute()
+            except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError,
+                    redis.exceptions.RedisClusterException, TimeoutError) as e:
+                failed, last = failed + 1, e
+                continue
+            for i, x in zip(idx, res):
+                out[i] = int(x) if type(x) is int else 0
+        if failed:
+            if failed == len(by_node):
+                raise last  # type: ignore[misc]
+            self._count("remote_errors", failed)
+            log.warning("shmkv: remote tier %s: %d of %d shards did not answer (%s); their chunks are misses",
+                        self.display_url, failed, len(by_node), last)
+        return out
 
     def _rkey(self, key: bytes, namespace: bytes) -> bytes:
         return chunk_key(key, namespace, self._secret is not None)
