@@ -26,6 +26,7 @@ XDG_RUNTIME_DIR to a directory of yours).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
@@ -190,6 +191,28 @@ def check_private_file(path: str, what: str) -> None:
     if stat.S_IMODE(st.st_mode) & 0o022:
         raise PermissionDeniedError(f"{what} {path}: {_describe(st)}: writable by group or others; "
                                     f"`chmod go-w {path}` if its contents are yours")
+
+
+def read_secret_file(path: str, what: str, *, fix: str, root_ok: bool = False) -> bytes:
+    """The contents (at most 4 KiB, whitespace stripped) of a file holding a
+    secret: a regular file, not a link, owned by us (or root with `root_ok`),
+    that nobody else can read or write. Raises PermissionDeniedError naming
+    the file, its owner and mode and `fix`; FileNotFoundError when missing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PermissionDeniedError(f"{what} {path}: a symbolic link; {fix}") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        owners = (os.geteuid(), 0) if root_ok else (os.geteuid(),)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in owners or stat.S_IMODE(st.st_mode) & 0o077:
+            raise PermissionDeniedError(f"{what} {path}: {_describe(st)}; it must be a regular file of ours that "
+                                        f"nobody else can read or write; {fix}")
+        return os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
 
 
 def check_trusted_dir(path: str) -> str:

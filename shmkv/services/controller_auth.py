@@ -22,20 +22,18 @@ Both refuse a token file that someone else could have written or read.
 
 from __future__ import annotations
 
-import errno
 import hmac
 import ipaddress
 import os
 import secrets
 import socket
-import stat
 import struct
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from shmkv.config import ShmkvConfig, parse_listen
 from shmkv.errors import ConfigError, PermissionDeniedError
-from shmkv.paths import runtime_dir
+from shmkv.paths import read_secret_file, runtime_dir
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -47,41 +45,20 @@ def token_path(cfg: ShmkvConfig) -> str:
     return os.path.join(runtime_dir().path, f"{cfg.cache_name}.controller-token")
 
 
-def _check_token_fd(fd: int, path: str) -> None:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise PermissionDeniedError(f"controller token file {path}: not a regular file")
-    if st.st_uid != os.geteuid():
-        raise PermissionDeniedError(f"controller token file {path}: owned by uid {st.st_uid}, not by us "
-                                    f"(uid {os.geteuid()}); remove it, the daemon writes a new one")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise PermissionDeniedError(f"controller token file {path}: mode {stat.S_IMODE(st.st_mode):04o}, others "
-                                    f"may have read it; remove it (the daemon writes a new one) or "
-                                    f"`chmod 600 {path}`")
-
-
 def read_token(cfg: ShmkvConfig) -> str:
     """The controller token, for a client. Raises ConfigError naming the file
     when there is none (no daemon has started with this configuration)."""
     path = token_path(cfg)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        token = read_secret_file(path, "controller token file",
+                                 fix=f"remove it (the daemon writes a new one) or `chmod 600 {path}`")
     except FileNotFoundError:
         raise ConfigError(f"no controller token at {path}: the daemon writes it at its first start "
                           "(same cache_name and runtime directory as this process)") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise PermissionDeniedError(f"controller token file {path}: a symbolic link") from None
-        raise
-    try:
-        _check_token_fd(fd, path)
-        token = os.read(fd, 4096).decode("ascii", "replace").strip()
-    finally:
-        os.close(fd)
     if len(token) < 32:
         raise PermissionDeniedError(f"controller token file {path}: holds no token; remove it, the daemon "
                                     "writes a new one")
-    return token
+    return token.decode("ascii", "replace")
 
 
 def load_or_create_token(cfg: ShmkvConfig) -> str:

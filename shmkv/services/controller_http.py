@@ -251,24 +251,23 @@ class _HeadDeadline(H11Protocol):
             if not Gate.trusted_uid(self.peer):
                 self.head_timeout_s = min(FOREIGN_HEAD_TIMEOUT_S, IO_TIMEOUT_S)
                 mine = [p for p in self.live if p.peer == self.peer]
-                if len(mine) >= MAX_FOREIGN_CONNECTIONS:
-                    idle = next((p for p in mine if p._idle()), None)
-                    if idle is None:
-                        self.controller.count(503)
-                        transport.close()
-                        return
-                    idle.transport.close()
-                    self.live.pop(idle, None)
-        if len(self.live) >= self.cap:
-            idle = next((p for p in self.live if p._idle()), None)
-            if idle is None:
-                self.controller.count(503)
-                transport.close()
-                return
-            idle.transport.close()
-            self.live.pop(idle, None)
+                if len(mine) >= MAX_FOREIGN_CONNECTIONS and not self._make_room(mine):
+                    return
+        if len(self.live) >= self.cap and not self._make_room(list(self.live)):
+            return
         self.live[self] = None
         self._arm()
+
+    def _make_room(self, among: list[_HeadDeadline]) -> bool:
+        """Close the oldest of `among` that runs no request; with none, refuse this connection (503)."""
+        idle = next((p for p in among if p._idle()), None)
+        if idle is None:
+            self.controller.count(503)
+            self.transport.close()
+            return False
+        idle.transport.close()
+        self.live.pop(idle, None)
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.live.pop(self, None)

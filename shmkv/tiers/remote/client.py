@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -128,26 +127,16 @@ def _is_cluster(client: redis.Redis, url: str, timeout_s: float) -> bool:
 
 
 def read_secret(path: str) -> bytes:
-    """The shared secret in `path`: a file of ours (or root's) that no one
-    else can read or write, of at least 16 bytes (surrounding whitespace
-    dropped). Raises PermissionDeniedError / ConfigError naming the file."""
-    import stat
-
-    from shmkv.errors import ConfigError, PermissionDeniedError
+    """The shared secret in `path` (shmkv.paths.read_secret_file: ours or
+    root's, nobody else can read or write it), of at least 16 bytes. Raises
+    PermissionDeniedError / ConfigError naming the file."""
+    from shmkv.errors import ConfigError
+    from shmkv.paths import read_secret_file
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
+        secret = read_secret_file(path, "remote_secret_file", fix=f"`chmod 600 {path}`", root_ok=True)
+    except (FileNotFoundError, IsADirectoryError) as e:
         raise ConfigError(f"remote_secret_file={path!r}: cannot read it: {e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or stat.S_IMODE(st.st_mode) & 0o077:
-            raise PermissionDeniedError(
-                f"remote_secret_file {path}: owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}; it must "
-                f"be a regular file of ours that nobody else can read or write (`chmod 600 {path}`)")
-        secret = os.read(fd, 4096).strip()
-    finally:
-        os.close(fd)
     if len(secret) < 16:
         raise ConfigError(f"remote_secret_file {path}: holds {len(secret)} bytes; give it at least 16 random bytes "
                           "(e.g. `openssl rand -hex 32 > FILE`)")
