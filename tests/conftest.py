@@ -64,12 +64,19 @@ def daemon(tmp_path) -> Iterator:
             d.proc.wait()
 
 @pytest.fixture
-def redis_server(tmp_path) -> Iterator:
-    """A private redis-server on a loopback port (shmkv.bench.redis_server.PrivateRedis)."""
-    from shmkv.bench.redis_server import PrivateRedis
+def small_store(cache_name) -> Iterator:
+    """A 16 MiB segment of the test's own, mapped on first touch."""
+    from shmkv import Store
 
+    s = Store.create(cache_name, 16 << 20, populate=False)
+    yield s
+    s.close()
+
+
+def _private_server(make) -> Iterator:
+    """Start a throwaway server (its binary missing: a failure naming it), kill it after."""
     try:
-        server = PrivateRedis(str(tmp_path))
+        server = make()
     except FileNotFoundError as e:
         pytest.fail(str(e))
     yield server
@@ -77,16 +84,19 @@ def redis_server(tmp_path) -> Iterator:
 
 
 @pytest.fixture
+def redis_server(tmp_path) -> Iterator:
+    """A private redis-server on a loopback port (shmkv.bench.redis_server.PrivateRedis)."""
+    from shmkv.bench.redis_server import PrivateRedis
+
+    yield from _private_server(lambda: PrivateRedis(str(tmp_path)))
+
+
+@pytest.fixture
 def redis_cluster(tmp_path) -> Iterator:
     """A private Redis Cluster of 3 primaries on loopback (helpers.PrivateRedisCluster)."""
     from helpers import PrivateRedisCluster
 
-    try:
-        cluster = PrivateRedisCluster(str(tmp_path))
-    except FileNotFoundError as e:
-        pytest.fail(str(e))
-    yield cluster
-    cluster.kill()
+    yield from _private_server(lambda: PrivateRedisCluster(str(tmp_path)))
 
 
 # ---------------------------------------------------------------- vLLM ----

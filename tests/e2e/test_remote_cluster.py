@@ -11,7 +11,7 @@ import time
 import pytest
 from helpers import key, payload_for
 
-from shmkv import PutResult, Store
+from shmkv import PutResult
 from shmkv.config import load_config
 from shmkv.errors import ConfigError
 from shmkv.tiers import open_tiers
@@ -22,10 +22,8 @@ N = 60
 
 
 @pytest.fixture
-def store(cache_name):
-    s = Store.create(cache_name, 16 << 20, populate=False)
-    yield s
-    s.close()
+def store(small_store):
+    return small_store
 
 
 def chain(store, url, **kw):

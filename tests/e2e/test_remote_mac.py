@@ -12,7 +12,7 @@ import os
 import pytest
 from helpers import key, payload_for
 
-from shmkv import PutResult, Store
+from shmkv import PutResult
 from shmkv.config import load_config
 from shmkv.errors import ConfigError, PermissionDeniedError
 from shmkv.tiers import TierChain, open_tiers
@@ -25,10 +25,8 @@ SIZE = 16 * 1024
 
 
 @pytest.fixture
-def store(cache_name):
-    s = Store.create(cache_name, 16 << 20, populate=False)
-    yield s
-    s.close()
+def store(small_store):
+    return small_store
 
 
 def secret_file(tmp_path, name="secret", data=b"0123456789abcdef0123456789abcdef", mode=0o600):

@@ -24,10 +24,8 @@ TIMEOUT = 0.5
 
 
 @pytest.fixture
-def store(cache_name):
-    s = Store.create(cache_name, 16 << 20, populate=False)
-    yield s
-    s.close()
+def store(small_store):
+    return small_store
 
 
 def fake_server(answer: Callable[[socket.socket, bytes], None]) -> Iterator[str]:

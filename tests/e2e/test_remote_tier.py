@@ -13,7 +13,7 @@ import time
 import pytest
 from helpers import key, payload_for
 
-from shmkv import PutResult, Store
+from shmkv import PutResult
 from shmkv.services.maintainer import Maintainer
 from shmkv.tiers import TierChain
 from shmkv.tiers import format as fmt
@@ -25,10 +25,8 @@ SIZE = 64 * 1024
 
 
 @pytest.fixture
-def store(cache_name):
-    s = Store.create(cache_name, 16 << 20, populate=False)
-    yield s
-    s.close()
+def store(small_store):
+    return small_store
 
 
 def tier(url, store=None, disk=None, **kw):
