@@ -93,8 +93,8 @@ def redis_server(tmp_path) -> Iterator:
 
 @pytest.fixture
 def redis_cluster(tmp_path) -> Iterator:
-    """A private Redis Cluster of 3 primaries on loopback (helpers.PrivateRedisCluster)."""
-    from helpers import PrivateRedisCluster
+    """A private Redis Cluster of 3 primaries on loopback (shmkv.bench.redis_server.PrivateRedisCluster)."""
+    from shmkv.bench.redis_server import PrivateRedisCluster
 
     yield from _private_server(lambda: PrivateRedisCluster(str(tmp_path)))
 

@@ -68,7 +68,7 @@ def test_a_byte_budget_on_a_cluster_is_refused(store, redis_cluster):
 
 @pytest.fixture
 def replicated_cluster(tmp_path):
-    from helpers import PrivateRedisCluster
+    from shmkv.bench.redis_server import PrivateRedisCluster
 
     cluster = PrivateRedisCluster(str(tmp_path), masters=3, replicas=1)
     yield cluster
@@ -111,3 +111,17 @@ def test_a_primary_lost_is_misses_then_its_replica_serves(store, replicated_clus
     assert got == (payload_for(key(on_victim[0]), SIZE), NS), "the promoted replica serves the chunk"
     assert c.remote.write(key("after"), NS, payload_for(key("after"), SIZE)), "writes resume"
     c.close()
+
+
+def test_the_remote_benchmark_measures_a_server_and_a_cluster_in_one_run():
+    """`python -m shmkv.bench remote --cluster --processes 2 --json`, small: both figures, from two processes."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "shmkv.bench", "remote", "--cluster", "--processes", "2", "--chunks", "3",
+                        "--chunk-mib", "0.5", "--repeats", "1", "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got["processes"] == 2
+    assert all(got[t][f] > 0 for t in ("single", "cluster") for f in ("put_gbps", "get_gbps")), got

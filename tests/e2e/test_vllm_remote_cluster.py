@@ -11,10 +11,11 @@ import time
 
 import pytest
 import redis
-from helpers import PrivateRedisCluster, random_prompt
+from helpers import random_prompt
 from redis.cluster import RedisCluster
 
 from shmkv import Store
+from shmkv.bench.redis_server import PrivateRedisCluster
 from shmkv.namespaces import known
 from shmkv.tiers.remote.tier import chunk_key
 
