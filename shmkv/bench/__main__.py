@@ -20,6 +20,7 @@ BENCHES = {
     "segment": "shmkv.bench.segment_bench",
     "gpu": "shmkv.bench.gpu_bench",
     "native-tier": "shmkv.bench.native_tier",
+    "fleet": "shmkv.bench.fleet_bench",
 }
 
 

@@ -41,7 +41,9 @@ def cluster(tmp_path):
 
 
 def host(cache, cluster):
-    return {"cache_name": cache, "capacity": "64MiB", "remote_url": cluster.url, "remote_write_through": True,
+    """A host's settings: the cluster named by all its nodes (README: a node named alone could be the one down)."""
+    seeds = ",".join(f"redis://127.0.0.1:{p}" for p in cluster.ports)
+    return {"cache_name": cache, "capacity": "64MiB", "remote_url": seeds, "remote_write_through": True,
             "remote_timeout": 0.5}
 
 
