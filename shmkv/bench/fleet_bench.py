@@ -123,7 +123,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     os.makedirs(logs, exist_ok=True)
     cache = f"shmkv-bench-fleet-{os.getpid()}"
     disk = os.path.join(a.workdir, f"disk-{os.getpid()}")
-    shmkv_cfg = {"cache_name": cache, "disk_dir": disk, "spill_ahead": 1.0}  # every chunk on disk too
+    shmkv_cfg = {"cache_name": cache, "disk_dir": disk}
     env = {"SHMKV_CACHE_NAME": cache}
     result: dict[str, Any] = {"engines": a.engines, "conversations": a.conversations, "turns": a.turns,
                               "system_prompts": a.system_prompts, "model": "small" if a.small else "timing"}
