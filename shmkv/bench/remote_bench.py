@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import time
+from typing import Any
 
 import redis
 import torch
@@ -58,16 +59,8 @@ def run(argv: list[str]) -> dict:
     except FileNotFoundError as e:
         raise SystemExit(f"{e}; or pass --url") from e
     url = a.url or server.url  # type: ignore[union-attr]
-    size = int(a.chunk_mib * MiB) // 2 * 2
-    g = torch.Generator().manual_seed(0)
-    chunks = [torch.randn(size // 2, generator=g).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
-              for _ in range(a.chunks)]
-    keys = [xxhash.xxh3_128_digest(f"bench-{i}".encode()) for i in range(a.chunks)]
+    chunks, keys, name, store, chain = _setup(url, a, "")
     raw = sum(map(len, chunks))
-    name = f"shmkv-bench-remote-{os.getpid()}"
-    store = Store.create(name, a.chunks * size + 64 * MiB, max_payload_bytes=size, populate=False)
-    chain = open_tiers(load_config({"cache_name": name, "remote_url": url, "remote_timeout": 30, "disk_level": a.level,
-                                    "disk_shuffle_bytes": 2}, env={}), store)
     tier = chain.remote
     client = redis.Redis.from_url(url, socket_timeout=30)
     best: dict[str, float] = {}
@@ -113,6 +106,20 @@ def run(argv: list[str]) -> dict:
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _setup(url: str, a: argparse.Namespace, tag: str) -> tuple[list[bytes], list[bytes], str, Store, Any]:
+    """(Gaussian bf16 chunks, their keys, segment name, segment, tier chain) of one benchmark process."""
+    size = int(a.chunk_mib * MiB) // 2 * 2
+    g = torch.Generator().manual_seed(len(tag))
+    chunks = [torch.randn(size // 2, generator=g).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+              for _ in range(a.chunks)]
+    keys = [xxhash.xxh3_128_digest(f"bench-{tag}{i}".encode()) for i in range(a.chunks)]
+    name = f"shmkv-bench-remote-{os.getpid()}"
+    store = Store.create(name, a.chunks * size + 64 * MiB, max_payload_bytes=size, populate=False)
+    chain = open_tiers(load_config({"cache_name": name, "remote_url": url, "remote_timeout": 30, "disk_level": a.level,
+                                    "disk_shuffle_bytes": 2}, env={}), store)
+    return chunks, keys, name, store, chain
 
 
 def _parallel(a: argparse.Namespace) -> dict:
@@ -172,16 +179,8 @@ def _child(url: str, a: argparse.Namespace, index: int, barrier: object, results
 
 def _one_process(url: str, a: argparse.Namespace, index: int, barrier: object) -> list[dict]:
     """One process's repeats: [{"put": (raw bytes, start, end), "get": (...)}], its phases started together."""
-    size = int(a.chunk_mib * MiB) // 2 * 2
-    g = torch.Generator().manual_seed(index)
-    chunks = [torch.randn(size // 2, generator=g).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
-              for _ in range(a.chunks)]
-    keys = [xxhash.xxh3_128_digest(f"bench-{index}-{i}".encode()) for i in range(a.chunks)]
+    chunks, keys, name, store, chain = _setup(url, a, f"{index}-")
     raw = sum(map(len, chunks))
-    name = f"shmkv-bench-remote-{os.getpid()}"
-    store = Store.create(name, a.chunks * size + 64 * MiB, max_payload_bytes=size, populate=False)
-    chain = open_tiers(load_config({"cache_name": name, "remote_url": url, "remote_timeout": 30, "disk_level": a.level,
-                                    "disk_shuffle_bytes": 2}, env={}), store)
     out = []
     try:
         for _ in range(a.repeats):
