@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from shmkv import Store
 from shmkv.bench.engines import EngineProcess, EngineSpec
 from shmkv.bench.models import bench_model
 
@@ -145,8 +146,6 @@ def run(argv: list[str]) -> dict[str, Any]:
             finally:
                 for e in engines:
                     e.close()
-        from shmkv import Store
-
         Store.unlink(cache)  # the restart: an empty segment, the disk tier as it was
         engines = start([EngineSpec(model, shmkv=shmkv_cfg, prefix_caching=True, env=env)
                          for _ in range(a.engines)], logs, "restart")
@@ -157,8 +156,6 @@ def run(argv: list[str]) -> dict[str, Any]:
                 e.close()
     finally:
         sys.stderr.write("\n")
-        from shmkv import Store
-
         Store.unlink(cache)
         shutil.rmtree(disk, ignore_errors=True)
     result["ways"] = ways
@@ -171,7 +168,6 @@ def run(argv: list[str]) -> dict[str, Any]:
 
 def _spill_all(cfg: dict[str, Any]) -> None:
     """Every chunk of the segment written to the disk tier now (what POST /flush does)."""
-    from shmkv import Store
     from shmkv.config import load_config
     from shmkv.services.maintainer import Maintainer
     from shmkv.tiers import open_tiers
