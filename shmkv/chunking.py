@@ -15,6 +15,13 @@ With a lossy form (an engine that opted in to lossy KV), every unit is keyed
 by shmkv.keys.lossy_key of its exact key, and tagged with the lossy root;
 the chain itself (what the next unit and the tail piece hash from) stays the
 exact one, in `Unit.links`.
+
+With a lookahead of L tokens (an engine whose speculative-decoding drafter,
+EAGLE or MTP, wrote the KV of a position from the tokens after it), every
+unit is keyed by shmkv.keys.lookahead_key of its exact key and the L tokens
+after its end, again chaining from the exact key: two prompts that share a
+chunk but not the token after it never share the drafter's KV of that
+chunk. A unit whose L following tokens are not all in `tokens` is not made.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from shmkv.keys import ExtraInputs, chunk_keys, lossy_key, piece_key
+from shmkv.keys import ExtraInputs, chunk_keys, lookahead_key, lossy_key, piece_key
 
 
 @dataclass(frozen=True)
@@ -50,9 +57,13 @@ class Chunker:
     """Units of prompts for one namespace root per TP rank."""
 
     def __init__(self, roots: Sequence[bytes], chunk_size: int, piece_size: int | None = None,
-                 lossy_form: str | None = None):
+                 lossy_form: str | None = None, lookahead: int = 0):
         """`piece_size`: granularity of the tail piece (None: full chunks only);
-        `lossy_form`: key units as that lossy form of the exact chunks."""
+        `lossy_form`: key units as that lossy form of the exact chunks;
+        `lookahead`: key units with that many tokens after their end too."""
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        self.lookahead = lookahead
         if not roots:
             raise ValueError("need one namespace root per TP rank")
         if chunk_size <= 0:
@@ -68,19 +79,31 @@ class Chunker:
     def units(self, tokens: Sequence[int] | np.ndarray, extras: ExtraInputs | None = None) -> list[Unit]:
         """Full chunks, then the tail piece (if any whole piece remains)."""
         per_rank = [chunk_keys(root, tokens, self.chunk_size, extras) for root in self.chain_roots]
-        units = [self._unit(s, e, tuple(r[i][2] for r in per_rank)) for i, (s, e, _) in enumerate(per_rank[0])]
-        if self.piece_size:
+        chunks = [self._unit(s, e, tuple(r[i][2] for r in per_rank), tokens, extras)
+                  for i, (s, e, _) in enumerate(per_rank[0])]
+        units = [u for u in chunks if u is not None]  # only the last chunk can lack its lookahead
+        if self.piece_size and len(units) == len(chunks):
             start = len(units) * self.chunk_size
-            n = (len(tokens) - start) // self.piece_size
+            n = (len(tokens) - self.lookahead - start) // self.piece_size
             if n > 0:
                 units.append(self._piece(tokens, start, start + n * self.piece_size,
                                          units[-1].chain if units else self.chain_roots, extras))
         return units
 
-    def _unit(self, start: int, end: int, exact: tuple[bytes, ...]) -> Unit:
-        if not self.lossy_form:
-            return Unit(start, end, exact)
-        return Unit(start, end, tuple(lossy_key(k, self.lossy_form) for k in exact), links=exact)
+    def _unit(self, start: int, end: int, exact: tuple[bytes, ...], tokens: Sequence[int] | np.ndarray,
+              extras: ExtraInputs | None) -> Unit | None:
+        """The unit of tokens [start, end) whose exact keys are `exact`; None
+        when the lookahead tokens after `end` are not in `tokens`."""
+        keys = exact
+        if self.lookahead:
+            after = end + self.lookahead
+            if after > len(tokens):
+                return None
+            ex = extras.for_range(end, after) if extras is not None else b""
+            keys = tuple(lookahead_key(k, tokens[end:after], ex) for k in keys)
+        if self.lossy_form:
+            keys = tuple(lossy_key(k, self.lossy_form) for k in keys)
+        return Unit(start, end, keys, links=None if keys is exact else exact)
 
     def cached_prefix(self, chain: Any, tokens: Sequence[int] | np.ndarray, units: Sequence[Unit], *,
                       count: bool = False, lower: bool = True, extras: ExtraInputs | None = None
@@ -108,11 +131,13 @@ class Chunker:
         out = []
         for m in range(self.chunk_size // self.piece_size - 1, 0, -1):
             end = start + m * self.piece_size
-            if end <= len(tokens):
+            if end + self.lookahead <= len(tokens):
                 out.append(self._piece(tokens, start, end, prev, extras))
         return out
 
     def _piece(self, tokens: Sequence[int] | np.ndarray, start: int, end: int, prev: tuple[bytes, ...],
                extras: ExtraInputs | None) -> Unit:
         ex = extras.for_range(start, end) if extras is not None else b""
-        return self._unit(start, end, tuple(piece_key(p, tokens[start:end], ex) for p in prev))
+        unit = self._unit(start, end, tuple(piece_key(p, tokens[start:end], ex) for p in prev), tokens, extras)
+        assert unit is not None, "callers make pieces whose lookahead is in the prompt"
+        return unit

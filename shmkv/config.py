@@ -146,6 +146,7 @@ class ShmkvConfig:
     controller_open_metrics: bool = False  # serve /metrics without the token (a Prometheus scraper on this host)
     controller_allow_uids: tuple[int, ...] = ()  # other uids a unix-socket controller accepts (besides ours, root)
     debug_digest_file: str = ""  # append per-chunk KV digests (tests prove byte equality)
+    debug_skip_load_layers: str = ""  # TEST ONLY: a regex; loads leave layers it matches as they were
     config_file: str = ""
 
     # metadata: how to parse each key
@@ -186,8 +187,19 @@ class ShmkvConfig:
             "controller_open_metrics": _parse_bool,
             "controller_allow_uids": _parse_uids,
             "debug_digest_file": lambda k, v: str(v),
+            "debug_skip_load_layers": _parse_regex,
             "config_file": lambda k, v: str(v),
         }
+
+
+def _parse_regex(key: str, value: Any) -> str:
+    import re
+
+    try:
+        re.compile(str(value))
+    except re.error as e:
+        raise ConfigError(f"{key}={value!r} is not a regular expression: {e}") from None
+    return str(value)
 
 
 def _parse_remote_url(key: str, value: Any) -> str:

@@ -30,6 +30,9 @@ a tag, the form and k, in the namespace lossy_key(root, form). Only an engine
 whose shmkv config sets `lossy_form` looks those keys up (and stores what it
 computes from them there too); an exact engine never computes them, so no
 request that did not opt in can load lossy KV.
+An engine with an EAGLE or MTP drafter keys each chunk with lookahead_key(k,
+next tokens): its drafter's KV of a chunk's last position was made from the
+token after the chunk (its namespace also names the drafter).
 
 Why not vLLM's own block hashes: they are per block (16 or 128 tokens, not
 our chunks), their algorithm and seed are engine settings (Python's hash()
@@ -64,6 +67,7 @@ PAYLOAD_FORMAT_VERSION = 1
 KEY_BYTES = 16
 EXTRA_TAG = b"\x00shmkv-extra-inputs-v1\x00"
 LOSSY_TAG = b"\x00shmkv-lossy-v1\x00"
+LOOKAHEAD_TAG = b"\x00shmkv-lookahead-v1\x00"
 
 
 def lossy_key(key: bytes, form: str) -> bytes:
@@ -74,6 +78,18 @@ def lossy_key(key: bytes, form: str) -> bytes:
     if len(key) != KEY_BYTES:
         raise ValueError(f"a key is {KEY_BYTES} bytes, got {len(key)}")
     return xxhash.xxh3_128_digest(LOSSY_TAG + form.encode() + b"\x00" + key)
+
+
+def lookahead_key(key: bytes, tokens: Sequence[int] | np.ndarray, extras: bytes = b"") -> bytes:
+    """The key of the chunk keyed `key` as written by an engine whose drafter
+    read `tokens` past the chunk's end (`extras`: ExtraInputs.for_range of
+    them): a hash input no exact key has (it starts with a tag), and the
+    lookahead's length is in it."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a key is {KEY_BYTES} bytes, got {len(key)}")
+    raw = _token_bytes(tokens)
+    return xxhash.xxh3_128_digest(LOOKAHEAD_TAG + len(raw).to_bytes(4, "little") + key + raw
+                                  + len(extras).to_bytes(4, "little") + extras)
 
 
 def mix_extras(prev: bytes, extras: bytes) -> bytes:

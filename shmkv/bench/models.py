@@ -29,6 +29,7 @@ class TinyLlama:
     # hybrid attention: per layer "sliding_attention" or "full_attention" (None: all full)
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    init_std: float = 0.02  # of the N(0, std) linear and embedding weights
 
 
 TEST_MODEL = TinyLlama()
@@ -77,7 +78,7 @@ def write_llama(directory: str, spec: TinyLlama = TEST_MODEL) -> str:
     g = torch.Generator().manual_seed(spec.seed)
 
     def w(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=g) * spec.init_std).to(torch.bfloat16)
 
     kv = spec.num_key_value_heads * head
     tensors = {"model.embed_tokens.weight": w(spec.vocab_size, h),
@@ -101,6 +102,37 @@ def write_llama(directory: str, spec: TinyLlama = TEST_MODEL) -> str:
         json.dump(config, f, indent=2)
     with open(marker, "w") as f:
         json.dump(asdict(spec), f)
+    return directory
+
+
+def write_eagle(directory: str, target_dir: str) -> str:
+    """An EAGLE-1 draft head (vLLM's EagleLlamaForCausalLM) for the Llama
+    checkpoint in `target_dir` that drafts what a 1-layer target computes:
+    its fc passes the next token's embedding through (the target's hidden
+    state is dropped) and its one decoder layer is the target's first, with
+    q/k/v scaled by 1/init_std in place of the input RMSNorm the head lacks.
+    Its KV at position p is then near the target's at p + 1 (RoPE sees the
+    same distances), so its proposals depend on its KV and are mostly
+    accepted. Shares the target's embedding and lm_head. Returns the directory."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(target_dir, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(target_dir, "shmkv_spec.json")) as f:
+        std = json.load(f).get("init_std", 0.02)
+    weights = load_file(os.path.join(target_dir, "model.safetensors"))
+    h = config["hidden_size"]
+    src = "model.layers.0."
+    tensors = {"fc.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1).to(torch.bfloat16)}
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+        tensors[f"layers.0.{name}.weight"] = (weights[f"{src}{name}.weight"].float() / std).to(torch.bfloat16)
+    for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"):
+        tensors[f"layers.0.{name}.weight"] = weights[f"{src}{name}.weight"]
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**config, "num_hidden_layers": 1}, f, indent=2)
     return directory
 
 

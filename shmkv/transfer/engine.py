@@ -117,13 +117,16 @@ class TransferEngine:
 
     def __init__(self, store: Store, layouts: KVLayout | Sequence[KVLayout], tp_rank: int, *,
                  digest_file: str = "", on_commit: Callable[[bytes, bytes, int], None] | None = None,
-                 layer_order: Sequence[str] | None = None, lossy_ok: bool = False, deferred: bool = False):
+                 layer_order: Sequence[str] | None = None, lossy_ok: bool = False, deferred: bool = False,
+                 skip_load_layers: str = ""):
         """`layouts`: one per KV-cache group, in the caller's group order;
         `on_commit(key, namespace, tokens)`: told of each chunk committed (the
         tier chain's write-through); `layer_order`: every layer name in forward
         order (default: group by group); `lossy_ok`: lossy chunks may be
         loaded (else never); `deferred` (tests): CPU copies run only when
-        something waits for them."""
+        something waits for them; `skip_load_layers` (tests only: proves
+        that a test would catch a layer left unloaded): a regex of layer
+        names whose loads are not copied."""
         self.cache = store
         self.on_commit = on_commit
         self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
@@ -136,6 +139,13 @@ class TransferEngine:
             raise ValueError("layer_order must name every layer of the groups once")
         self._order = [where[name] for name in order]  # forward position -> (group, layer in group)
         self._position = {name: i for i, name in enumerate(order)}
+        self._skip_load = set()
+        if skip_load_layers:
+            import re
+
+            self._skip_load = {where[n] for n in order if re.search(skip_load_layers, n)}
+            log.warning("shmkv: TEST ONLY debug_skip_load_layers=%r: loads leave %d layers unfilled",
+                        skip_load_layers, len(self._skip_load))
         self.rank = tp_rank
         self.counters: Counter[str] = Counter()
         self.tallies: dict[str, RequestTally] = defaultdict(RequestTally)
@@ -232,7 +242,7 @@ class TransferEngine:
     def _load_layer(self, job: LoadJob, group: int, layer: int, stream: Any) -> None:
         """One layer of every unit of the batch (on the load stream): one call."""
         batch = job.batches.get(group)
-        if batch is not None:
+        if batch is not None and (group, layer) not in self._skip_load:
             batch[1].copy_layer(layer, stream)
 
     def _complete_load(self, job: LoadJob) -> set[int]:

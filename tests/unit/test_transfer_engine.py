@@ -78,6 +78,35 @@ def run_vllm_step(side: WorkerSide, meta, finished=()) -> tuple[set[str] | None,
     return sending, side.load_errors()
 
 
+def run_speculative_step(side: WorkerSide, meta, finished=()) -> set[str] | None:
+    """vLLM's order for one step with speculative decoding
+    (defer_kv_connector_finalize): get_finished before wait_for_save."""
+    side.bind(meta)
+    side.handle_preemptions(meta)
+    side.start_load(meta)
+    for name in NAMES:
+        side.wait_layer(name)
+    sending, _ = side.get_finished(set(finished))
+    side.wait_for_save(meta)
+    return sending
+
+
+def test_with_speculative_decoding_a_request_is_not_reported_before_its_stores_are_issued(store):
+    """get_finished runs before wait_for_save: a request vLLM names finished
+    in the very step whose metadata carries its stores keeps its blocks until
+    those stores have been issued and have run."""
+    side, caches = worker_side(store, 1)
+    meta = step(stores=[stored("r", b"k1" * 8, 3, 5)])
+    assert run_speculative_step(side, meta, finished={"r"}) is None, "r's stores were not even issued"
+    assert side.worker.pending_requests() == {"r"}
+    assert run_speculative_step(side, step()) is None, "r's copy has not run"
+    side.worker.wait_stores()
+    assert run_speculative_step(side, step()) == {"r"}
+    assert run_speculative_step(side, step()) is None, "each request is reported once"
+    assert store.get(b"k1" * 8) is not None
+    side.shutdown()
+
+
 def test_the_transfer_engine_imports_without_vllm():
     code = ("import sys; sys.modules['vllm'] = None\n"
             "import shmkv.transfer, shmkv.transfer.engine, shmkv.transfer.streams\n"

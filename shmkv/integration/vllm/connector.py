@@ -31,6 +31,14 @@ full-attention and sliding-window groups are supported (planner.py says what
 a sliding-window group stores). A group of any other kind (Mamba or other
 linear-attention state, chunked local attention, ...) turns the connector
 off for that engine with one log line, and vLLM serves as usual.
+
+Speculative decoding: a drafter's KV layers (draft_model, EAGLE, EAGLE-3,
+MTP; in their own group or in the target's) are copied with the target's,
+in a namespace that names the drafter; an EAGLE/MTP drafter wrote the KV of
+a chunk's last positions from the prompt tokens after it, so those chunks
+are keyed with them too (shmkv.chunking). ngram and suffix decoding add no
+KV: their engines share chunks with plain ones. vLLM then calls get_finished
+before wait_for_save in a step (worker.py holds for that).
 """
 
 from __future__ import annotations
@@ -52,7 +60,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from shmkv.config import load_config
 from shmkv.errors import ConfigError
-from shmkv.integration.vllm.engine_inputs import groups_field, kv_groups_of, max_chunk_bytes, namespace_for
+from shmkv.integration.vllm.engine_inputs import (
+    drafter_field,
+    groups_field,
+    kv_groups_of,
+    max_chunk_bytes,
+    namespace_for,
+)
 from shmkv.integration.vllm.metadata import ShmKVMetadata
 from shmkv.integration.vllm.metrics import HIT_SOURCES, ShmKVPromMetrics, ShmKVStats
 from shmkv.store import open_store
@@ -152,7 +166,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
             from shmkv.integration.vllm.scheduler import SchedulerSide
 
             tp = vllm_config.parallel_config.tensor_parallel_size
-            namespaces = [dataclasses.replace(n, extra=n.extra + groups_field(groups))
+            namespaces = [dataclasses.replace(n, extra=n.extra + groups_field(groups) + drafter_field(vllm_config))
                           for n in (namespace_for(vllm_config, self.cfg, r) for r in range(tp))]
             self._sched = SchedulerSide(vllm_config, self.cfg, self.store, namespaces, groups,
                                         loads=ktc.is_kv_consumer, stores=ktc.is_kv_producer, ktc=ktc,

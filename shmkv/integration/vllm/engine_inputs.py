@@ -44,8 +44,8 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tupl
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
         kind = type(spec).__name__
-        if getattr(g, "is_eagle_group", False):
-            return [], f"KV-cache group {i} holds speculative-decoding (EAGLE) draft layers"
+        # NOTE: an EAGLE/MTP drafter's group (is_eagle_group) is copied like any other: its
+        # chunks are keyed with the prefill lookahead tokens it read (drafter_lookahead)
         if not getattr(g, "enable_kv_transfer", True):
             return [], f"KV-cache group {i} is rebuilt by vLLM after a transfer (not transferable state)"
         if spec.block_size != block_size:
@@ -59,6 +59,32 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tupl
                         f"{', ...' if len(g.layer_names) > 3 else ''}): shmkv copies attention KV only, and "
                         "this state cannot be restored exactly from chunks")
     return groups, None
+
+
+# speculative-decoding methods whose drafter has KV layers of its own (copied with the target's)
+_KV_DRAFTERS = ("draft_model", "eagle", "eagle3", "mtp", "dflash", "dspark", "extract_hidden_states")
+
+
+def drafter_field(vllm_config: VllmConfig) -> tuple[tuple[str, str], ...]:
+    """Namespace field of an engine whose speculative-decoding drafter has KV
+    layers: its payloads hold the drafter's layers beside the target's, so
+    they must never meet an engine without that drafter (which shares keys
+    with plain engines: ngram and suffix decoding add no KV)."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    if sc is None or not (sc.method in _KV_DRAFTERS or sc.use_eagle()):
+        return ()
+    draft = sc.draft_model_config.model if sc.draft_model_config is not None else ""
+    return (("drafter", f"{sc.method};{draft};lookahead={drafter_lookahead(vllm_config)}"),)
+
+
+def drafter_lookahead(vllm_config: VllmConfig) -> int:
+    """Prompt tokens past a position that the drafter read when it wrote that
+    position's KV (vLLM's num_prefill_lookahead_tokens: 1 for EAGLE-family
+    drafters, num_speculative_tokens for multi-module MTP, 0 otherwise). The
+    drafter's KV of a chunk's last positions depends on them, so a chunk is
+    keyed with them too (shmkv.chunking) and one whose lookahead tokens are
+    not in the prompt is never stored."""
+    return int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
 
 
 def max_chunk_bytes(kv_cache_config: KVCacheConfig | None, chunk_size: int) -> int | None:

@@ -66,10 +66,12 @@ class RequestPlan:
 
 class Planner:
     def __init__(self, namespaces: Sequence[Namespace | bytes], block_size: int, *, store_tail: bool = True,
-                 chunk_size: int | None = None, windows: Sequence[int] = (0,), lossy_form: str | None = None):
+                 chunk_size: int | None = None, windows: Sequence[int] = (0,), lossy_form: str | None = None,
+                 lookahead: int = 0):
         """One namespace (or its 16-byte root key, then give chunk_size) per TP
         rank; `windows`: per KV-cache group, its sliding window in tokens (0:
-        full attention); `lossy_form`: plan with that lossy form of the chunks."""
+        full attention); `lossy_form`: plan with that lossy form of the chunks;
+        `lookahead`: the drafter's prefill lookahead (chunking.py)."""
         if not namespaces:
             raise ValueError("need one namespace per TP rank")
         exact_roots = tuple(ns if isinstance(ns, bytes) else ns.root_key() for ns in namespaces)
@@ -84,7 +86,8 @@ class Planner:
         self.windows = tuple(int(w) for w in windows)
         if self.chunk_size % block_size:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of block_size {block_size}")
-        self.chunker = Chunker(exact_roots, self.chunk_size, block_size if store_tail else None, lossy_form)
+        self.chunker = Chunker(exact_roots, self.chunk_size, block_size if store_tail else None, lossy_form,
+                               lookahead)
         self.roots = self.chunker.roots  # the tags of its chunks (lossy roots with a lossy form)
 
     # ------------------------------------------------------------- units --

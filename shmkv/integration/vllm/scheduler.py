@@ -23,6 +23,7 @@ from shmkv.activity import ActivitySummary
 from shmkv.config import ShmkvConfig
 from shmkv.integration.vllm.engine_inputs import (
     KVGroup,
+    drafter_lookahead,
     explicit_load_failure_policy,
     groups_field,
     lora_extra,
@@ -81,6 +82,7 @@ class SchedulerSide:
         self.loads_enabled, self.stores_enabled = loads, stores
         self._base_ns = namespaces
         self._groups = groups
+        self._lookahead = drafter_lookahead(vllm_config)
         # NOTE: bounded, whatever the number of tenants (cache salts) and adapters:
         # the planners (their key caches) of the MAX_PLANNERS most recent
         # namespaces, and the roots of the MAX_USED_ROOTS most recent for reset_cache.
@@ -109,6 +111,16 @@ class SchedulerSide:
             log.info("shmkv: hybrid KV cache, %d groups: %s", len(self._groups), "; ".join(
                 f"{len(g.layer_names)} layers with " + (f"a {g.window}-token sliding window" if g.window
                                                        else "full attention") for g in self._groups))
+        sc = getattr(vllm_config, "speculative_config", None)
+        if sc is not None:
+            drafter = dict(self._base_ns[0].extra).get("drafter")
+            log.info("shmkv: speculative decoding (%s): %s", sc.method,
+                     "the drafter adds no KV; chunks are shared with engines without it" if drafter is None else
+                     f"the drafter's KV layers are stored and loaded with the target's (namespace field "
+                     f"drafter={drafter}); each chunk is keyed with the {self._lookahead} prompt token(s) after "
+                     f"it that the drafter read" if self._lookahead else
+                     f"the drafter's KV layers are stored and loaded with the target's (namespace field "
+                     f"drafter={drafter})")
         for rank, ns in enumerate(self._base_ns):
             # operators name a namespace by this root in the controller API (lookup, clear, pin...)
             log.info("shmkv: namespace of TP rank %d: root %s (model %s, %s, %d layers)", rank,
@@ -154,7 +166,7 @@ class SchedulerSide:
             return p
         ns = [dataclasses.replace(n.with_salt(salt), extra=n.extra + lora) for n in self._base_ns]
         p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail, windows=[g.window for g in self._groups],
-                    lossy_form=self.cfg.lossy_form or None)
+                    lossy_form=self.cfg.lossy_form or None, lookahead=self._lookahead)
         self._planners[(salt, lora)] = p
         if len(self._planners) > MAX_PLANNERS:
             self._planners.popitem(last=False)

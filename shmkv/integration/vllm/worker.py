@@ -7,7 +7,10 @@ handle_preemptions (the compute waits for pending stores of preempted
 requests: vLLM reuses their blocks this step), start_load (issue the loads;
 each attention layer waits only for its own, or for all before a forward
 that cannot wait layer by layer), wait_for_save (issue the stores, after the
-forward), get_finished (the delayed-free protocol), load_errors.
+forward), get_finished (the delayed-free protocol), load_errors. With
+speculative decoding vLLM calls get_finished before that step's
+wait_for_save (defer_kv_connector_finalize): a request whose stores were
+bound but not yet issued is never reported finished.
 
 Delayed frees. The scheduler half returns delay_free_blocks=True from
 request_finished exactly for the requests whose store items it shipped
@@ -77,6 +80,7 @@ class WorkerSide:
         self._transfer = _new_transfer_stats()  # since vLLM last asked (get_kv_connector_stats)
         self._load_errors: set[int] = set()  # blocks vLLM must recompute
         self._storing: set[str] = set()  # requests with store items: vLLM delays their frees
+        self._unsubmitted: set[str] = set()  # bound this step, not yet given to the transfer engine
         self._finished_waiting: set[str] = set()  # finished, stores still copying
         self._loading: tuple[Any, LoadJob] | None = None  # this step's metadata and loads
         self._summaries: dict[int, Any] = {}  # id(load job) -> its step's per-request summaries
@@ -110,7 +114,8 @@ class WorkerSide:
             self.worker = TransferEngine(self.store, layouts, self.tp_rank, digest_file=self.cfg.debug_digest_file,
                                          on_commit=self.chain.write_through if self.chain else None,
                                          layer_order=list(kv_caches),
-                                         lossy_ok=bool(self.cfg.lossy_form), deferred=self._deferred)
+                                         lossy_ok=bool(self.cfg.lossy_form), deferred=self._deferred,
+                                         skip_load_layers=self.cfg.debug_skip_load_layers)
         except Exception as e:
             # NOTE: never stop vLLM's start for the cache: serve without it, saying why
             self.off_reason = str(e) if isinstance(e, InvalidArgumentError) else f"{type(e).__name__}: {e}"
@@ -130,7 +135,9 @@ class WorkerSide:
         """A step's metadata arrives (first, before any load or store)."""
         if getattr(meta, "failed_blocks", None):
             self._load_errors |= meta.failed_blocks
-        self._storing.update(it.req_id for it in getattr(meta, "stores", ()))
+        bound = {it.req_id for it in getattr(meta, "stores", ())}
+        self._storing |= bound
+        self._unsubmitted = bound
         if self.worker is not None and any(g.window for g in self.groups):
             # NOTE: vLLM frees sliding-window blocks as a request advances and may hand them
             # to this step's forward: it must not overwrite them before pending stores read them.
@@ -198,6 +205,7 @@ class WorkerSide:
         copy: the leases of this step's loads go back once their copies
         have run (on the CPU they have: the forward waited for each layer)."""
         self._loading = None
+        self._unsubmitted = set()
         if self.worker is None:
             return
         if getattr(meta, "stores", None):
@@ -223,6 +231,9 @@ class WorkerSide:
                 self._log_stores(req_id)
         self._finished_waiting |= set(finished_req_ids) & self._storing
         pending = self.worker.pending_requests() if self.worker is not None else set()
+        # NOTE: with speculative decoding vLLM asks before this step's wait_for_save:
+        # stores bound this step but not yet issued are pending too
+        pending |= self._unsubmitted if self.worker is not None else set()
         done = {r for r in self._finished_waiting if r not in pending}
         self._finished_waiting -= done
         self._storing -= done

@@ -1,0 +1,120 @@
+"""Speculative decoding with the connector on: ngram (no drafter KV),
+draft_model (the target as its own drafter: its own KV layers) and EAGLE (a
+head drafting for a 1-layer target, whose KV of a position read the next
+token). A second engine hits what the first stored; its greedy output and
+the drafter's proposals and acceptances equal those of an engine without
+shmkv that recomputed from the same split; the KV it loads (the drafter's
+layers included) equals what was stored, byte for byte. With the drafter's
+layers left unloaded (a test-only switch) the drafter accepts less: these
+checks would catch a connector that loads the target's KV alone. An engine
+with a KV drafter never shares chunks with one without it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from helpers import check_loaded_bytes_equal_stored, random_prompt
+
+from shmkv.bench.models import TinyLlama, write_eagle, write_llama
+
+pytestmark = pytest.mark.slow
+
+P = random_prompt(1500, seed=43)
+TOKENS = 32  # enough decode steps for drafts
+HIT = 1408  # 5 chunks and a 128-token piece: whole blocks below the prompt's last token
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+
+
+DRAFTER_LAYERS = {"draft_model": r"^draft_model\.", "eagle": r"layers\.1\."}  # vLLM's names of them
+
+
+@pytest.fixture(scope="module")
+def eagle_dirs(tmp_path_factory) -> tuple[str, str]:
+    """(a 1-layer target, an EAGLE head drafting for it)."""
+    target = write_llama(str(tmp_path_factory.mktemp("eagle-target")), TinyLlama(num_hidden_layers=1))
+    return target, write_eagle(str(tmp_path_factory.mktemp("eagle-head")), target)
+
+
+def speculative_config(method: str, model_dir: str, eagle_dir: str) -> dict:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                "prompt_lookup_min": 1}
+    if method == "draft_model":
+        return {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3}
+    return {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": 3}
+
+
+def spec_counts(engine) -> dict[str, float]:
+    m = engine.metrics()
+    return {k: m.get(k, 0) for k in SPEC_COUNTERS}
+
+
+def generate_counted(engine, prompt: list[int]) -> tuple[dict, dict[str, float]]:
+    before = spec_counts(engine)
+    r = engine.generate([prompt], max_tokens=TOKENS)
+    after = spec_counts(engine)
+    return r, {k: after[k] - before[k] for k in SPEC_COUNTERS}
+
+
+def recomputed_from(engine, prompt: list[int], split: int) -> tuple[dict, dict[str, float]]:
+    """The engine's own prefix cache holding `split` tokens of `prompt` (cached
+    from the prompt's first split + 1 tokens, so even an EAGLE drafter's KV of
+    the last cached position read the same next token), then the prompt."""
+    engine.reset_prefix_cache()
+    engine.generate([prompt[:split + 1]], max_tokens=1)
+    r, counts = generate_counted(engine, prompt)
+    assert r["num_cached_tokens"] == [split]
+    return r, counts
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_engine, model_dir, eagle_dirs,
+                                                    tmp_path):
+    digests = str(tmp_path / "digests.txt")
+    cfg = {"cache_name": cache_name, "capacity": "256MiB", "debug_digest_file": digests}
+    if method == "eagle":
+        model_dir, eagle_dir = eagle_dirs
+    else:
+        eagle_dir = ""
+    spec = {"speculative_config": speculative_config(method, model_dir, eagle_dir), "disable_log_stats": False}
+    engine = {"model_dir": model_dir, "llm_kwargs": spec}
+
+    a = start_engine(f"spec-{method}-a", shmkv=cfg, **engine)
+    assert a.generate([P], max_tokens=TOKENS)["num_cached_tokens"] == [0]
+    log_a = open(a.log_path).read()
+    assert "connector off" not in log_a
+    layers = int(re.search(r"registered (\d+) KV layers", log_a).group(1))
+    assert layers == {"ngram": 2, "draft_model": 4, "eagle": 2}[method], "the drafter's layers are copied too"
+
+    b = start_engine(f"spec-{method}-b", shmkv=cfg, **engine)
+    r, counts = generate_counted(b, P)
+    assert r["num_cached_tokens"] == [HIT]
+    assert check_loaded_bytes_equal_stored(digests) >= 5
+
+    # vLLM's own EAGLE hits drop their last block; the reference keeps it (its KV is exact here)
+    ref_spec = {**spec, "speculative_config": {**spec["speculative_config"], "disable_eagle_block_drop": True}} \
+        if method == "eagle" else spec
+    ref = start_engine(f"spec-{method}-ref", model_dir=model_dir, shmkv=None, prefix_caching=True,
+                       llm_kwargs=ref_spec)
+    r_ref, counts_ref = recomputed_from(ref, P, HIT)
+    assert r["outputs"] == r_ref["outputs"]
+    assert counts["vllm:spec_decode_num_draft_tokens"] > 0
+    assert counts == counts_ref, "the drafter proposed and had accepted the same after a hit as after recompute"
+    if method == "ngram":
+        return
+    assert counts["vllm:spec_decode_num_accepted_tokens"] == counts["vllm:spec_decode_num_draft_tokens"], \
+        "these drafters have every proposal accepted when their KV is right"
+
+    blind = start_engine(f"spec-{method}-blind", shmkv={**cfg, "debug_skip_load_layers": DRAFTER_LAYERS[method]},
+                         **engine)
+    r_blind, counts_blind = generate_counted(blind, P)
+    assert "TEST ONLY debug_skip_load_layers" in open(blind.log_path).read()
+    assert r_blind["num_cached_tokens"] == [HIT]
+    assert counts_blind["vllm:spec_decode_num_accepted_tokens"] < counts_blind["vllm:spec_decode_num_draft_tokens"], \
+        "a drafter without its KV drafts worse: the checks above would catch it"
+
+    if method == "eagle":  # an engine without the drafter: other payloads, other keys
+        plain = start_engine(f"spec-{method}-plain", model_dir=model_dir, shmkv=cfg)
+        assert plain.generate([P])["num_cached_tokens"] == [0]
