@@ -136,6 +136,28 @@ def write_eagle(directory: str, target_dir: str) -> str:
     return directory
 
 
+def write_mla(directory: str, seed: int = 0) -> str:
+    """A 2-layer DeepSeek-V2-shaped checkpoint (multi-head latent attention,
+    dense MLPs) with seeded random weights (transformers' own init). The
+    shape is the one vLLM-CPU's MLA kernel runs: a 512-wide latent plus 64
+    rotary dims (head dim 576); vLLM-CPU forces 16-token blocks and turns
+    prefix caching and chunked prefill off for MLA. Returns the directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if os.path.exists(os.path.join(directory, "config.json")):
+        return directory
+    cfg = AutoConfig.for_model(
+        "deepseek_v2", vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, max_position_embeddings=4096, rope_scaling=None,
+        torch_dtype="bfloat16")
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
 def write_lora(directory: str, seed: int, spec: TinyLlama = TEST_MODEL, rank: int = 8) -> str:
     """A PEFT LoRA adapter with random (non-zero) A and B on q/k/v/o of every
     layer of `spec`, so it changes the KV of every token. Returns the directory."""

@@ -107,6 +107,20 @@ def test_with_speculative_decoding_a_request_is_not_reported_before_its_stores_a
     side.shutdown()
 
 
+def test_a_rank_that_does_not_store_reports_its_delayed_requests_at_once(store):
+    """MLA: rank 0 stores the latent KV every rank holds; rank 1 stores
+    nothing but must still report the delayed request (vLLM frees it once
+    every rank has)."""
+    caches = dict(zip(NAMES, make_cache("cpu", LAYERS, BLOCKS, BS, 1, 8, torch.bfloat16, seed=3)))
+    side = WorkerSide(load_config({"cache_name": store.name}, env={}), store, [KVGroup(tuple(NAMES))], 1, BS,
+                      stores=False, deferred=True)
+    side.register_kv_caches(caches)
+    assert run_speculative_step(side, step(stores=[stored("r", b"k1" * 8, 3, 5)]), finished={"r"}) == {"r"}
+    assert side.worker.pending_requests() == set()
+    assert store.get(b"k1" * 8) is None, "rank 1 stored nothing"
+    side.shutdown()
+
+
 def test_the_transfer_engine_imports_without_vllm():
     code = ("import sys; sys.modules['vllm'] = None\n"
             "import shmkv.transfer, shmkv.transfer.engine, shmkv.transfer.streams\n"

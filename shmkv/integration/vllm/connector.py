@@ -66,6 +66,7 @@ from shmkv.integration.vllm.engine_inputs import (
     kv_groups_of,
     max_chunk_bytes,
     namespace_for,
+    stores_on_rank,
 )
 from shmkv.integration.vllm.metadata import ShmKVMetadata
 from shmkv.integration.vllm.metrics import HIT_SOURCES, ShmKVPromMetrics, ShmKVStats
@@ -174,7 +175,9 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from shmkv.integration.vllm.worker import WorkerSide
 
-            self._work = WorkerSide(self.cfg, self.store, groups, _tp_rank(), block_size)
+            rank = _tp_rank()
+            self._work = WorkerSide(self.cfg, self.store, groups, rank, block_size,
+                                    stores=stores_on_rank(vllm_config, rank))
         log.info("shmkv: %s connector ready (role %s, chunk %d tokens, block %d, loads %s, stores %s)",
                  self._kv_role_name, ktc.kv_role, self.cfg.chunk_size, block_size,
                  "on" if ktc.is_kv_consumer else "off", "on" if ktc.is_kv_producer else "off")

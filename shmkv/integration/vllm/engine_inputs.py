@@ -124,6 +124,11 @@ def namespace_for(vllm_config: VllmConfig, cfg: ShmkvConfig, tp_rank: int) -> Na
 
         isa = _get_attn_isa(mc.dtype, block_size, mc.get_head_size(),
                             cc.cache_dtype if cc.cache_dtype != "auto" else None)
+    # MLA: every TP rank holds the same latent KV (replicated projections of the same hidden
+    # state): one chunk set per host, stored by rank 0 (stores_on_rank), loaded by every rank.
+    # NOTE: the TP size stays: another size sums its all-reduces in another order, so its
+    # KV differs in the last bits
+    rank = 0 if mc.use_mla else tp_rank
     return Namespace(
         model_id=str(mc.model),
         dtype=cache_dtype,
@@ -133,12 +138,18 @@ def namespace_for(vllm_config: VllmConfig, cfg: ShmkvConfig, tp_rank: int) -> Na
         chunk_size=cfg.chunk_size,
         mla=bool(mc.use_mla),
         tp_size=pc.tensor_parallel_size,
-        tp_rank=tp_rank,
+        tp_rank=rank,
         payload="blocks" if on_cpu else "tokens",
         attention_layout="cpu:LBHNC" if on_cpu else ("cuda:mla" if mc.use_mla else "cuda:paged"),
         block_size=block_size,
         isa=isa,
     )
+
+
+def stores_on_rank(vllm_config: VllmConfig, tp_rank: int) -> bool:
+    """Whether this TP rank's worker stores: every rank does, but with MLA
+    (one latent KV shared by every rank) only rank 0 does."""
+    return tp_rank == 0 or not vllm_config.model_config.use_mla
 
 
 def prompt_tokens(request: Request) -> np.ndarray:

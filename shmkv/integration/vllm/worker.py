@@ -66,11 +66,15 @@ class WorkerSide:
     half's ShmKVMetadata only."""
 
     def __init__(self, cfg: Any, store: Store, groups: Sequence[Any], tp_rank: int, block_size: int, *,
-                 deferred: bool = False) -> None:
+                 stores: bool = True, deferred: bool = False) -> None:
+        """`stores`: this rank stores what the scheduler half ships (False:
+        another rank stores the same bytes, as with MLA; this one only loads
+        and reports its requests finished at once)."""
         self.cfg = cfg
         self.store = store
         self.groups = list(groups)  # engine_inputs.KVGroup per KV-cache group
         self.tp_rank = tp_rank
+        self.stores = stores
         self.block_size = block_size  # of vLLM's block tables
         self.worker: TransferEngine | None = None
         self.chain: TierChain | None = None  # with remote_write_through: committed chunks are queued for remote
@@ -130,14 +134,18 @@ class WorkerSide:
                  len(kv_caches), len(layouts), kind, str(first.dtype).replace("torch.", ""),
                  sum(lay.bytes_per_token() for lay in layouts) / 1024,
                  "CUDA stream" if self.worker.on_gpu else "asynchronous CPU")
+        if not self.stores:
+            log.info("shmkv: TP rank %d only loads: rank 0 stores the latent (MLA) KV every rank holds", self.tp_rank)
 
     def bind(self, meta: Any) -> None:
         """A step's metadata arrives (first, before any load or store)."""
         if getattr(meta, "failed_blocks", None):
             self._load_errors |= meta.failed_blocks
+        # NOTE: a rank that does not store still reports these ids: vLLM frees a
+        # delayed request once every rank has reported it
         bound = {it.req_id for it in getattr(meta, "stores", ())}
         self._storing |= bound
-        self._unsubmitted = bound
+        self._unsubmitted = bound if self.stores else set()
         if self.worker is not None and any(g.window for g in self.groups):
             # NOTE: vLLM frees sliding-window blocks as a request advances and may hand them
             # to this step's forward: it must not overwrite them before pending stores read them.
@@ -208,7 +216,7 @@ class WorkerSide:
         self._unsubmitted = set()
         if self.worker is None:
             return
-        if getattr(meta, "stores", None):
+        if self.stores and getattr(meta, "stores", None):
             self.worker.submit_store(meta.stores)
         before = self.worker.counters["stored_tokens"]
         self._poll()
