@@ -47,7 +47,8 @@ ROWS = [
 
 
 def render() -> str:
-    lines = [BEGIN, "| model (as tested) | KV-cache groups | decoding | what shmkv does | test |", "|---|---|---|---|---|"]
+    lines = [BEGIN, "| model (as tested) | KV-cache groups | decoding | what shmkv does | test |",
+             "|---|---|---|---|---|"]
     for family, groups, decoding, does, test in ROWS:
         lines.append(f"| {family} | {groups} | {decoding} | {does} | `{test.split('::')[0].split('/')[-1]}` |")
     lines.append(END)

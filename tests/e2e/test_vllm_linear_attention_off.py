@@ -10,8 +10,8 @@ import pytest
 from helpers import random_prompt
 
 from shmkv import Store
-from shmkv.errors import SegmentNotFoundError
 from shmkv.bench.models import write_hybrid
+from shmkv.errors import SegmentNotFoundError
 
 pytestmark = pytest.mark.slow
 

@@ -64,7 +64,9 @@ def test_state_shmkv_cannot_restore_turns_it_off_with_a_reason(kind):
              "block_size": FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)}[kind]
     groups, off = kv_groups_of(_config(_attn(FullAttentionSpec), other), BS)
     assert groups == []
-    assert off.startswith("KV-cache group 1 ") and type(other).__name__ in off
+    assert off.startswith("KV-cache group 1 ")
+    assert ("linear-attention state (mamba2, layers" in off and "mamba_cache_mode=none" in off) if kind == "mamba" \
+        else type(other).__name__ in off
 
 
 # ----------------------------------------------------------- planner ---
@@ -183,7 +185,7 @@ def test_a_mamba_group_turns_the_connector_off_and_vllm_serves_as_usual(cache_na
         shmkv_log.propagate, shmkv_log.level = saved
     off = [r for r in caplog.records if "connector off for this engine" in r.getMessage()]
     assert [r.levelname for r in off] == ["WARNING"], "one line per engine (the scheduler's; the worker's is DEBUG)"
-    assert "KV-cache group 1 is MambaSpec (layers model.layers.1.mixer)" in off[0].getMessage()
+    assert "KV-cache group 1 holds linear-attention state (mamba2, layers model.layers.1.mixer" in off[0].getMessage()
     assert not os.path.exists(f"/dev/shm/{cache_name}"), "no segment is created for an engine that is off"
 
     request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(600)), num_prompt_tokens=600)
