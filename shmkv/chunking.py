@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from shmkv.keys import ExtraInputs, chunk_keys, lookahead_key, lossy_key, piece_key
+from shmkv.keys import ExtraInputs, chunk_keys, lookahead_key, lossy_key, piece_key, state_key
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class Unit:
     end: int
     keys: tuple[bytes, ...]  # one per TP rank
     links: tuple[bytes, ...] | None = None  # the exact keys later units chain from (None: `keys`)
+    state: bool = False  # the recurrent state after `end` (start == end), not attention KV
 
     @property
     def tokens(self) -> int:
@@ -51,6 +52,10 @@ class Unit:
     @property
     def chain(self) -> tuple[bytes, ...]:
         return self.keys if self.links is None else self.links
+
+    def state_unit(self) -> Unit:
+        """The entry of the recurrent state after this unit's last token (shmkv.keys.state_key)."""
+        return Unit(self.end, self.end, tuple(state_key(k) for k in self.keys), state=True)
 
 
 class Chunker:

@@ -68,6 +68,7 @@ KEY_BYTES = 16
 EXTRA_TAG = b"\x00shmkv-extra-inputs-v1\x00"
 LOSSY_TAG = b"\x00shmkv-lossy-v1\x00"
 LOOKAHEAD_TAG = b"\x00shmkv-lookahead-v1\x00"
+STATE_TAG = b"\x00shmkv-recurrent-state-v1\x00"
 
 
 def lossy_key(key: bytes, form: str) -> bytes:
@@ -90,6 +91,15 @@ def lookahead_key(key: bytes, tokens: Sequence[int] | np.ndarray, extras: bytes 
     raw = _token_bytes(tokens)
     return xxhash.xxh3_128_digest(LOOKAHEAD_TAG + len(raw).to_bytes(4, "little") + key + raw
                                   + len(extras).to_bytes(4, "little") + extras)
+
+
+def state_key(key: bytes) -> bytes:
+    """The key of the recurrent state (Mamba, gated delta net) after the
+    last token of the unit keyed `key`: stored beside the unit's attention
+    KV, never under a key an attention chunk has (it starts with a tag)."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a key is {KEY_BYTES} bytes, got {len(key)}")
+    return xxhash.xxh3_128_digest(STATE_TAG + key)
 
 
 def mix_extras(prev: bytes, extras: bytes) -> bytes:

@@ -35,14 +35,15 @@ ROWS = [
     ("EAGLE-3, MTP (not run here)", "full attention (target and drafter layers)", "`eagle3`, `mtp`",
      "the EAGLE path, keyed with vLLM's prefill lookahead (num_speculative_tokens for multi-module MTP)",
      "tests/unit/test_chunking_lookahead.py::test_a_unit_whose_lookahead_is_not_in_the_prompt_is_not_made"),
-    ("Nemotron-H", "Mamba2 state + attention", "greedy",
-     "off for that engine, with one line naming the state; vLLM serves as usual",
+    ("Qwen3-Next", "gated delta net state + attention (`mamba_cache_mode=align`, prefix caching on)", "greedy",
+     "hits where vLLM keeps the state (a block boundary ending a prefill step): the state is stored beside "
+     "the chunk ending there and loaded with its attention KV; also from the disk tier",
+     "tests/e2e/test_vllm_linear_attention.py::test_the_state_is_restored_with_the_attention_kv"),
+    ("Nemotron-H", "Mamba2 state + attention (prefix caching off: no align mode)", "greedy",
+     "off for that engine, with one line naming the state and mode; vLLM serves as usual (vLLM-CPU's Mamba2 "
+     "scan cannot run align mode)",
      "tests/e2e/test_vllm_linear_attention_off.py::test_the_connector_turns_itself_off_and_vllm_serves"
      "[nemotron_h-False-mamba2]"),
-    ("Qwen3-Next", "gated delta net state + attention (`mamba_cache_mode=align`)", "greedy",
-     "off for that engine, with one line naming the state (restoring the state: not built yet)",
-     "tests/e2e/test_vllm_linear_attention_off.py::test_the_connector_turns_itself_off_and_vllm_serves"
-     "[qwen3_next-True-gdn_attn]"),
 ]
 
 

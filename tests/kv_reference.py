@@ -15,6 +15,8 @@ def shape_of(kind: str, blocks: int, bs: int, heads: int, head: int) -> tuple[in
         "hnd": (blocks, heads, bs, 2 * head),
         "kv_split": (2, blocks, bs, heads, head),
         "mla": (blocks, bs, 2 * head),
+        # a recurrent state per block (vLLM's int8 view of a page): one "token" per block
+        "state": (blocks * bs, 1, 1, heads * 2 * head),
     }[kind]
 
 
@@ -47,6 +49,8 @@ def _tokens_u8(kind: str, t: torch.Tensor) -> torch.Tensor:
     if kind == "mla":
         b, n, c = u.shape
         return u.reshape(b * n, c)
+    if kind == "state":
+        return u.reshape(u.shape[0], -1)
     raise ValueError(kind)
 
 
@@ -91,3 +95,5 @@ def ref_scatter(kind: str, layers: list[torch.Tensor], index: torch.Tensor, payl
             elif kind == "mla":
                 b, n, c = u.shape
                 u.view(b * n, c)[index[ok]] = rows[ok]
+            elif kind == "state":
+                u.view(u.shape[0], -1)[index[ok]] = rows[ok]

@@ -185,7 +185,15 @@ def write_hybrid(directory: str, family: str, seed: int = 0) -> str:
         return directory
     cfg = AutoConfig.for_model(family, torch_dtype="bfloat16", **HYBRID_CONFIGS[family])
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(directory)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                # NOTE: a slow decay (exp(A_log) small): the recurrent state after a long prefix
+                # still decides the continuation, so a test sees a state left unrestored
+                # (HF's random A_log forgets a 1,400-token prefix within a few tokens)
+                p.fill_(-8.0)
+    model.save_pretrained(directory)
     return directory
 
 

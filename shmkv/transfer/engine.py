@@ -130,8 +130,10 @@ class TransferEngine:
         self.cache = store
         self.on_commit = on_commit
         self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
-        self.layout = layout = self.layouts[0]
-        if len({lay.block_size for lay in self.layouts}) != 1:
+        # NOTE: a recurrent-state group ("state" layout) holds one block per unit, whatever the block size
+        attention = [lay for lay in self.layouts if lay.kind != "state"] or self.layouts
+        self.layout = layout = attention[0]
+        if len({lay.block_size for lay in attention}) != 1:
             raise ValueError("every KV-cache group must have the same block size")
         where = {name: (g, li) for g, lay in enumerate(self.layouts) for li, name in enumerate(lay.names)}
         order = list(layer_order) if layer_order is not None else list(where)
@@ -268,7 +270,8 @@ class TransferEngine:
                 self.counters["load_stale"] += 1
                 ok = False
             if ok:
-                loaded[it.req_id] += max(len(w.block_ids) for w in it.groups) * bs
+                loaded[it.req_id] += max((len(w.block_ids) for lay, w in zip(self.layouts, it.groups)
+                                          if lay.kind != "state"), default=0) * bs
             else:
                 job.failed.update(it.block_ids)
         job.seconds = time.perf_counter() - job.t0
@@ -448,11 +451,15 @@ class TransferEngine:
     def finish(self, req_id: str) -> RequestTally | None:
         return self.tallies.pop(req_id, None)
 
-    def shutdown(self) -> None:
-        """Finish every copy in flight, commit and release, stop the streams."""
+    def wait_loads(self) -> None:
+        """Block until every issued load's copies have run (poll_loads then completes them)."""
         for job in self._loads:
             if job.events:
                 job.events[-1].synchronize()
+
+    def shutdown(self) -> None:
+        """Finish every copy in flight, commit and release, stop the streams."""
+        self.wait_loads()
         self.poll_loads()
         self.wait_stores()
         self._store_stream.close()

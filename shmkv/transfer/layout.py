@@ -17,6 +17,10 @@ fp16, fp8):
                 geometry is read from the strides; the content must be contiguous
     "kv_split"  older separate K/V [2, num_blocks, block_size, kv_heads, head]
     "mla"       [num_blocks, block_size, latent_dim]
+    "state"     a linear-attention group's recurrent state (vLLM's align mode):
+                [num_blocks, ...], each block's state contiguous bytes (vLLM 0.32
+                registers it as an int8 view of the page); copied as one run per
+                block, a "token" per block: block ids are the slots
 
 The token layouts copy per token into the canonical payload
 [layer][token][kv_head][K(head) | V(head)] (MLA: [layer][token][latent]),
@@ -38,7 +42,7 @@ import torch
 from shmkv.errors import InvalidArgumentError
 from shmkv.transfer.copy_backends import as_index, backend_for
 
-KINDS = ("cpu", "nhd", "hnd", "kv_split", "mla")
+KINDS = ("cpu", "nhd", "hnd", "kv_split", "mla", "state")
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,13 @@ def _geometry(kind: str, t: torch.Tensor) -> LayoutGeometry:
         if t.stride(2) != 1:
             raise InvalidArgumentError(f"layout 'mla' needs the last dim contiguous; strides {t.stride()}")
         return LayoutGeometry(b, n, s[0], 0, True, s[1], 1, 0, 1, 0, latent * es, 1, latent)
+    if kind == "state":
+        if t.dim() < 2 or not shape[0]:
+            raise InvalidArgumentError(f"layout 'state' expects a [num_blocks, ...] tensor, got shape {shape}")
+        if not t[0].is_contiguous():
+            raise InvalidArgumentError(f"layout 'state' needs each block's state contiguous; strides {t.stride()}")
+        nbytes = t[0].numel() * es
+        return LayoutGeometry(shape[0], 1, s[0], 0, True, s[0], 1, 0, 1, 0, nbytes, 1, nbytes)
     raise InvalidArgumentError(f"unknown layout kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 

@@ -37,7 +37,8 @@ def test_cuda_gather_scatter_match_reference(gpu_store, kind, dtype, bs):
     for tokens in ([bs, 3 * bs] if kind == "cpu" else [bs, 2 * bs + bs // 2 + 1]):
         nblocks = -(-tokens // bs)
         ids = rng.permutation(12)[:nblocks].astype(np.int64)
-        idx = ids if kind == "cpu" else layout.slots_for_blocks(ids, tokens)
+        idx = ids if kind == "cpu" else layout.slots_for_blocks(ids, tokens) if kind != "state" \
+            else rng.permutation(12 * bs)[:tokens].astype(np.int64)  # a state per slot
         n = layout.payload_bytes(nblocks * bs if kind == "cpu" else tokens)
         key = rng.bytes(16)
         r = gpu_store.reserve(key, n)
@@ -80,7 +81,8 @@ def test_cuda_engines_and_layer_ranges_copy_the_same_bytes(gpu_store, kind, engi
     layout = KVLayout(kind, layers)
     layout.copier.engines(store=engine, load=engine)
     tokens = 2 * 16 + 5
-    idx = layout.slots_for_blocks(rng.permutation(12)[:3].astype(np.int64), tokens)
+    idx = layout.slots_for_blocks(rng.permutation(12)[:3].astype(np.int64), tokens) if kind != "state" \
+        else rng.permutation(12 * 16)[:tokens].astype(np.int64)
     idx[3] = -1  # a slot outside the window: zeros in the payload, skipped by a scatter
     side = torch.cuda.Stream()
     r = gpu_store.reserve(rng.bytes(16), layout.payload_bytes(tokens))

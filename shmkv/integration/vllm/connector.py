@@ -12,7 +12,8 @@ vLLM builds this class twice, once per role (vllm/distributed/kv_transfer/kv_con
     thread, tells vLLM how many tokens it can load, and each step ships the
     load/store plan to the workers in ShmKVMetadata.
   * WORKER role (one per TP rank): issues loads in start_load_kv (before
-    the forward pass; each attention layer waits for its own) and stores in
+    the forward pass; each attention layer waits for its own; engines of
+    several KV-cache groups load asynchronously, worker.py) and stores in
     wait_for_save (after it); stores complete asynchronously on every
     platform, through vLLM's delayed frees (worker.py).
 The two halves share nothing but that metadata and the segment itself. With
@@ -28,9 +29,12 @@ without the cache (vLLM is told to recompute blocks that could not be loaded).
 Hybrid models: the connector declares SupportsHMA, so vLLM keeps its hybrid
 KV-cache manager on. Every KV-cache group is copied with its own block ids;
 full-attention and sliding-window groups are supported (planner.py says what
-a sliding-window group stores). A group of any other kind (Mamba or other
-linear-attention state, chunked local attention, ...) turns the connector
-off for that engine with one log line, and vLLM serves as usual.
+a sliding-window group stores), and linear-attention state (Mamba, gated
+delta net) in vLLM's align mode (prefix caching on): the state vLLM keeps at
+a block boundary is stored beside the chunk ending there and loaded with the
+attention KV of a hit ending there. A group of any other kind (linear
+attention without align mode, chunked local attention, ...) turns the
+connector off for that engine with one log line, and vLLM serves as usual.
 
 Speculative decoding: a drafter's KV layers (draft_model, EAGLE, EAGLE-3,
 MTP; in their own group or in the target's) are copied with the target's,
@@ -287,6 +291,15 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._work is None:
             return None, None
         return self._work.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """get_finished's sets, and the asynchronous loads that failed (also in finished_recving)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._work.take_failed_recving() if self._work is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()) | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self._work is None else self._work.load_errors()

@@ -28,10 +28,14 @@ log = logging.getLogger("shmkv.connector")
 
 @dataclass(frozen=True)
 class KVGroup:
-    """One KV-cache group of the engine: its layers and sliding window (0: full attention)."""
+    """One KV-cache group of the engine: its layers and sliding window (0:
+    full attention), or, for linear-attention layers (Mamba, gated delta
+    net) in vLLM's align mode, `state`: the recurrent state's kind, shapes
+    and dtypes (one block holds a layer's state after the block's last token)."""
 
     layer_names: tuple[str, ...]
     window: int = 0
+    state: str = ""
 
 
 def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[list[KVGroup], str | None]:
@@ -50,9 +54,15 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tupl
             return [], f"KV-cache group {i} is rebuilt by vLLM after a transfer (not transferable state)"
         if type(spec).__name__ == "MambaSpec" or hasattr(spec, "mamba_cache_mode"):
             mode = getattr(spec, "mamba_cache_mode", "?")
-            return [], (f"KV-cache group {i} holds linear-attention state ({_state_kind(spec)}, layers "
-                        f"{_names(g.layer_names)}; vLLM's mamba_cache_mode={mode}): shmkv stores attention KV "
-                        "only, and never loads attention KV without the state that goes with it")
+            if mode != "align":
+                return [], (f"KV-cache group {i} holds linear-attention state ({_state_kind(spec)}, layers "
+                            f"{_names(g.layer_names)}; vLLM's mamba_cache_mode={mode}): shmkv restores that "
+                            "state only where vLLM keeps it at block boundaries (mamba_cache_mode=align, which "
+                            "vLLM picks with prefix caching on), and never loads attention KV without it")
+            if spec.block_size != block_size:
+                return [], f"KV-cache group {i} ({kind}) has block size {spec.block_size}, not {block_size}"
+            groups.append(KVGroup(tuple(g.layer_names), state=_state_desc(spec)))
+            continue
         if spec.block_size != block_size:
             return [], f"KV-cache group {i} ({kind}) has block size {spec.block_size}, not {block_size}"
         if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
@@ -67,6 +77,13 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tupl
 
 def _names(layer_names) -> str:
     return ", ".join(layer_names[:3]) + (", ..." if len(layer_names) > 3 else "")
+
+
+def _state_desc(spec) -> str:
+    """What makes two engines' recurrent states (in)compatible: kind, shapes, dtypes."""
+    shapes = "x".join(",".join(str(d) for d in shape) for shape in getattr(spec, "shapes", ()))
+    dtypes = ",".join(str(t).replace("torch.", "") for t in getattr(spec, "dtypes", ()))
+    return f"{_state_kind(spec)}/{shapes}/{dtypes}"
 
 
 def _state_kind(spec) -> str:
@@ -118,9 +135,9 @@ def max_chunk_bytes(kv_cache_config: KVCacheConfig | None, chunk_size: int) -> i
 def groups_field(groups: list[KVGroup]) -> tuple[tuple[str, str], ...]:
     """Namespace field of a hybrid engine's groups (none for one full-attention group, so
     plain models keep their keys): the payload's sections follow them."""
-    if len(groups) == 1 and not groups[0].window:
+    if len(groups) == 1 and not groups[0].window and not groups[0].state:
         return ()
-    return (("kv_groups", ";".join(f"{g.window}:{','.join(g.layer_names)}" for g in groups)),)
+    return (("kv_groups", ";".join(f"{g.state or g.window}:{','.join(g.layer_names)}" for g in groups)),)
 
 
 def namespace_for(vllm_config: VllmConfig, cfg: ShmkvConfig, tp_rank: int) -> Namespace:

@@ -28,3 +28,8 @@ class ShmKVMetadata(KVConnectorMetadata):
     failed_blocks: set[int] = field(default_factory=set)
     # requests vLLM preempted this step: their blocks may be reused by this step's forward
     preempted: set[str] = field(default_factory=set)
+    # engines of several KV-cache groups load asynchronously (vLLM takes a failed load back
+    # only per request there): these requests' loads are reported in finished_recving, and
+    # failed_recving if they fail; failed_loads could not even be planned
+    async_loads: set[str] = field(default_factory=set)
+    failed_loads: set[str] = field(default_factory=set)

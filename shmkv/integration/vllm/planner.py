@@ -25,6 +25,14 @@ window holds a null block (vLLM's own prefix hit skipped it) is not stored.
 A load fills a sliding group only from the window of the hit's end on; a hit
 that ends inside its last unit (vLLM's one-token rule) is cut back to the
 unit's start when that unit's stored window does not cover it.
+
+Linear-attention groups (Mamba, gated delta net; vLLM's align mode) hold a
+recurrent state, not per-token KV: a unit's payload has no part of them.
+The state after a unit's last token is its own entry (Unit.state_unit,
+keyed by shmkv.keys.state_key), stored from the exact block vLLM hands over
+for that boundary (store_state_items) and loaded into the block vLLM
+allocates for the state at the hit's end. A hit always ends where a state
+is held: attention KV is never loaded without the state that goes with it.
 """
 
 from __future__ import annotations
@@ -62,16 +70,18 @@ class RequestPlan:
     tiers: dict[int, str] = field(default_factory=dict)  # unit start -> the tier it was first found in
     planner: Planner | None = None  # of the request's namespace (its salt and LoRA adapter)
     request: Any = None  # vLLM's Request (its block hashes name the chunks in KV events)
+    scheduled_tokens: int = 0  # in the step that loads the hit (where the running recurrent state goes)
 
 
 class Planner:
     def __init__(self, namespaces: Sequence[Namespace | bytes], block_size: int, *, store_tail: bool = True,
                  chunk_size: int | None = None, windows: Sequence[int] = (0,), lossy_form: str | None = None,
-                 lookahead: int = 0):
+                 lookahead: int = 0, states: Sequence[bool] = ()):
         """One namespace (or its 16-byte root key, then give chunk_size) per TP
         rank; `windows`: per KV-cache group, its sliding window in tokens (0:
         full attention); `lossy_form`: plan with that lossy form of the chunks;
-        `lookahead`: the drafter's prefill lookahead (chunking.py)."""
+        `lookahead`: the drafter's prefill lookahead (chunking.py); `states`:
+        per KV-cache group, whether it holds linear-attention state (default none)."""
         if not namespaces:
             raise ValueError("need one namespace per TP rank")
         exact_roots = tuple(ns if isinstance(ns, bytes) else ns.root_key() for ns in namespaces)
@@ -84,6 +94,9 @@ class Planner:
         if not windows or any(w < 0 for w in windows):
             raise ValueError(f"windows must be one size >= 0 per KV-cache group, got {tuple(windows)}")
         self.windows = tuple(int(w) for w in windows)
+        self.states = tuple(bool(x) for x in states) or (False,) * len(self.windows)
+        if len(self.states) != len(self.windows):
+            raise ValueError(f"states must be one flag per KV-cache group ({len(self.windows)}), got {tuple(states)}")
         if self.chunk_size % block_size:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of block_size {block_size}")
         self.chunker = Chunker(exact_roots, self.chunk_size, block_size if store_tail else None, lossy_form,
@@ -114,7 +127,13 @@ class Planner:
         hit = min(found[-1][0].end if found else 0, self.max_loadable(len(tokens)))
         if found and found[-1][0].start < hit < found[-1][0].end and not self._windows_cover(found[-1][0], hit):
             hit = found[-1][0].start
-        keep = [(u, tier) for u, tier in found if u.start < hit]
+        state = None
+        if any(self.states) and hit:
+            # the hit ends where a recurrent state is held: the last such unit end within it
+            cands = [u.state_unit() for u, _ in reversed(found) if u.end <= hit]
+            state = chain.first_held(cands, self.roots, lower) if cands else None
+            hit = state[0].end if state is not None else 0
+        keep = [(u, tier) for u, tier in found if u.start < hit] + ([state] if state is not None else [])
         if tiers is not None:
             for u, tier in keep:
                 tiers.setdefault(u.start, tier)
@@ -124,6 +143,8 @@ class Planner:
     def stored_blocks(self, u: Unit, group: int) -> tuple[int, int]:
         """(first block of the unit, number of blocks) that `group` stores of unit `u`."""
         bs, w = self.block_size, self.windows[group]
+        if self.states[group]:
+            return 0, 0  # a recurrent state is its own entry (state_unit), not part of a unit's payload
         n = u.tokens // bs
         if not w:
             return 0, n
@@ -154,11 +175,17 @@ class Planner:
         bs = self.block_size
         items = []
         for u in plan.hit_units:
+            if u.state:
+                items.extend(self._state_load(plan, u))
+                continue
             a, b = max(u.start, lo), min(u.end, hi)
             if a >= b:
                 continue
             groups = []
             for g, ids in enumerate(plan.block_ids):
+                if self.states[g]:
+                    groups.append(GroupWindow(0, 0, ()))
+                    continue
                 first, n = self.stored_blocks(u, g)
                 p0 = max(a, self._window_start(g, hi)) // bs  # first request position this group needs
                 p0 = min(p0, b // bs)
@@ -170,6 +197,56 @@ class Planner:
             items.append(LoadItem(plan.req_id, u.keys, tuple(groups)))
         return items
 
+    def _state_load(self, plan: RequestPlan, u: Unit) -> list[LoadItem]:
+        """The state entry `u` into the blocks of each linear-attention group
+        that hold it in the load step. vLLM's align mode keeps in block p the
+        state after (p + 1) * block_size tokens: the hit's end h is block
+        h / block_size - 1 (vLLM caches it as that prefix's state), and the
+        step's running state, which the forward reads, is block
+        cdiv(h + scheduled, block_size) - 1. vLLM copies the first into the
+        second before the forward (preprocess_mamba), which may run before
+        the connector's load: both are filled."""
+        h, bs = plan.local_tokens + plan.hit_tokens, self.block_size
+        if u.end != h:
+            raise ValueError(f"request {plan.req_id}: the state after token {u.end} does not end the hit of "
+                             f"{h} tokens (a planning bug)")
+        targets = []
+        for idx in dict.fromkeys((h // bs - 1, -(-(h + plan.scheduled_tokens) // bs) - 1)):
+            groups = []
+            for g, st in enumerate(self.states):
+                table = plan.block_ids[g] if g < len(plan.block_ids) else []
+                if not st:
+                    groups.append(GroupWindow(0, 0, ()))
+                elif not 0 <= idx < len(table) or table[idx] == NULL_BLOCK:
+                    raise ValueError(f"request {plan.req_id}: vLLM allocated no block {idx} for group {g}'s "
+                                     f"state after token {h}")
+                else:
+                    groups.append(GroupWindow(0, 1, (table[idx],)))
+            targets.append(LoadItem(plan.req_id, u.keys, tuple(groups)))
+        return targets
+
+    def store_state_items(self, plan: RequestPlan, offers: Sequence[tuple[int, int, int]]) -> list[StoreItem]:
+        """The recurrent states vLLM hands over this step ((group, block id,
+        boundary tokens), kv_connector_block_state.boundary_state_offloads),
+        one entry per unit end whose state every linear-attention group offers
+        (other boundaries, and those shmkv supplied, are not stored)."""
+        by_end: dict[int, dict[int, int]] = {}
+        for g, block, end in offers:
+            if 0 <= g < len(self.states) and self.states[g] and block != NULL_BLOCK:
+                by_end.setdefault(int(end), {})[g] = int(block)
+        hit_end = plan.local_tokens + plan.hit_tokens if plan.hit_tokens else 0
+        need = {g for g, st in enumerate(self.states) if st}
+        items = []
+        for u in plan.units:
+            blocks = by_end.get(u.end)
+            if blocks is None or set(blocks) != need or u.end <= hit_end or u.end > plan.prompt_len:
+                continue
+            s = u.state_unit()
+            groups = tuple(GroupWindow(0, 1, (blocks[g],)) if st else GroupWindow(0, 0, ())
+                           for g, st in enumerate(self.states))
+            items.append(StoreItem(plan.req_id, s.keys, 0, groups, plan.roots))
+        return items
+
     # ---------------------------------------------------------- storing --
     def store_items(self, plan: RequestPlan, computed_after: int) -> list[StoreItem]:
         """Units fully computed once this step ends, not supplied by shmkv."""
@@ -178,7 +255,8 @@ class Planner:
         hit_end = plan.local_tokens + plan.hit_tokens if plan.hit_tokens else 0
         while plan.next_store < len(plan.units):
             u = plan.units[plan.next_store]
-            if u.end > min(computed_after, plan.prompt_len) or any(u.end > len(ids) * bs for ids in plan.block_ids):
+            if u.end > min(computed_after, plan.prompt_len) or any(
+                    u.end > len(ids) * bs for g, ids in enumerate(plan.block_ids) if not self.states[g]):
                 break
             plan.next_store += 1
             if u.end <= hit_end:
@@ -187,7 +265,7 @@ class Planner:
             for g, ids in enumerate(plan.block_ids):
                 first, n = self.stored_blocks(u, g)
                 p0 = u.start // bs + first
-                groups.append(GroupWindow(0, n, tuple(ids[p0:p0 + n])))
+                groups.append(GroupWindow(0, n, tuple(ids[p0:p0 + n]) if n else ()))
             if any(NULL_BLOCK in w.block_ids or len(w.block_ids) < w.payload_blocks for w in groups):
                 plan.window_skipped += 1  # vLLM's own prefix hit padded the window with null blocks
                 continue

@@ -82,6 +82,10 @@ class SchedulerSide:
         self.loads_enabled, self.stores_enabled = loads, stores
         self._base_ns = namespaces
         self._groups = groups
+        # NOTE: vLLM takes a failed synchronous load back as block ids, which it cannot map to
+        # requests with several KV-cache groups (it stops the engine): there loads are
+        # asynchronous, and a failure recomputes the request (failed_recving)
+        self.async_loads = len(groups) > 1
         self._lookahead = drafter_lookahead(vllm_config)
         # NOTE: bounded, whatever the number of tenants (cache salts) and adapters:
         # the planners (their key caches) of the MAX_PLANNERS most recent
@@ -109,8 +113,14 @@ class SchedulerSide:
             if kec is not None and kec.enable_kv_cache_events and stores else None
         if groups_field(self._groups):
             log.info("shmkv: hybrid KV cache, %d groups: %s", len(self._groups), "; ".join(
-                f"{len(g.layer_names)} layers with " + (f"a {g.window}-token sliding window" if g.window
+                f"{len(g.layer_names)} layers with " + (f"a {g.window}-token sliding window" if g.window else
+                                                       f"linear-attention state ({g.state})" if g.state
                                                        else "full attention") for g in self._groups))
+        if any(g.state for g in self._groups):
+            log.info("shmkv: linear-attention state is restored with the attention KV: a hit ends where vLLM "
+                     "kept the state at a block boundary (the end of a prefill step, block-aligned to %d tokens: "
+                     "for a prompt prefilled in one step, its last whole block); the state of each such chunk "
+                     "end is stored beside the chunk", self.block_size)
         sc = getattr(vllm_config, "speculative_config", None)
         if sc is not None:
             drafter = dict(self._base_ns[0].extra).get("drafter")
@@ -166,7 +176,8 @@ class SchedulerSide:
             return p
         ns = [dataclasses.replace(n.with_salt(salt), extra=n.extra + lora) for n in self._base_ns]
         p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail, windows=[g.window for g in self._groups],
-                    lossy_form=self.cfg.lossy_form or None, lookahead=self._lookahead)
+                    lossy_form=self.cfg.lossy_form or None, lookahead=self._lookahead,
+                    states=[bool(g.state) for g in self._groups])
         self._planners[(salt, lora)] = p
         if len(self._planners) > MAX_PLANNERS:
             self._planners.popitem(last=False)
@@ -236,7 +247,7 @@ class SchedulerSide:
                           request.request_id, len(tokens), num_computed_tokens, extra)
                 self.activity.add(requests=1, hit_requests=int(extra > 0), prompt_tokens=len(tokens),
                                   hit_tokens=extra, local_tokens=num_computed_tokens)
-            return extra, False
+            return extra, bool(extra) and self.async_loads
         except _AskAgain:
             return None, False
         except Exception:
@@ -304,7 +315,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ShmKVMetadata:
         meta = ShmKVMetadata()
         try:
-            self._plan_loads(meta)
+            self._plan_loads(meta, scheduler_output)
         finally:
             self._pending_loads.clear()
         try:
@@ -318,7 +329,7 @@ class SchedulerSide:
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         return meta
 
-    def _plan_loads(self, meta: ShmKVMetadata) -> None:
+    def _plan_loads(self, meta: ShmKVMetadata, so: SchedulerOutput) -> None:
         """Load items of the requests admitted with a hit. A request whose loads
         cannot be planned has its promised blocks reported as load errors, so
         vLLM recomputes them (never runs on blocks nobody filled)."""
@@ -326,13 +337,19 @@ class SchedulerSide:
         bs = self.block_size
         for req_id, plan in self._pending_loads.items():
             try:
+                plan.scheduled_tokens = so.num_scheduled_tokens.get(req_id, 0)
                 meta.loads.extend(planner.load_items(plan))
             except Exception:
                 self.counters["lookup_errors"] += 1
                 log.exception("shmkv: planning the load of request %s failed; vLLM recomputes it", req_id)
-                lo, hi = plan.local_tokens // bs, (plan.local_tokens + plan.hit_tokens) // bs
-                meta.failed_blocks.update(b for ids in plan.block_ids for b in ids[lo:hi] if b != NULL_BLOCK)
+                if self.async_loads:
+                    meta.failed_loads.add(req_id)
+                else:
+                    lo, hi = plan.local_tokens // bs, (plan.local_tokens + plan.hit_tokens) // bs
+                    meta.failed_blocks.update(b for ids in plan.block_ids for b in ids[lo:hi] if b != NULL_BLOCK)
                 continue
+            if self.async_loads:
+                meta.async_loads.add(req_id)
             meta.summaries[req_id] = RequestSummary(req_id, plan.prompt_len, plan.local_tokens, plan.hit_tokens)
 
     def _build(self, so: SchedulerOutput, meta: ShmKVMetadata) -> None:
@@ -365,6 +382,11 @@ class SchedulerSide:
                     mine.extend(ids)
             done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
             meta.stores.extend(self._announce(plan, planner.store_items(plan, done)))
+        block_state = getattr(so, "kv_connector_block_state", None)
+        for req_id, offers in (getattr(block_state, "boundary_state_offloads", None) or {}).items():
+            plan = self._plans.get(req_id)
+            if plan is not None:  # the recurrent states vLLM kept this step at a block boundary
+                meta.stores.extend(planner.store_state_items(plan, offers))
 
     def _announce(self, plan: RequestPlan, items: list[StoreItem]) -> list[StoreItem]:
         """Tell the KV events (if on) which units these store items write."""

@@ -12,6 +12,12 @@ speculative decoding vLLM calls get_finished before that step's
 wait_for_save (defer_kv_connector_finalize): a request whose stores were
 bound but not yet issued is never reported finished.
 
+Asynchronous loads (engines of several KV-cache groups, where vLLM cannot
+take a failed load back as block ids): the forward never waits for them;
+get_finished reports each such request once in finished_recving when its
+copies have run, and take_failed_recving those that failed (vLLM
+recomputes them), never their block ids.
+
 Delayed frees. The scheduler half returns delay_free_blocks=True from
 request_finished exactly for the requests whose store items it shipped
 (ShmKVMetadata.stores); this half reports each of those, once, in
@@ -87,11 +93,17 @@ class WorkerSide:
         self._unsubmitted: set[str] = set()  # bound this step, not yet given to the transfer engine
         self._finished_waiting: set[str] = set()  # finished, stores still copying
         self._loading: tuple[Any, LoadJob] | None = None  # this step's metadata and loads
+        self._async_jobs: dict[int, set[str]] = {}  # id(load job) -> its asynchronous requests
+        self._recv_done: set[str] = set()  # asynchronous loads complete (finished_recving)
+        self._recv_failed: set[str] = set()  # ... of them, those that failed (failed_recving)
         self._summaries: dict[int, Any] = {}  # id(load job) -> its step's per-request summaries
         self._registered = False  # the segment is registered with CUDA for this worker
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        first = next(iter(kv_caches.values()))
+        # the first attention layer's tensor (a state group's may come first, and may be a list)
+        attn_names = [n for g in self.groups if not getattr(g, "state", "") for n in g.layer_names]
+        first = kv_caches.get(attn_names[0]) if attn_names else None
+        first = first if first is not None else next(iter(kv_caches.values()))
         # vLLM 0.32 views every layer's cache as [blocks, heads, block tokens, content]
         # (vllm/v1/kv_cache_interface.py create_kv_cache_views), in the physical order
         # of the engine's KVCacheLayout: the strides say which. On the CPU backend the
@@ -102,8 +114,10 @@ class WorkerSide:
             if first.dim() != 4:
                 raise InvalidArgumentError(f"a {first.dim()}-D KV cache tensor of shape {tuple(first.shape)} "
                                            "(vLLM 0.32 gives [blocks, heads, block tokens, content])")
-            layouts = [KVLayout(kind, [kv_caches[n] for n in names], names, block_size=self.block_size)
-                       for names in groups]
+            # NOTE: a linear-attention group (align mode) is the state of each block: one run per block
+            layouts = [KVLayout("state", [kv_caches[n] for n in names], names) if getattr(g, "state", "")
+                       else KVLayout(kind, [kv_caches[n] for n in names], names, block_size=self.block_size)
+                       for g, names in zip(self.groups, groups)]
             if first.device.type == "cuda":
                 from shmkv.transfer import gpu
 
@@ -130,10 +144,15 @@ class WorkerSide:
                 self.chain = None
             self._unregister()
             return
+        attention = [lay for lay in layouts if lay.kind != "state"]
         log.info("shmkv: registered %d KV layers in %d group(s) (%s layout, %s, %.1f KiB per token, %s copies)",
-                 len(kv_caches), len(layouts), kind, str(first.dtype).replace("torch.", ""),
-                 sum(lay.bytes_per_token() for lay in layouts) / 1024,
+                 len(kv_caches), len(layouts), kind, str(attention[0].dtype).replace("torch.", ""),
+                 sum(lay.bytes_per_token() for lay in attention) / 1024,
                  "CUDA stream" if self.worker.on_gpu else "asynchronous CPU")
+        for lay in layouts:
+            if lay.kind == "state":
+                log.info("shmkv: %d linear-attention layers keep %.1f KiB of recurrent state per block boundary",
+                         lay.num_layers, lay.geometry.run_bytes / 1024)
         if not self.stores:
             log.info("shmkv: TP rank %d only loads: rank 0 stores the latent (MLA) KV every rank holds", self.tp_rank)
 
@@ -141,14 +160,19 @@ class WorkerSide:
         """A step's metadata arrives (first, before any load or store)."""
         if getattr(meta, "failed_blocks", None):
             self._load_errors |= meta.failed_blocks
+        failed = getattr(meta, "failed_loads", None)
+        if failed:
+            self._recv_done |= failed
+            self._recv_failed |= failed
         # NOTE: a rank that does not store still reports these ids: vLLM frees a
         # delayed request once every rank has reported it
         bound = {it.req_id for it in getattr(meta, "stores", ())}
         self._storing |= bound
         self._unsubmitted = bound if self.stores else set()
-        if self.worker is not None and any(g.window for g in self.groups):
+        if self.worker is not None and any(g.window or getattr(g, "state", "") for g in self.groups):
             # NOTE: vLLM frees sliding-window blocks as a request advances and may hand them
-            # to this step's forward: it must not overwrite them before pending stores read them.
+            # to this step's forward (and a recurrent state's boundary block once the request
+            # has moved past it): it must not overwrite them before pending stores read them.
             self.worker.order_compute_after_stores()
 
     def handle_preemptions(self, meta: Any) -> None:
@@ -166,14 +190,23 @@ class WorkerSide:
         """Issue this step's loads. `whole_forward`: the forward cannot wait
         layer by layer (a full CUDA graph replays no Python): it waits for
         every layer now."""
+        async_reqs = set(getattr(meta, "async_loads", ()))
         if self.worker is None and self.off_reason is not None:
             for it in getattr(meta, "loads", ()):
-                self._load_errors.update(it.block_ids)  # never run on blocks nobody filled
+                if it.req_id in async_reqs:
+                    self._recv_failed.add(it.req_id)
+                else:
+                    self._load_errors.update(it.block_ids)  # never run on blocks nobody filled
+            self._recv_done |= async_reqs
             return
         if self.worker is None or not getattr(meta, "loads", None):
             return
         job = self.worker.submit_load(meta.loads)
         self._summaries[id(job)] = meta.summaries
+        if async_reqs:
+            # NOTE: vLLM computes these requests only once get_finished reports them
+            self._async_jobs[id(job)] = async_reqs
+            return
         if whole_forward:
             job.wait_all()
             self.worker.counters["whole_forward_loads"] += 1
@@ -191,7 +224,13 @@ class WorkerSide:
         if stored:
             self._transfer["observations"].setdefault("store_seconds", []).extend(j.seconds for j in stored)
         for job, failed in self.worker.poll_loads():
-            self._load_errors |= failed
+            async_reqs = self._async_jobs.pop(id(job), None)
+            if async_reqs is None:
+                self._load_errors |= failed
+            else:
+                self._recv_done |= async_reqs
+                self._recv_failed |= {r for r, items in job.by_request.items()
+                                      if any(b in failed for it in items for b in it.block_ids)}
             self._report_load(job, failed)
 
     def _report_load(self, job: LoadJob, failed: set[int]) -> None:
@@ -229,8 +268,8 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished_sending, finished_recving): the delayed requests whose
-        stores have all completed, each once; loads are synchronous (never
-        finished_recving)."""
+        stores have all completed, each once; the requests whose
+        asynchronous loads have completed (or failed), each once."""
         if self.worker is not None:
             before = self.worker.counters["stored_tokens"]
             self._poll()
@@ -245,7 +284,14 @@ class WorkerSide:
         done = {r for r in self._finished_waiting if r not in pending}
         self._finished_waiting -= done
         self._storing -= done
-        return (done or None), None
+        recv, self._recv_done = self._recv_done, set()
+        return (done or None), (recv or None)
+
+    def take_failed_recving(self) -> set[str]:
+        """The asynchronous loads that failed since the last call (each also
+        in get_finished's finished_recving): vLLM recomputes those requests."""
+        out, self._recv_failed = self._recv_failed, set()
+        return out
 
     def _log_stores(self, req_id: str) -> None:
         t = self.worker.finish(req_id) if self.worker is not None else None
