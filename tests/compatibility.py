@@ -32,7 +32,11 @@ ROWS = [
     ("Llama + EAGLE head", "full attention (target and EAGLE layers)", "`eagle`",
      "hits with the drafter's KV, each chunk keyed with the prompt token after it; acceptance equals recompute's",
      "tests/e2e/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[eagle]"),
-    ("EAGLE-3, MTP (not run here)", "full attention (target and drafter layers)", "`eagle3`, `mtp`",
+    ("Llama (8 layers) + EAGLE-3 head (random)", "full attention (target and EAGLE-3 layers)", "`eagle3`",
+     "hits with the drafter's KV (the EAGLE path); drafts and acceptances equal recompute's (a random head has "
+     "almost none accepted)",
+     "tests/e2e/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[eagle3]"),
+    ("MTP (not run here: no tiny MTP model)", "full attention (target and drafter layers)", "`mtp`",
      "the EAGLE path, keyed with vLLM's prefill lookahead (num_speculative_tokens for multi-module MTP)",
      "tests/unit/test_chunking_lookahead.py::test_a_unit_whose_lookahead_is_not_in_the_prompt_is_not_made"),
     ("Qwen3-Next", "gated delta net state + attention (`mamba_cache_mode=align`, prefix caching on)", "greedy",

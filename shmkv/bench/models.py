@@ -136,6 +136,44 @@ def write_eagle(directory: str, target_dir: str) -> str:
     return directory
 
 
+def write_eagle3(directory: str, target_dir: str, seed: int = 7) -> str:
+    """An EAGLE-3 draft head (vLLM's Eagle3LlamaForCausalLM: its fc combines
+    three of the target's hidden states, its one layer reads the next token's
+    embedding beside them) with seeded random weights, for the Llama
+    checkpoint in `target_dir` (vLLM wants 8 or more target layers for the
+    auxiliary ones). A random head rarely has a proposal accepted: it proves
+    the path (its KV layer is stored and loaded with the target's), not the
+    drafting. Returns the directory."""
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target_dir, "config.json")) as f:
+        config = json.load(f)
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = h // heads
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    ones = torch.ones(h, dtype=torch.bfloat16)
+    tensors = {"fc.weight": rand(h, 3 * h), "norm.weight": ones, "lm_head.weight": rand(vocab, h),
+               "midlayer.self_attn.q_proj.weight": rand(heads * hd, 2 * h),
+               "midlayer.self_attn.k_proj.weight": rand(kv_heads * hd, 2 * h),
+               "midlayer.self_attn.v_proj.weight": rand(kv_heads * hd, 2 * h),
+               "midlayer.self_attn.o_proj.weight": rand(h, heads * hd),
+               "midlayer.mlp.gate_proj.weight": rand(inter, h), "midlayer.mlp.up_proj.weight": rand(inter, h),
+               "midlayer.mlp.down_proj.weight": rand(h, inter), "midlayer.input_layernorm.weight": ones,
+               "midlayer.hidden_norm.weight": ones, "midlayer.post_attention_layernorm.weight": ones}
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**config, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+                   "draft_vocab_size": vocab}, f, indent=2)
+    return directory
+
+
 def write_mla(directory: str, seed: int = 0) -> str:
     """A 2-layer DeepSeek-V2-shaped checkpoint (multi-head latent attention,
     dense MLPs) with seeded random weights (transformers' own init). The

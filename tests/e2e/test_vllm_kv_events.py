@@ -87,6 +87,11 @@ def test_a_router_sees_the_shared_tier(cache_name, start_engine, tmp_path):
                for h in ev.block_hashes]
         assert len(ours) == 3000 // 128 and ours == gpu[:len(ours)], "the same hashes vLLM gives those blocks"
         assert [t for s in stored if s.parent_block_hash is None for t in s.token_ids] == P[:256]
+        gpu_events = [ev for ev in router.events if type(ev).__name__ == "BlockStored" and ev.medium == "GPU"]
+        assert {(s.group_idx, s.kv_cache_spec_kind) for s in stored} == {(0, "full_attention")}
+        assert {s.group_idx for s in gpu_events} == {0}, "vLLM's own events name the same group"
+        assert all(s.extra_keys == ev.extra_keys and s.session_id == ev.session_id
+                   for s, ev in zip(stored, gpu_events)), "what vLLM's schema carries, as vLLM fills it"
 
         removed = Store.attach(cache_name, populate=False).clear()
         assert removed == n_units
@@ -94,5 +99,6 @@ def test_a_router_sees_the_shared_tier(cache_name, start_engine, tmp_path):
         router.receive(lambda ev: len(shmkv_events(ev, "BlockRemoved")) >= n_units)
         gone = shmkv_events(router.events, "BlockRemoved")
         assert sorted(h for g in gone for h in g.block_hashes) == sorted(ours)
+        assert {g.group_idx for g in gone} == {0}
     finally:
         router.close()

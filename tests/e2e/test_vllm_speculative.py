@@ -1,7 +1,8 @@
 """Speculative decoding with the connector on: ngram (no drafter KV),
-draft_model (the target as its own drafter: its own KV layers) and EAGLE (a
+draft_model (the target as its own drafter: its own KV layers), EAGLE (a
 head drafting for a 1-layer target, whose KV of a position read the next
-token). A second engine hits what the first stored; its greedy output and
+token) and EAGLE-3 (a random head beside an 8-layer target: the path, not
+the drafting; it has almost nothing accepted). A second engine hits what the first stored; its greedy output and
 the drafter's proposals and acceptances equal those of an engine without
 shmkv that recomputed from the same split; the KV it loads (the drafter's
 layers included) equals what was stored, byte for byte. With the drafter's
@@ -16,7 +17,7 @@ import re
 import pytest
 from helpers import check_loaded_bytes_equal_stored, random_prompt
 
-from shmkv.bench.models import TinyLlama, write_eagle, write_llama
+from shmkv.bench.models import TinyLlama, write_eagle, write_eagle3, write_llama
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,7 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
 
 
 DRAFTER_LAYERS = {"draft_model": r"^draft_model\.", "eagle": r"layers\.1\."}  # vLLM's names of them
+EAGLE3_TARGET_LAYERS = 8  # vLLM's fewest for EAGLE-3's auxiliary hidden states
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +39,21 @@ def eagle_dirs(tmp_path_factory) -> tuple[str, str]:
     return target, write_eagle(str(tmp_path_factory.mktemp("eagle-head")), target)
 
 
+@pytest.fixture(scope="module")
+def eagle3_dirs(tmp_path_factory) -> tuple[str, str]:
+    """(an 8-layer target, a random EAGLE-3 head for it)."""
+    target = write_llama(str(tmp_path_factory.mktemp("eagle3-target")),
+                         TinyLlama(num_hidden_layers=EAGLE3_TARGET_LAYERS))
+    return target, write_eagle3(str(tmp_path_factory.mktemp("eagle3-head")), target)
+
+
 def speculative_config(method: str, model_dir: str, eagle_dir: str) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 1}
     if method == "draft_model":
         return {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3}
-    return {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": 3}
+    return {"method": method, "model": eagle_dir, "num_speculative_tokens": 3}
 
 
 def spec_counts(engine) -> dict[str, float]:
@@ -69,13 +79,13 @@ def recomputed_from(engine, prompt: list[int], split: int) -> tuple[dict, dict[s
     return r, counts
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
 def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_engine, model_dir, eagle_dirs,
-                                                    tmp_path):
+                                                    eagle3_dirs, tmp_path):
     digests = str(tmp_path / "digests.txt")
     cfg = {"cache_name": cache_name, "capacity": "256MiB", "debug_digest_file": digests}
-    if method == "eagle":
-        model_dir, eagle_dir = eagle_dirs
+    if method in ("eagle", "eagle3"):
+        model_dir, eagle_dir = eagle_dirs if method == "eagle" else eagle3_dirs
     else:
         eagle_dir = ""
     spec = {"speculative_config": speculative_config(method, model_dir, eagle_dir), "disable_log_stats": False}
@@ -86,7 +96,8 @@ def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_eng
     log_a = open(a.log_path).read()
     assert "connector off" not in log_a
     layers = int(re.search(r"registered (\d+) KV layers", log_a).group(1))
-    assert layers == {"ngram": 2, "draft_model": 4, "eagle": 2}[method], "the drafter's layers are copied too"
+    assert layers == {"ngram": 2, "draft_model": 4, "eagle": 2, "eagle3": EAGLE3_TARGET_LAYERS + 1}[method], \
+        "the drafter's layers are copied too"
 
     b = start_engine(f"spec-{method}-b", shmkv=cfg, **engine)
     r, counts = generate_counted(b, P)
@@ -95,15 +106,15 @@ def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_eng
 
     # vLLM's own EAGLE hits drop their last block; the reference keeps it (its KV is exact here)
     ref_spec = {**spec, "speculative_config": {**spec["speculative_config"], "disable_eagle_block_drop": True}} \
-        if method == "eagle" else spec
+        if method in ("eagle", "eagle3") else spec
     ref = start_engine(f"spec-{method}-ref", model_dir=model_dir, shmkv=None, prefix_caching=True,
                        llm_kwargs=ref_spec)
     r_ref, counts_ref = recomputed_from(ref, P, HIT)
     assert r["outputs"] == r_ref["outputs"]
     assert counts["vllm:spec_decode_num_draft_tokens"] > 0
     assert counts == counts_ref, "the drafter proposed and had accepted the same after a hit as after recompute"
-    if method == "ngram":
-        return
+    if method in ("ngram", "eagle3"):
+        return  # ngram adds no KV; a random EAGLE-3 head has (almost) nothing accepted either way
     assert counts["vllm:spec_decode_num_accepted_tokens"] == counts["vllm:spec_decode_num_draft_tokens"], \
         "these drafters have every proposal accepted when their KV is right"
 

@@ -72,6 +72,7 @@ from shmkv.integration.vllm.engine_inputs import (
     namespace_for,
     stores_on_rank,
 )
+from shmkv.integration.vllm.kv_events import event_groups_of
 from shmkv.integration.vllm.metadata import ShmKVMetadata
 from shmkv.integration.vllm.metrics import HIT_SOURCES, ShmKVPromMetrics, ShmKVStats
 from shmkv.store import open_store
@@ -175,7 +176,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
                           for n in (namespace_for(vllm_config, self.cfg, r) for r in range(tp))]
             self._sched = SchedulerSide(vllm_config, self.cfg, self.store, namespaces, groups,
                                         loads=ktc.is_kv_consumer, stores=ktc.is_kv_producer, ktc=ktc,
-                                        max_chunk_bytes=max_chunk_bytes(kv_cache_config, self.cfg.chunk_size))
+                                        max_chunk_bytes=max_chunk_bytes(kv_cache_config, self.cfg.chunk_size),
+                                        event_groups=event_groups_of(kv_cache_config))
         else:
             from shmkv.integration.vllm.worker import WorkerSide
 

@@ -7,9 +7,15 @@ its workers to store is in the segment, and a BlockRemoved when a chunk it
 announced has left it (evicted by any engine, deleted, cleared).
 
 Each event names vLLM's own block hashes of the chunk's tokens (the request's
-block_hashes, what a router matches), its token ids, parent hash and LoRA,
-with medium "CPU", locality "LOCAL" and ownership "shmkv", so a router tells
-a block in this engine's GPU from a chunk in the host's shared memory.
+block_hashes, what a router matches), its token ids, parent hash, LoRA,
+extra keys (multimodal items, cache salt, prompt embeddings, as vLLM
+publishes them) and session, with medium "CPU", locality "LOCAL" and
+ownership "shmkv", so a router tells a block in this engine's GPU from a
+chunk in the host's shared memory. A hybrid model's chunk is one event per
+KV-cache group (`group_idx`, `kv_cache_spec_kind`, its sliding window), each
+naming the blocks that group holds of it: all of them for full attention,
+the window's for a sliding group, and for a linear-attention group the block
+whose state the chunk's state entry holds, once that entry is stored.
 
 How a router should read several engines of one host: a chunk announced with
 ownership "shmkv" by any engine of a host is loadable by every engine of that
@@ -41,23 +47,52 @@ PENDING_STEPS = 10_000  # steps after which a chunk never seen in the segment st
 OWNERSHIP = "shmkv"
 
 
+@dataclass(frozen=True)
+class EventGroup:
+    """What a KV-cache group's events say of it (vLLM's KVCacheSpecKind value, its window)."""
+
+    kind: str = "full_attention"
+    sliding_window: int | None = None
+
+
+def event_groups_of(kv_cache_config: Any) -> list[EventGroup]:
+    """One EventGroup per KV-cache group of the engine, as vLLM's offloading tier names them."""
+    if kv_cache_config is None:
+        return [EventGroup()]
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+    return [EventGroup(get_kv_cache_spec_kind(g.kv_cache_spec).value,
+                       get_kv_cache_spec_sliding_window(g.kv_cache_spec)) for g in kv_cache_config.kv_cache_groups]
+
+
+@dataclass
+class _Part:
+    """One group's blocks of a chunk (one BlockStored / BlockRemoved)."""
+
+    group: int
+    block_hashes: list[Any]  # vLLM's ExternalBlockHash of each block
+    parent: Any
+    token_ids: list[int]
+    extra_keys: list[Any] | None
+
+
 @dataclass
 class _Chunk:
     keys: tuple[bytes, ...]  # one per TP rank
-    block_hashes: list[Any]  # vLLM's ExternalBlockHash of each block of the chunk
-    parent: Any
-    token_ids: list[int]
+    parts: list[_Part]
     lora_id: int | None
     lora_name: str | None
+    session_id: str | None
     since: int  # the step it was planned in
 
 
 class SharedTierEvents:
     """The BlockStored / BlockRemoved events of one engine's scheduler half."""
 
-    def __init__(self, store: Store, block_size: int) -> None:
+    def __init__(self, store: Store, block_size: int, groups: list[EventGroup] | None = None) -> None:
         self.store = store
         self.block_size = block_size
+        self.groups = list(groups) if groups else [EventGroup()]
         self._pending: list[_Chunk] = []  # store items shipped, not yet seen in the segment
         self._announced: dict[bytes, _Chunk] = {}  # by rank 0's key
         self._sweep: list[bytes] = []
@@ -65,23 +100,34 @@ class SharedTierEvents:
         self._step = 0
         self.counters = {"stored_events": 0, "removed_events": 0, "unseen_stores": 0}
 
-    def stores_planned(self, request: Any, units: Iterable[Unit]) -> None:
-        """Units of `request` whose store items this step ships."""
+    def stores_planned(self, request: Any, units: Iterable[tuple[Unit, list[tuple[int, int, int]]]]) -> None:
+        """Units of `request` whose store items this step ships, each with
+        the blocks it holds per group: (group, first block of the prompt, blocks)."""
         hashes = list(getattr(request, "block_hashes", None) or ())
         tokens = request.all_token_ids
         lora = getattr(request, "lora_request", None)
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            maybe_convert_block_hash,
+            to_event_extra_keys,
+        )
 
         bs = self.block_size
-        for u in units:
-            first, last = u.start // bs, u.end // bs
-            if last > len(hashes):
-                continue  # vLLM hashed fewer blocks: nothing a router could match
-            self._pending.append(_Chunk(
-                keys=tuple(u.keys), block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:last]],
-                parent=maybe_convert_block_hash(hashes[first - 1]) if first else None,
-                token_ids=list(tokens[u.start:u.end]), lora_id=getattr(lora, "adapter_id", None),
-                lora_name=getattr(lora, "name", None), since=self._step))
+        for u, blocks in units:
+            parts = []
+            for g, first, n in blocks:
+                if not n or first + n > len(hashes):
+                    continue  # vLLM hashed fewer blocks: nothing a router could match
+                extra = [generate_block_hash_extra_keys(request, b * bs, (b + 1) * bs, 0)[0]
+                         for b in range(first, first + n)]
+                parts.append(_Part(g, [maybe_convert_block_hash(h) for h in hashes[first:first + n]],
+                                   maybe_convert_block_hash(hashes[first - 1]) if first else None,
+                                   list(tokens[first * bs:(first + n) * bs]),
+                                   to_event_extra_keys(extra) if any(e is not None for e in extra) else None))
+            if parts:
+                self._pending.append(_Chunk(keys=tuple(u.keys), parts=parts, lora_id=getattr(lora, "adapter_id", None),
+                                            lora_name=getattr(lora, "name", None),
+                                            session_id=getattr(request, "session_id", None), since=self._step))
 
     def take_events(self) -> list[Any]:
         from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
@@ -89,12 +135,17 @@ class SharedTierEvents:
         self._step += 1
         out: list[Any] = []
         for c in self._stored_now():
-            out.append(BlockStored(block_hashes=c.block_hashes, parent_block_hash=c.parent, token_ids=c.token_ids,
-                                   block_size=self.block_size, lora_id=c.lora_id, medium=MEDIUM_CPU,
-                                   lora_name=c.lora_name, locality="LOCAL", ownership=OWNERSHIP))
+            for p in c.parts:
+                grp = self.groups[p.group] if p.group < len(self.groups) else EventGroup("unknown")
+                out.append(BlockStored(block_hashes=p.block_hashes, parent_block_hash=p.parent, token_ids=p.token_ids,
+                                       block_size=self.block_size, lora_id=c.lora_id, medium=MEDIUM_CPU,
+                                       lora_name=c.lora_name, extra_keys=p.extra_keys, group_idx=p.group,
+                                       kv_cache_spec_kind=grp.kind, kv_cache_spec_sliding_window=grp.sliding_window,
+                                       locality="LOCAL", ownership=OWNERSHIP, session_id=c.session_id))
         for c in self._removed_now():
-            out.append(BlockRemoved(block_hashes=c.block_hashes, medium=MEDIUM_CPU, locality="LOCAL",
-                                    ownership=OWNERSHIP))
+            for p in c.parts:
+                out.append(BlockRemoved(block_hashes=p.block_hashes, medium=MEDIUM_CPU,
+                                        group_idx=p.group, locality="LOCAL", ownership=OWNERSHIP))
         return out
 
     def _stored_now(self) -> list[_Chunk]:

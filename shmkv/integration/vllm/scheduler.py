@@ -30,7 +30,7 @@ from shmkv.integration.vllm.engine_inputs import (
     prompt_tokens,
     request_extras,
 )
-from shmkv.integration.vllm.kv_events import SharedTierEvents
+from shmkv.integration.vllm.kv_events import EventGroup, SharedTierEvents
 from shmkv.integration.vllm.metadata import RequestSummary, ShmKVMetadata
 from shmkv.integration.vllm.planner import NULL_BLOCK, Planner, RequestPlan
 from shmkv.keys import Namespace, lossy_key
@@ -74,7 +74,7 @@ class SchedulerSide:
 
     def __init__(self, vllm_config: VllmConfig, cfg: ShmkvConfig, store: Store, namespaces: list[Namespace],
                  groups: list[KVGroup], *, loads: bool, stores: bool, ktc: Any,
-                 max_chunk_bytes: int | None = None) -> None:
+                 max_chunk_bytes: int | None = None, event_groups: list[EventGroup] | None = None) -> None:
         self._vllm_config = vllm_config
         self.cfg = cfg
         self.store = store
@@ -109,7 +109,7 @@ class SchedulerSide:
         self._promoter: ThreadPoolExecutor | None = None
         kec = getattr(vllm_config, "kv_events_config", None)
         # announced to KV-cache-aware routers through vLLM's publisher (kv_events.py)
-        self.events = SharedTierEvents(store, self.block_size) \
+        self.events = SharedTierEvents(store, self.block_size, event_groups) \
             if kec is not None and kec.enable_kv_cache_events and stores else None
         if groups_field(self._groups):
             log.info("shmkv: hybrid KV cache, %d groups: %s", len(self._groups), "; ".join(
@@ -386,14 +386,27 @@ class SchedulerSide:
         for req_id, offers in (getattr(block_state, "boundary_state_offloads", None) or {}).items():
             plan = self._plans.get(req_id)
             if plan is not None:  # the recurrent states vLLM kept this step at a block boundary
-                meta.stores.extend(planner.store_state_items(plan, offers))
+                meta.stores.extend(self._announce(plan, planner.store_state_items(plan, offers)))
 
     def _announce(self, plan: RequestPlan, items: list[StoreItem]) -> list[StoreItem]:
-        """Tell the KV events (if on) which units these store items write."""
+        """Tell the KV events (if on) which units these store items write,
+        with the blocks each group holds of them."""
         if self.events is not None and items and plan.request is not None:
             shipped = {it.keys for it in items}
+            planner, bs = plan.planner, self.block_size
             try:
-                self.events.stores_planned(plan.request, [u for u in plan.units if tuple(u.keys) in shipped])
+                units = [u.state_unit() if state else u for u in plan.units for state in (False, True)]
+                announced = []
+                for u in units:
+                    if tuple(u.keys) not in shipped:
+                        continue
+                    if u.state:  # the block holding the state after the unit's end
+                        blocks = [(g, u.end // bs - 1, 1) for g, st in enumerate(planner.states) if st]
+                    else:
+                        blocks = [(g, u.start // bs + first, n) for g in range(len(planner.windows))
+                                  if not planner.states[g] for first, n in [planner.stored_blocks(u, g)]]
+                    announced.append((u, blocks))
+                self.events.stores_planned(plan.request, announced)
             except Exception:  # events are for routers: never a reason to skip a store
                 self.counters["event_errors"] += 1
                 log.exception("shmkv: KV events of request %s could not be prepared", plan.req_id)
