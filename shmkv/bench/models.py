@@ -157,15 +157,17 @@ def write_eagle3(directory: str, target_dir: str, seed: int = 7) -> str:
     def rand(*shape: int):
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
 
-    ones = torch.ones(h, dtype=torch.bfloat16)
-    tensors = {"fc.weight": rand(h, 3 * h), "norm.weight": ones, "lm_head.weight": rand(vocab, h),
+    def ones():
+        return torch.ones(h, dtype=torch.bfloat16)
+
+    tensors = {"fc.weight": rand(h, 3 * h), "norm.weight": ones(), "lm_head.weight": rand(vocab, h),
                "midlayer.self_attn.q_proj.weight": rand(heads * hd, 2 * h),
                "midlayer.self_attn.k_proj.weight": rand(kv_heads * hd, 2 * h),
                "midlayer.self_attn.v_proj.weight": rand(kv_heads * hd, 2 * h),
                "midlayer.self_attn.o_proj.weight": rand(h, heads * hd),
                "midlayer.mlp.gate_proj.weight": rand(inter, h), "midlayer.mlp.up_proj.weight": rand(inter, h),
-               "midlayer.mlp.down_proj.weight": rand(h, inter), "midlayer.input_layernorm.weight": ones,
-               "midlayer.hidden_norm.weight": ones, "midlayer.post_attention_layernorm.weight": ones}
+               "midlayer.mlp.down_proj.weight": rand(h, inter), "midlayer.input_layernorm.weight": ones(),
+               "midlayer.hidden_norm.weight": ones(), "midlayer.post_attention_layernorm.weight": ones()}
     os.makedirs(directory, exist_ok=True)
     save_file(tensors, os.path.join(directory, "model.safetensors"))
     with open(os.path.join(directory, "config.json"), "w") as f:

@@ -90,8 +90,12 @@ def test_a_router_sees_the_shared_tier(cache_name, start_engine, tmp_path):
         gpu_events = [ev for ev in router.events if type(ev).__name__ == "BlockStored" and ev.medium == "GPU"]
         assert {(s.group_idx, s.kv_cache_spec_kind) for s in stored} == {(0, "full_attention")}
         assert {s.group_idx for s in gpu_events} == {0}, "vLLM's own events name the same group"
-        assert all(s.extra_keys == ev.extra_keys and s.session_id == ev.session_id
-                   for s, ev in zip(stored, gpu_events)), "what vLLM's schema carries, as vLLM fills it"
+        by_hash = {h: (ev.extra_keys[i] if ev.extra_keys else None, ev.session_id)
+                   for ev in gpu_events for i, h in enumerate(ev.block_hashes)}
+        ours_extra = {h: (s.extra_keys[i] if s.extra_keys else None, s.session_id)
+                      for s in stored for i, h in enumerate(s.block_hashes)}
+        assert ours_extra == {h: by_hash[h] for h in ours_extra}, "extra keys and session as vLLM fills them"
+        assert all(s.extra_keys is not None and len(s.extra_keys) == len(s.block_hashes) for s in stored)
 
         removed = Store.attach(cache_name, populate=False).clear()
         assert removed == n_units

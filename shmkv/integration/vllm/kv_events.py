@@ -123,7 +123,7 @@ class SharedTierEvents:
                 parts.append(_Part(g, [maybe_convert_block_hash(h) for h in hashes[first:first + n]],
                                    maybe_convert_block_hash(hashes[first - 1]) if first else None,
                                    list(tokens[first * bs:(first + n) * bs]),
-                                   to_event_extra_keys(extra) if any(e is not None for e in extra) else None))
+                                   to_event_extra_keys(extra)))  # per block, None entries too (as vLLM)
             if parts:
                 self._pending.append(_Chunk(keys=tuple(u.keys), parts=parts, lora_id=getattr(lora, "adapter_id", None),
                                             lora_name=getattr(lora, "name", None),
