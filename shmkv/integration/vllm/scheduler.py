@@ -331,8 +331,9 @@ class SchedulerSide:
 
     def _plan_loads(self, meta: ShmKVMetadata, so: SchedulerOutput) -> None:
         """Load items of the requests admitted with a hit. A request whose loads
-        cannot be planned has its promised blocks reported as load errors, so
-        vLLM recomputes them (never runs on blocks nobody filled)."""
+        cannot be planned has its promised blocks reported as load errors (an
+        asynchronous load: the request as a failed one), so vLLM recomputes
+        them (never runs on blocks nobody filled)."""
         planner = self._planner(None)  # units carry their own keys: any planner of this geometry
         bs = self.block_size
         for req_id, plan in self._pending_loads.items():
@@ -395,7 +396,8 @@ class SchedulerSide:
             shipped = {it.keys for it in items}
             planner, bs = plan.planner, self.block_size
             try:
-                units = [u.state_unit() if state else u for u in plan.units for state in (False, True)]
+                kinds = (False, True) if any(planner.states) else (False,)
+                units = [u.state_unit() if state else u for u in plan.units for state in kinds]
                 announced = []
                 for u in units:
                     if tuple(u.keys) not in shipped:
