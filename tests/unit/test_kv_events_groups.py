@@ -76,3 +76,17 @@ def test_each_group_announces_the_blocks_it_holds(cache_name):
         removed = events.take_events()
         assert sorted((e.group_idx, tuple(e.block_hashes)) for e in removed) == \
             [(0, tuple(hashes(req, 3, 4))), (1, tuple(hashes(req, 0, 2))), (2, tuple(hashes(req, 0, 2)))]
+
+
+def test_event_groups_name_vllms_spec_kinds():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from shmkv.integration.vllm.kv_events import event_groups_of
+
+    attn = dict(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in (
+        MambaSpec(block_size=BS, shapes=((2, 3),), dtypes=(torch.bfloat16,), mamba_cache_mode="align"),
+        FullAttentionSpec(**attn), SlidingWindowSpec(sliding_window=160, **attn))])
+    assert event_groups_of(config) == GROUPS
+    assert event_groups_of(None) == [EventGroup("full_attention")]
