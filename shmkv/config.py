@@ -147,6 +147,7 @@ class ShmkvConfig:
     controller_allow_uids: tuple[int, ...] = ()  # other uids a unix-socket controller accepts (besides ours, root)
     debug_digest_file: str = ""  # append per-chunk KV digests (tests prove byte equality)
     debug_skip_load_layers: str = ""  # TEST ONLY: a regex; loads leave layers it matches as they were
+    debug_evict_before_load: bool = False  # TEST ONLY: a worker deletes each chunk it is about to load
     config_file: str = ""
 
     # metadata: how to parse each key
@@ -188,6 +189,7 @@ class ShmkvConfig:
             "controller_allow_uids": _parse_uids,
             "debug_digest_file": lambda k, v: str(v),
             "debug_skip_load_layers": _parse_regex,
+            "debug_evict_before_load": _parse_bool,
             "config_file": lambda k, v: str(v),
         }
 

@@ -6,7 +6,9 @@ shmkv; so does a repeat of the prompt served from vLLM's own prefix cache
 (the block vLLM cached as the prefix's state was filled too); with the state
 load skipped (the test-only fault switch) the output differs, so this test
 would catch a hybrid loading KV without state; after every engine and the
-segment are gone, the disk tier serves the same hit."""
+segment are gone, the disk tier serves the same hit; and a load that fails
+(its chunks deleted between lookup and load) is recomputed by vLLM with the
+same output, the engine serving on."""
 
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ def test_the_state_is_restored_with_the_attention_kv(cache_name, start_engine, t
     model = write_hybrid(str(tmp_path_factory.mktemp("qwen3_next")), "qwen3_next")
     cfg = {"cache_name": cache_name, "capacity": "64MiB", "disk_dir": str(tmp_path / "disk")}
 
-    def engine(label, shmkv):
-        return start_engine(label, model_dir=model, shmkv=shmkv, prefix_caching=True, max_model_len=2048)
+    def engine(label, shmkv, **kw):
+        return start_engine(label, model_dir=model, shmkv=shmkv, prefix_caching=True, max_model_len=2048, **kw)
 
     plain = engine("plain", None)
     want = plain.generate([P])["outputs"]
@@ -77,3 +79,14 @@ def test_the_state_is_restored_with_the_attention_kv(cache_name, start_engine, t
     assert r["num_cached_tokens"] == [HIT] and r["outputs"] == want
     with Store.attach(cache_name) as s:
         assert s.stats()["disk_hit_tokens"] == HIT
+    restarted.close()
+
+    # a chunk gone between lookup and load (another engine's eviction): the load of this
+    # engine of two KV-cache groups fails as a request, and vLLM recomputes it, not stopping
+    evicted = engine("evicted-before-load", {**cfg, "debug_evict_before_load": True},
+                     llm_kwargs={"disable_log_stats": False})
+    r = evicted.generate([P])
+    assert r["outputs"] == want
+    assert "TEST ONLY debug_evict_before_load" in open(evicted.log_path).read()
+    assert evicted.metrics().get("vllm:shmkv_load_failed_blocks", 0) > 0, "the load did fail"
+    assert evicted.generate([P])["outputs"] == want, "the engine serves on"

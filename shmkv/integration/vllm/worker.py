@@ -134,6 +134,8 @@ class WorkerSide:
                                          layer_order=list(kv_caches),
                                          lossy_ok=bool(self.cfg.lossy_form), deferred=self._deferred,
                                          skip_load_layers=self.cfg.debug_skip_load_layers)
+            if self.cfg.debug_evict_before_load:
+                log.warning("shmkv: TEST ONLY debug_evict_before_load: every chunk is deleted before it is loaded")
         except Exception as e:
             # NOTE: never stop vLLM's start for the cache: serve without it, saying why
             self.off_reason = str(e) if isinstance(e, InvalidArgumentError) else f"{type(e).__name__}: {e}"
@@ -201,6 +203,9 @@ class WorkerSide:
             return
         if self.worker is None or not getattr(meta, "loads", None):
             return
+        if self.cfg.debug_evict_before_load:  # TEST ONLY: what another engine's eviction can do
+            for it in meta.loads:
+                self.store.delete(it.keys[self.tp_rank])
         job = self.worker.submit_load(meta.loads)
         self._summaries[id(job)] = meta.summaries
         if async_reqs:
