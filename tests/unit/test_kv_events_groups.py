@@ -34,16 +34,9 @@ def request(n: int) -> SimpleNamespace:
                            session_id="s1")
 
 
-def announce(events: SharedTierEvents, p: Planner, plan: RequestPlan, req, units) -> None:
-    """What the scheduler half announces (scheduler._announce's blocks per group)."""
-    out = []
-    for u in units:
-        if u.state:
-            out.append((u, [(g, u.end // BS - 1, 1) for g, st in enumerate(p.states) if st]))
-        else:
-            out.append((u, [(g, u.start // BS + f, n) for g in range(3) if not p.states[g]
-                            for f, n in [p.stored_blocks(u, g)]]))
-    events.stores_planned(req, out)
+def announce(events: SharedTierEvents, p: Planner, req, units) -> None:
+    """What the scheduler half announces: each unit with the blocks each group holds of it."""
+    events.stores_planned(req, [(u, p.group_blocks(u)) for u in units])
 
 
 def test_each_group_announces_the_blocks_it_holds(cache_name):
@@ -56,7 +49,7 @@ def test_each_group_announces_the_blocks_it_holds(cache_name):
     with Store.create(cache_name, 8 << 20, alignment=64) as store:
         events = SharedTierEvents(store, BS, GROUPS)
         first, state = plan.units[0], plan.units[1].state_unit()
-        announce(events, p, plan, req, [first, state])
+        announce(events, p, req, [first, state])
         assert events.take_events() == [], "nothing is announced before it is in the segment"
         store.put(first.keys[0], b"x" * 64)
         stored = events.take_events()

@@ -212,18 +212,29 @@ class Planner:
                              f"{h} tokens (a planning bug)")
         targets = []
         for idx in dict.fromkeys((h // bs - 1, -(-(h + plan.scheduled_tokens) // bs) - 1)):
-            groups = []
-            for g, st in enumerate(self.states):
+            blocks = {}
+            for g in (g for g, st in enumerate(self.states) if st):
                 table = plan.block_ids[g] if g < len(plan.block_ids) else []
-                if not st:
-                    groups.append(GroupWindow(0, 0, ()))
-                elif not 0 <= idx < len(table) or table[idx] == NULL_BLOCK:
+                if not 0 <= idx < len(table) or table[idx] == NULL_BLOCK:
                     raise ValueError(f"request {plan.req_id}: vLLM allocated no block {idx} for group {g}'s "
                                      f"state after token {h}")
-                else:
-                    groups.append(GroupWindow(0, 1, (table[idx],)))
-            targets.append(LoadItem(plan.req_id, u.keys, tuple(groups)))
+                blocks[g] = table[idx]
+            targets.append(LoadItem(plan.req_id, u.keys, self._state_windows(blocks)))
         return targets
+
+    def _state_windows(self, blocks: dict[int, int]) -> tuple[GroupWindow, ...]:
+        """A state entry's windows: one block per linear-attention group, nothing of the others."""
+        return tuple(GroupWindow(0, 1, (blocks[g],)) if st else GroupWindow(0, 0, ())
+                     for g, st in enumerate(self.states))
+
+    def group_blocks(self, u: Unit) -> list[tuple[int, int, int]]:
+        """(group, first block of the prompt, blocks) that each group holds of
+        unit `u` (a state entry: the block of the state after its end)."""
+        bs = self.block_size
+        if u.state:
+            return [(g, u.end // bs - 1, 1) for g, st in enumerate(self.states) if st]
+        return [(g, u.start // bs + first, n) for g in range(len(self.windows)) if not self.states[g]
+                for first, n in [self.stored_blocks(u, g)]]
 
     def store_state_items(self, plan: RequestPlan, offers: Sequence[tuple[int, int, int]]) -> list[StoreItem]:
         """The recurrent states vLLM hands over this step ((group, block id,
@@ -241,10 +252,7 @@ class Planner:
             blocks = by_end.get(u.end)
             if blocks is None or set(blocks) != need or u.end <= hit_end or u.end > plan.prompt_len:
                 continue
-            s = u.state_unit()
-            groups = tuple(GroupWindow(0, 1, (blocks[g],)) if st else GroupWindow(0, 0, ())
-                           for g, st in enumerate(self.states))
-            items.append(StoreItem(plan.req_id, s.keys, 0, groups, plan.roots))
+            items.append(StoreItem(plan.req_id, u.state_unit().keys, 0, self._state_windows(blocks), plan.roots))
         return items
 
     # ---------------------------------------------------------- storing --

@@ -394,21 +394,12 @@ class SchedulerSide:
         with the blocks each group holds of them."""
         if self.events is not None and items and plan.request is not None:
             shipped = {it.keys for it in items}
-            planner, bs = plan.planner, self.block_size
+            planner = plan.planner
             try:
                 kinds = (False, True) if any(planner.states) else (False,)
                 units = [u.state_unit() if state else u for u in plan.units for state in kinds]
-                announced = []
-                for u in units:
-                    if tuple(u.keys) not in shipped:
-                        continue
-                    if u.state:  # the block holding the state after the unit's end
-                        blocks = [(g, u.end // bs - 1, 1) for g, st in enumerate(planner.states) if st]
-                    else:
-                        blocks = [(g, u.start // bs + first, n) for g in range(len(planner.windows))
-                                  if not planner.states[g] for first, n in [planner.stored_blocks(u, g)]]
-                    announced.append((u, blocks))
-                self.events.stores_planned(plan.request, announced)
+                self.events.stores_planned(plan.request, [(u, planner.group_blocks(u)) for u in units
+                                                          if tuple(u.keys) in shipped])
             except Exception:  # events are for routers: never a reason to skip a store
                 self.counters["event_errors"] += 1
                 log.exception("shmkv: KV events of request %s could not be prepared", plan.req_id)

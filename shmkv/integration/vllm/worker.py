@@ -101,7 +101,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         # the first attention layer's tensor (a state group's may come first, and may be a list)
-        attn_names = [n for g in self.groups if not getattr(g, "state", "") for n in g.layer_names]
+        attn_names = [n for g in self.groups if not g.state for n in g.layer_names]
         first = kv_caches.get(attn_names[0]) if attn_names else None
         first = first if first is not None else next(iter(kv_caches.values()))
         # vLLM 0.32 views every layer's cache as [blocks, heads, block tokens, content]
@@ -115,7 +115,7 @@ class WorkerSide:
                 raise InvalidArgumentError(f"a {first.dim()}-D KV cache tensor of shape {tuple(first.shape)} "
                                            "(vLLM 0.32 gives [blocks, heads, block tokens, content])")
             # NOTE: a linear-attention group (align mode) is the state of each block: one run per block
-            layouts = [KVLayout("state", [kv_caches[n] for n in names], names) if getattr(g, "state", "")
+            layouts = [KVLayout("state", [kv_caches[n] for n in names], names) if g.state
                        else KVLayout(kind, [kv_caches[n] for n in names], names, block_size=self.block_size)
                        for g, names in zip(self.groups, groups)]
             if first.device.type == "cuda":
@@ -171,7 +171,7 @@ class WorkerSide:
         bound = {it.req_id for it in getattr(meta, "stores", ())}
         self._storing |= bound
         self._unsubmitted = bound if self.stores else set()
-        if self.worker is not None and any(g.window or getattr(g, "state", "") for g in self.groups):
+        if self.worker is not None and any(g.window or g.state for g in self.groups):
             # NOTE: vLLM frees sliding-window blocks as a request advances and may hand them
             # to this step's forward (and a recurrent state's boundary block once the request
             # has moved past it): it must not overwrite them before pending stores read them.
