@@ -148,6 +148,7 @@ class ShmkvConfig:
     debug_digest_file: str = ""  # append per-chunk KV digests (tests prove byte equality)
     debug_skip_load_layers: str = ""  # TEST ONLY: a regex; loads leave layers it matches as they were
     debug_evict_before_load: bool = False  # TEST ONLY: a worker deletes each chunk it is about to load
+    debug_worker_off: str = ""  # TEST ONLY: every worker turns off with this reason (the scheduler half does not)
     config_file: str = ""
 
     # metadata: how to parse each key
@@ -190,6 +191,7 @@ class ShmkvConfig:
             "debug_digest_file": lambda k, v: str(v),
             "debug_skip_load_layers": _parse_regex,
             "debug_evict_before_load": _parse_bool,
+            "debug_worker_off": lambda k, v: str(v),
             "config_file": lambda k, v: str(v),
         }
 

@@ -29,6 +29,15 @@ ROWS = [
     ("Llama", "full attention (target and draft layers)", "`draft_model`",
      "hits with the drafter's KV: acceptance equals recompute's; a namespace of its own",
      "tests/e2e/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[draft_model]"),
+    ("Llama + a draft model of half its head size (as Llama-3.2-1B drafting Llama-3.1-8B)",
+     "full attention: one group of two shapes (vLLM's `UniformTypeKVCacheSpecs`)", "`draft_model`",
+     "supported: hits with the drafter's KV, each layer copied in its own shape; the namespace names every shape",
+     "tests/e2e/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[draft_model_small_head]"),
+    ("DeciLM / Nemotron-NAS shape (KV heads per layer: 2, 1)",
+     "full attention: one group of two shapes (vLLM's `UniformTypeKVCacheSpecs`)", "greedy",
+     "supported: hits, each layer copied in its own shape; loaded bytes equal the stored ones, output equals "
+     "recompute's",
+     "tests/e2e/test_vllm_per_layer_shapes.py::test_layers_of_other_kv_head_counts_hit_byte_exact"),
     ("Llama + EAGLE head", "full attention (target and EAGLE layers)", "`eagle`",
      "hits with the drafter's KV, each chunk keyed with the prompt token after it; acceptance equals recompute's",
      "tests/e2e/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[eagle]"),
@@ -48,6 +57,27 @@ ROWS = [
      "scan cannot run align mode)",
      "tests/e2e/test_vllm_linear_attention_off.py::test_the_connector_turns_itself_off_and_vllm_serves"
      "[nemotron_h-False-mamba2]"),
+    ("a Mamba/GDN hybrid with an EAGLE/MTP drafter (vLLM's spec classes; no tiny model runs here)",
+     "linear-attention state with speculative blocks + attention", "`eagle`, `mtp`",
+     "off for that engine: \"... holds linear-attention state with N speculative blocks per request (an "
+     "EAGLE/MTP drafter on a Mamba/GDN hybrid: vLLM's num_speculative_blocks, use_eagle_block_drop): shmkv "
+     "restores one state per block boundary, not the drafter's speculative states. Serve this model without "
+     "speculative decoding to use shmkv\"",
+     "tests/unit/test_kv_cache_shapes.py::test_shapes_shmkv_cannot_restore_are_refused_naming_the_setting"
+     "[hybrid_with_eagle_drafter]"),
+    ("a Mamba/GDN hybrid with sub-block hits (vLLM's spec classes)",
+     "linear-attention state + attention, `hash_block_size` under the block size", "greedy",
+     "off for that engine: \"... vLLM hashes prefixes in N-token blocks, under the M-token block (sub-block "
+     "hits: vLLM copies a state block on a partial hit): shmkv restores states at whole blocks only. Leave "
+     "hash_block_size at the block size to use shmkv\"",
+     "tests/unit/test_kv_cache_shapes.py::test_shapes_shmkv_cannot_restore_are_refused_naming_the_setting"
+     "[sub_block_hits]"),
+    ("a model of linear-attention state only (vLLM's spec classes)", "Mamba state, no attention", "greedy",
+     "off for that engine: \"the engine's only KV-cache groups hold linear-attention state (no attention KV): "
+     "shmkv restores a state only beside the attention KV of the chunk it ends, and vLLM's per-layer load wait "
+     "covers attention layers only\"",
+     "tests/unit/test_kv_cache_shapes.py::test_shapes_shmkv_cannot_restore_are_refused_naming_the_setting"
+     "[only_state_groups]"),
 ]
 
 

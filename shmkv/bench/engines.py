@@ -32,44 +32,77 @@ class EngineSpec:
     max_num_batched_tokens: int | None = None  # small values force chunked prefill
     llm_kwargs: dict[str, Any] = field(default_factory=dict)  # anything else for LLM(...)
     env: dict[str, str] = field(default_factory=dict)
+    # EngineCore (the scheduler, and with one TP rank the worker too) in the engine's own
+    # process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a start costs one Python with vLLM
+    # imported instead of three. False: vLLM's default process split, as users run it.
+    in_process: bool = False
 
 
 class EngineProcess:
-    def __init__(self, spec: EngineSpec, log_path: str, *, start_timeout: float = 300):
+    def __init__(self, spec: EngineSpec, log_path: str, *, start_timeout: float = 300, fork: bool = False):
+        """`fork`: an in_process engine is forked from a server that has
+        imported vLLM once (engine_forks.py) instead of starting a new Python."""
         self.spec = spec
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+        env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # vLLM's own log into the log file, not stdout
         env["PYTHONUNBUFFERED"] = "1"
         env.update(spec.env)
+        if spec.in_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # NOTE: the compute threads vLLM's CPU worker process gets (cores less the reserved
+            # ones): another count reduces in another order, and a batch's outputs then differ
+            reserved = int(env.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)
+            env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - reserved)))
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self._shm_before = _psm_segments()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shmkv.bench.engines", json.dumps(asdict(spec))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
-            start_new_session=True, text=True,
-        )
+        if fork and spec.in_process:
+            from shmkv.bench.engine_forks import fork_engine
+
+            self.proc: Any = fork_engine(json.dumps(asdict(spec)), env, self._log.fileno())
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "shmkv.bench.engines", json.dumps(asdict(spec))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
+                start_new_session=True,
+            )
+        self._pending = b""  # stdout bytes read past the last whole line
         self.pid = self.proc.pid
+        t0 = time.monotonic()
         ready = self._read(start_timeout)
         if not ready.get("ready"):
             raise RuntimeError(f"engine failed to start: {ready}; see {log_path}")
+        self.start_s = time.monotonic() - t0  # spawn to ready: what a caller waits for
+        _note_start(os.path.basename(log_path), self.start_s)
 
     def _read(self, timeout: float) -> dict[str, Any]:
+        """The engine's next answer; TimeoutError when none comes within
+        `timeout` s, even if the engine stays silent (a stalled engine)."""
+        import select
+
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self._pending:
+                raw, self._pending = self._pending.split(b"\n", 1)
+                line = raw.decode(errors="replace")
+                if line.startswith(PREFIX):
+                    return json.loads(line[len(PREFIX):])
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"engine did not answer within {timeout}s; see {self.log_path}")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
                 tail = open(self.log_path, errors="replace").read()[-3000:]
                 raise RuntimeError(f"engine exited ({self.proc.poll()}); log tail:\n{tail}")
-            if line.startswith(PREFIX):
-                return json.loads(line[len(PREFIX):])
-        raise TimeoutError(f"engine did not answer within {timeout}s; see {self.log_path}")
+            self._pending += chunk
 
     def call(self, timeout: float = 600, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         self.proc.stdin.flush()
         reply = self._read(timeout)
         if "error" in reply:
@@ -142,6 +175,15 @@ class EngineProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _note_start(label: str, seconds: float) -> None:
+    """Append "LABEL SECONDS" to the file PYTEST_ENGINE_START_LOG names, if any
+    (the test suite's summary of time spent starting engines)."""
+    path = os.environ.get("PYTEST_ENGINE_START_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{label} {seconds:.2f}\n")
 
 
 def _psm_segments() -> set[str]:

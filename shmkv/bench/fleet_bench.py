@@ -106,6 +106,9 @@ def run(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="tiny model (quick check)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="each engine's EngineCore in its own process (faster starts, for quick checks; the "
+                         "default is vLLM's own process split, as served)")
     ap.add_argument("--plot", help="write a PNG of the TTFT distributions here (needs matplotlib)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shmkv-bench-fleet"))
     a = ap.parse_args(argv)
@@ -131,8 +134,8 @@ def run(argv: list[str]) -> dict[str, Any]:
     ways: dict[str, dict[str, Any]] = {}
     try:
         for way, cfg in (("prefix", None), ("shmkv", shmkv_cfg)):
-            engines = start([EngineSpec(model, shmkv=cfg, prefix_caching=True, env=env if cfg else {})
-                             for _ in range(a.engines)], logs, way)
+            engines = start([EngineSpec(model, shmkv=cfg, prefix_caching=True, env=env if cfg else {},
+                                        in_process=a.in_process) for _ in range(a.engines)], logs, way)
             try:
                 for router in ROUTERS:
                     for e in engines:
@@ -147,7 +150,7 @@ def run(argv: list[str]) -> dict[str, Any]:
                 for e in engines:
                     e.close()
         Store.unlink(cache)  # the restart: an empty segment, the disk tier as it was
-        engines = start([EngineSpec(model, shmkv=shmkv_cfg, prefix_caching=True, env=env)
+        engines = start([EngineSpec(model, shmkv=shmkv_cfg, prefix_caching=True, env=env, in_process=a.in_process)
                          for _ in range(a.engines)], logs, "restart")
         try:
             ways["restart/round-robin"] = serve(engines, rounds, "round-robin", progress)

@@ -237,6 +237,78 @@ def write_hybrid(directory: str, family: str, seed: int = 0) -> str:
     return directory
 
 
+# The config class of a DeciLM (Nemotron-NAS) checkpoint: transformers has none, so
+# the checkpoint carries it (trust_remote_code). Per-layer block configs read as
+# attributes, as vLLM's nemotron_nas.py reads them, and stay JSON (dicts).
+_DECILM_CONFIG_CODE = '''"""DeciLM (Nemotron-NAS) config for shmkv's test checkpoints: a Llama whose
+layers each have their own attention (KV heads) and MLP."""
+from transformers import LlamaConfig
+
+
+class _Block(dict):
+    def __getattr__(self, name):
+        try:
+            value = self[name]
+        except KeyError as e:
+            raise AttributeError(name) from e
+        return _Block(value) if isinstance(value, dict) else value
+
+
+class DeciLMConfig(LlamaConfig):
+    model_type = "nemotron-nas"
+
+    def __init__(self, block_configs=None, **kwargs):
+        self.block_configs = [_Block(b) for b in (block_configs or [])]
+        super().__init__(**kwargs)
+'''
+
+
+def write_decilm(directory: str, kv_heads: tuple[int, ...] = (2, 1), spec: TinyLlama = TEST_MODEL) -> str:
+    """A DeciLM (vLLM's DeciLMForCausalLM, Nemotron-NAS) checkpoint: `spec`'s
+    Llama with layer i having kv_heads[i] KV heads, so its layers' KV caches
+    differ in shape within one KV-cache group. Load it with
+    trust_remote_code=True (its config class is written beside it)."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    h, head = spec.hidden_size, spec.hidden_size // spec.num_attention_heads
+    blocks = [{"attention": {"no_op": False, "replace_with_linear": False,
+                             "n_heads_in_group": spec.num_attention_heads // n},
+               "ffn": {"no_op": False, "replace_with_linear": False, "intermediate_size": spec.intermediate_size}}
+              for n in kv_heads]
+    config = {"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas",
+              "auto_map": {"AutoConfig": "configuration_decilm.DeciLMConfig"},
+              "hidden_size": h, "intermediate_size": spec.intermediate_size, "num_hidden_layers": len(kv_heads),
+              "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": max(kv_heads),
+              "head_dim": head, "hidden_act": "silu", "max_position_embeddings": spec.max_position_embeddings,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": spec.vocab_size,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+              "block_configs": blocks}
+    g = torch.Generator().manual_seed(spec.seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * spec.init_std).to(torch.bfloat16)
+
+    ones = lambda: torch.ones(h, dtype=torch.bfloat16)  # noqa: E731
+    tensors = {"model.embed_tokens.weight": w(spec.vocab_size, h), "model.norm.weight": ones(),
+               "lm_head.weight": w(spec.vocab_size, h)}
+    for i, n in enumerate(kv_heads):
+        p = f"model.layers.{i}."
+        tensors.update({p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.k_proj.weight": w(n * head, h),
+                        p + "self_attn.v_proj.weight": w(n * head, h), p + "self_attn.o_proj.weight": w(h, h),
+                        p + "mlp.gate_proj.weight": w(spec.intermediate_size, h),
+                        p + "mlp.up_proj.weight": w(spec.intermediate_size, h),
+                        p + "mlp.down_proj.weight": w(h, spec.intermediate_size),
+                        p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones()})
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(directory, "configuration_decilm.py"), "w") as f:
+        f.write(_DECILM_CONFIG_CODE)
+    return directory
+
+
 def write_lora(directory: str, seed: int, spec: TinyLlama = TEST_MODEL, rank: int = 8) -> str:
     """A PEFT LoRA adapter with random (non-zero) A and B on q/k/v/o of every
     layer of `spec`, so it changes the KV of every token. Returns the directory."""

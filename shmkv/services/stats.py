@@ -57,11 +57,15 @@ CONTROLLER_METRICS = [
 
 def collect(cache: str, disk_dir: str | None = None) -> dict[str, Any]:
     """A snapshot of one cache: {"cache", "shm": {...}, "disk": {...}}."""
+    from shmkv import engine_registry
+
     store = Store.attach(cache, populate=False, background_reserve=False)  # a reader: reserves nothing
     try:
-        return snapshot(store, disk_dir, count_self=False)
+        snap = snapshot(store, disk_dir, count_self=False)
     finally:
         store.close()
+    snap["engines"] = engine_registry.summary(cache)
+    return snap
 
 
 def snapshot(store: Store, disk_dir: str | None = None, *, count_self: bool = True) -> dict[str, Any]:
@@ -129,6 +133,14 @@ def render_table(snap: dict[str, Any]) -> str:
     ]
     if "files" in d:
         rows.append(f"  on disk           {d['files']} chunks, {_fmt_bytes(d['bytes_on_disk'])} in {d['dir']}")
+    e = snap.get("engines")
+    if e is not None:
+        last = e["last_off"]
+        rows += ["", "vLLM engines (connector)",
+                 f"  started           {e['on']} with the connector on, {e['off']} with it off"]
+        if last is not None:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["time"] or 0))
+            rows.append(f"  last off          {when}, pid {last['pid']}, model {last['model']}: {last['reason']}")
     r = snap["remote"]
     rows += [
         "",
@@ -159,6 +171,12 @@ def render_prometheus(snap: dict[str, Any]) -> str:
                 f = family(f"shmkv_{fam}", help_text, kind, ["cache", "tier"])
                 for tier, name in samples:
                     f.add_metric([snap["cache"], tier], snap[tier][name])
+                yield f
+            if "engines" in snap:
+                f = family("shmkv_connector_engines", "vLLM engines started with the connector on or off (off: "
+                           "the engine's log and `shmkv stats` say why)", "gauge", ["cache", "state"])
+                for state in ("on", "off"):
+                    f.add_metric([snap["cache"], state], snap["engines"][state])
                 yield f
             for name, help_text, kind in CONTROLLER_METRICS if "controller" in snap else ():
                 f = family(f"shmkv_controller_{name}", help_text, kind, ["cache"])

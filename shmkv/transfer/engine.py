@@ -26,10 +26,12 @@ Nothing here raises into the caller for a unit: a unit that cannot be loaded
 (evicted since the lookup, lease gone stale, a failed copy) reports its
 blocks as failed and is recomputed; a unit that cannot be stored (store
 full, another process writing it, a failed copy) is skipped. Every such path
-has a counter. A hybrid model's KV cache is several groups (one KVLayout
-each, with its own block ids); a unit's payload is the groups' sections in
-group order, each `[layers of the group][its stored blocks][block bytes]`
-(or per token).
+has a counter. A hybrid model's KV cache is several groups, each with its
+own block ids; a group whose layers differ in shape (vLLM's
+UniformTypeKVCacheSpecs: a drafter of another head size in the target's
+group, per-layer head counts) is several layouts, one per shape, over the
+same block ids. A unit's payload is the layouts' sections in layout order,
+each `[layers of the layout][its stored blocks][block bytes]` (or per token).
 """
 
 from __future__ import annotations
@@ -118,8 +120,10 @@ class TransferEngine:
     def __init__(self, store: Store, layouts: KVLayout | Sequence[KVLayout], tp_rank: int, *,
                  digest_file: str = "", on_commit: Callable[[bytes, bytes, int], None] | None = None,
                  layer_order: Sequence[str] | None = None, lossy_ok: bool = False, deferred: bool = False,
-                 skip_load_layers: str = ""):
-        """`layouts`: one per KV-cache group, in the caller's group order;
+                 skip_load_layers: str = "", layout_groups: Sequence[int] | None = None):
+        """`layouts`: one per KV-cache group, in the caller's group order, or
+        several per group (one per layer shape) with `layout_groups` giving
+        each layout's KV-cache group (the index into an item's `groups`);
         `on_commit(key, namespace, tokens)`: told of each chunk committed (the
         tier chain's write-through); `layer_order`: every layer name in forward
         order (default: group by group); `lossy_ok`: lossy chunks may be
@@ -130,6 +134,11 @@ class TransferEngine:
         self.cache = store
         self.on_commit = on_commit
         self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
+        self._layout_groups = list(layout_groups) if layout_groups is not None else list(range(len(self.layouts)))
+        if len(self._layout_groups) != len(self.layouts) or sorted(set(self._layout_groups)) != list(
+                range(len(set(self._layout_groups)))):
+            raise ValueError(f"layout_groups {self._layout_groups} must give each of the {len(self.layouts)} "
+                             "layouts a KV-cache group, every group from 0 on having one")
         # NOTE: a recurrent-state group ("state" layout) holds one block per unit, whatever the block size
         attention = [lay for lay in self.layouts if lay.kind != "state"] or self.layouts
         self.layout = layout = attention[0]
@@ -270,7 +279,7 @@ class TransferEngine:
                 self.counters["load_stale"] += 1
                 ok = False
             if ok:
-                loaded[it.req_id] += max((len(w.block_ids) for lay, w in zip(self.layouts, it.groups)
+                loaded[it.req_id] += max((len(w.block_ids) for lay, w in self._windows(it.groups)
                                           if lay.kind != "state"), default=0) * bs
             else:
                 job.failed.update(it.block_ids)
@@ -297,10 +306,17 @@ class TransferEngine:
             out.append((job, self._complete_load(job)))
         return out
 
+    def _windows(self, groups: Sequence[GroupWindow]) -> list[tuple[KVLayout, GroupWindow]]:
+        """Each layout with its KV-cache group's window of a unit."""
+        if len(groups) != len(set(self._layout_groups)):
+            raise InvalidArgumentError(f"a unit of {len(groups)} KV-cache group windows for an engine of "
+                                       f"{len(set(self._layout_groups))} groups")
+        return [(lay, groups[g]) for lay, g in zip(self.layouts, self._layout_groups)]
+
     def _sections(self, groups: Sequence[GroupWindow]) -> list[tuple[int, int]]:
-        """(byte offset, bytes) of each group's section of a unit's payload."""
+        """(byte offset, bytes) of each layout's section of a unit's payload."""
         out, off = [], 0
-        for lay, w in zip(self.layouts, groups):
+        for lay, w in self._windows(groups):
             n = lay.payload_bytes(w.payload_blocks * lay.block_size)
             out.append((off, n))
             off += n
@@ -311,20 +327,20 @@ class TransferEngine:
         return list(self._group_copies(groups))
 
     def _group_copies(self, groups: Sequence[GroupWindow]) -> Iterator[tuple[int, KVLayout, Any, dict[str, Any]]]:
-        """(group, layout, index, copy options) of each group a unit's copy
-        touches, its block ids checked against the cache (InvalidArgumentError
-        naming the group and block) before it is yielded."""
+        """(layout index, layout, index, copy options) of each layout a unit's
+        copy touches, its block ids checked against the cache
+        (InvalidArgumentError naming the group and block) before it is yielded."""
         import numpy as np
 
         sections = self._sections(groups)
-        for g, (lay, w) in enumerate(zip(self.layouts, groups)):
+        for g, (lay, w) in enumerate(self._windows(groups)):
             if not w.block_ids:
                 continue  # nothing of this group is needed (outside its sliding window)
             ids = np.asarray(w.block_ids, dtype=np.int64)
             bad = ids[(ids < 0) | (ids >= lay.geometry.num_blocks)]
             if bad.size:
-                raise InvalidArgumentError(f"KV-cache group {g}: block id {int(bad[0])} is outside the "
-                                           f"{lay.geometry.num_blocks} blocks of the cache")
+                raise InvalidArgumentError(f"KV-cache group {self._layout_groups[g]}: block id {int(bad[0])} is "
+                                           f"outside the {lay.geometry.num_blocks} blocks of the cache")
             if lay.token_mode:
                 yield g, lay, self._window_slots(lay, w), {"part": sections[g]}
             else:
@@ -474,7 +490,7 @@ class TransferEngine:
         import torch
 
         lines = []
-        for g, (lay, w) in enumerate(zip(self.layouts, it.groups)):
+        for g, (lay, w) in enumerate(self._windows(it.groups)):
             n = len(w.block_ids)
             if not n:
                 continue

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_the_fleet_benchmark_runs(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shmkv.bench", "fleet", "--small", "--conversations", "4", "--turns", "2",
-                        "--system-tokens", "512", "--user-tokens", "128", "--answer-tokens", "64",
+                        "--system-tokens", "512", "--user-tokens", "128", "--answer-tokens", "64", "--in-process",
                         "--workdir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)

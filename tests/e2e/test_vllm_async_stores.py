@@ -38,7 +38,8 @@ def test_delayed_frees_across_short_full_hit_concurrent_and_consumer_requests(ca
     (the reference engine runs eager)."""
     digests = str(tmp_path / "digests.txt")
     cfg = {"cache_name": cache_name, "capacity": "256MiB", "debug_digest_file": digests}
-    spec = {"llm_kwargs": {"enforce_eager": False}} if device == "cuda" else {}
+    # vLLM's own process split: the delayed-free protocol crosses EngineCore and the worker as deployed
+    spec = {"llm_kwargs": {"enforce_eager": False}, "in_process": False} if device == "cuda" else {"in_process": False}
     exact = device == "cpu"
     a = start_engine("a", shmkv=cfg, **spec)
     store = Store.attach(cache_name)

@@ -19,12 +19,13 @@ def test_second_engine_loads_while_first_runs_and_after_it_exits(cache_name, sta
     digests = str(tmp_path / "digests.txt")
     cfg = {"cache_name": cache_name, "capacity": "256MiB", "debug_digest_file": digests}
 
-    a = start_engine("a", shmkv=cfg)
+    # vLLM's own process split (EngineCore and worker processes): the halves talk through pickled metadata
+    a = start_engine("a", shmkv=cfg, in_process=False)
     first = a.generate([P])
     assert first["num_cached_tokens"] == [0]
     assert first["outputs"][0] == reference.output(P, 0)
 
-    b = start_engine("b-while-a-runs", shmkv=cfg)
+    b = start_engine("b-while-a-runs", shmkv=cfg, in_process=False)
     r = b.generate([P])
     hit = r["num_cached_tokens"][0]
     assert hit >= 0.9 * len(P)
@@ -36,7 +37,7 @@ def test_second_engine_loads_while_first_runs_and_after_it_exits(cache_name, sta
     a.close()
     b.close()  # every process has left the segment now
 
-    c = start_engine("c-after-exit", shmkv=cfg)
+    c = start_engine("c-after-exit", shmkv=cfg, in_process=False)
     r = c.generate([P])
     assert r["num_cached_tokens"][0] == 2944
     assert r["outputs"][0] == reference.output(P, 2944)

@@ -9,24 +9,27 @@ recompute, applies only where none was given)."""
 from __future__ import annotations
 
 import pytest
-from helpers import ServeProcess, random_prompt
+from helpers import ServeProcess, check_runner, random_prompt, runner_env
 
 pytestmark = pytest.mark.slow
 
 P = random_prompt(1000, seed=71)
 
 
-def test_two_servers_share_the_cache(cache_name, model_dir, engine_logs):
+def test_two_servers_share_the_cache(cache_name, model_dir, engine_logs, vllm_runner):
     ktc = {"kv_connector": "ShmKVConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"cache_name": cache_name, "capacity": "256MiB"}}
     servers = []
     try:
-        a = ServeProcess(model_dir, ktc, str(engine_logs / "serve-a.log"))
+        env = runner_env(vllm_runner)
+        a = ServeProcess(model_dir, ktc, str(engine_logs / f"serve-a-{vllm_runner}.log"), env=env)
         servers.append(a)
+        check_runner(a.log.name, vllm_runner)
         a.complete(P)  # cold: computes and stores 896 tokens
         assert a.metric(f'vllm:shmkv_stored_tokens_total{{engine="0",model_name="{model_dir}"}}') == 896
         at_split = a.complete(P)  # a hit of 896 from shmkv: the split the second server will use
-        b = ServeProcess(model_dir, {**ktc, "kv_load_failure_policy": "fail"}, str(engine_logs / "serve-b.log"))
+        b = ServeProcess(model_dir, {**ktc, "kv_load_failure_policy": "fail"},
+                         str(engine_logs / f"serve-b-{vllm_runner}.log"), env=env)
         servers.append(b)
         host = f'vllm:prompt_tokens_cached_by_source_total{{engine="0",model_name="{model_dir}",source="host"}}'
         assert b.complete(P) == at_split
@@ -36,8 +39,8 @@ def test_two_servers_share_the_cache(cache_name, model_dir, engine_logs):
         b.complete(P)
         assert b.metric(host) == 896, "after the reset the prompt misses"
 
-        log_a = (engine_logs / "serve-a.log").read_text(errors="replace")
-        log_b = (engine_logs / "serve-b.log").read_text(errors="replace")
+        log_a = (engine_logs / f"serve-a-{vllm_runner}.log").read_text(errors="replace")
+        log_b = (engine_logs / f"serve-b-{vllm_runner}.log").read_text(errors="replace")
         assert "set kv_load_failure_policy=recompute" in log_a, "nothing given: shmkv's default"
         assert "kv_load_failure_policy=fail as given on the command line (kept)" in log_b
         assert "set kv_load_failure_policy=recompute" not in log_b

@@ -1,5 +1,8 @@
 """Speculative decoding with the connector on: ngram (no drafter KV),
-draft_model (the target as its own drafter: its own KV layers), EAGLE (a
+draft_model (the target as its own drafter: its own KV layers), draft_model
+with a drafter of half the target's head size (as Llama-3.2-1B drafting
+Llama-3.1-8B: vLLM puts both in one KV-cache group of two shapes, copied per
+shape), EAGLE (a
 head drafting for a 1-layer target, whose KV of a position read the next
 token) and EAGLE-3 (a random head beside an 8-layer target: the path, not
 the drafting; it has almost nothing accepted). A second engine hits what the first stored; its greedy output and
@@ -28,8 +31,16 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens")
 
 
-DRAFTER_LAYERS = {"draft_model": r"^draft_model\.", "eagle": r"layers\.1\."}  # vLLM's names of them
+DRAFTER_LAYERS = {"draft_model": r"^draft_model\.", "draft_model_small_head": r"^draft_model\.",
+                  "eagle": r"layers\.1\."}  # vLLM's names of them
 EAGLE3_TARGET_LAYERS = 8  # vLLM's fewest for EAGLE-3's auxiliary hidden states
+
+
+@pytest.fixture(scope="module")
+def small_head_drafter(tmp_path_factory) -> str:
+    """A drafter of head size 32 for the head-size-64 test model (same vocabulary)."""
+    return write_llama(str(tmp_path_factory.mktemp("drafter-head32")),
+                       TinyLlama(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256))
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +62,8 @@ def speculative_config(method: str, model_dir: str, eagle_dir: str) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 1}
-    if method == "draft_model":
-        return {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3}
+    if method in ("draft_model", "draft_model_small_head"):
+        return {"method": "draft_model", "model": eagle_dir or model_dir, "num_speculative_tokens": 3}
     return {"method": method, "model": eagle_dir, "num_speculative_tokens": 3}
 
 
@@ -79,15 +90,15 @@ def recomputed_from(engine, prompt: list[int], split: int) -> tuple[dict, dict[s
     return r, counts
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_small_head", "eagle", "eagle3"])
 def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_engine, model_dir, eagle_dirs,
-                                                    eagle3_dirs, tmp_path):
+                                                    eagle3_dirs, small_head_drafter, tmp_path):
     digests = str(tmp_path / "digests.txt")
     cfg = {"cache_name": cache_name, "capacity": "256MiB", "debug_digest_file": digests}
     if method in ("eagle", "eagle3"):
         model_dir, eagle_dir = eagle_dirs if method == "eagle" else eagle3_dirs
     else:
-        eagle_dir = ""
+        eagle_dir = small_head_drafter if method == "draft_model_small_head" else ""
     spec = {"speculative_config": speculative_config(method, model_dir, eagle_dir), "disable_log_stats": False}
     engine = {"model_dir": model_dir, "llm_kwargs": spec}
 
@@ -96,8 +107,10 @@ def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_eng
     log_a = open(a.log_path).read()
     assert "connector off" not in log_a
     layers = int(re.search(r"registered (\d+) KV layers", log_a).group(1))
-    assert layers == {"ngram": 2, "draft_model": 4, "eagle": 2, "eagle3": EAGLE3_TARGET_LAYERS + 1}[method], \
-        "the drafter's layers are copied too"
+    assert layers == {"ngram": 2, "draft_model": 4, "draft_model_small_head": 4, "eagle": 2,
+                      "eagle3": EAGLE3_TARGET_LAYERS + 1}[method], "the drafter's layers are copied too"
+    if method == "draft_model_small_head":
+        assert "copied per shape (sections 0:2x128x128/bfloat16/2;2x128x64/bfloat16/2)" in log_a
 
     b = start_engine(f"spec-{method}-b", shmkv=cfg, **engine)
     r, counts = generate_counted(b, P)

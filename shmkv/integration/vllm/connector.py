@@ -22,6 +22,14 @@ others attach (embedded default). This class is a thin front, as vLLM's own
 OffloadingConnector is: each call goes to the scheduler-side object
 (scheduler.py) or the worker-side one (worker.py) of this process's role.
 
+On or off, one decision per engine: the connector serves an engine only if
+its scheduler half and every worker can. Each worker reports at start
+(vLLM's handshake, before the first request) whether it can copy the
+engine's KV cache; the scheduler half turns itself off on any refusal, says
+so once at WARNING, and then plans nothing and never delays a free. An off
+worker still answers vLLM's protocol (worker.py), so no request can wait on
+it.
+
 Roles: kv_producer only stores, kv_consumer only loads, kv_both does both.
 Failures inside the connector are logged and counted; the request then runs
 without the cache (vLLM is told to recompute blocks that could not be loaded).
@@ -62,6 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from shmkv import engine_registry
 from shmkv.config import load_config
 from shmkv.errors import ConfigError
 from shmkv.integration.vllm.engine_inputs import (
@@ -73,8 +82,9 @@ from shmkv.integration.vllm.engine_inputs import (
     stores_on_rank,
 )
 from shmkv.integration.vllm.kv_events import event_groups_of
-from shmkv.integration.vllm.metadata import ShmKVMetadata
+from shmkv.integration.vllm.metadata import ShmKVMetadata, ShmKVWorkerReport
 from shmkv.integration.vllm.metrics import HIT_SOURCES, ShmKVPromMetrics, ShmKVStats
+from shmkv.integration.vllm.worker import WorkerSide
 from shmkv.store import open_store
 
 if TYPE_CHECKING:
@@ -154,14 +164,25 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_role_name = role.name.lower()
         block_size = vllm_config.cache_config.block_size
         groups, self.off_reason = kv_groups_of(kv_cache_config, block_size)
+        if self.cfg.debug_worker_off and role == KVConnectorRole.WORKER and self.off_reason is None:
+            # TEST ONLY: the split a worker-only reason makes (scheduler on, workers off)
+            self.off_reason = f"TEST ONLY debug_worker_off: {self.cfg.debug_worker_off}"
         # NOTE: not `_role`: KVConnectorBase_V1 keeps vLLM's KVConnectorRole there.
         self._sched = None
         self._work = None
         self.store = None
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._on_reported: bool | None = None  # the connector_on gauge, as last sent to vLLM's metrics
+        self._model = str(vllm_config.model_config.model)
         if self.off_reason is not None:
             # one line per engine (the scheduler's); vLLM serves as if no connector were set
-            (log.warning if role == KVConnectorRole.SCHEDULER else log.debug)(
-                "shmkv: connector off for this engine: %s; vLLM serves without the shared cache", self.off_reason)
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("shmkv: connector off for this engine: %s; vLLM serves without the shared cache",
+                            self.off_reason)
+                engine_registry.record(self.cfg.cache_name, self._model, False, self.off_reason)
+            else:  # it still answers vLLM's protocol (delayed frees, loads) until the scheduler half knows
+                log.debug("shmkv: worker connector off: %s", self.off_reason)
+                self._work = WorkerSide(self.cfg, None, [], _tp_rank(), block_size, off_reason=self.off_reason)
             return
         _require_cuda_kernels_if_on_cuda()
         # The scheduler copies only what it promotes from disk or remote: its mapping
@@ -179,14 +200,51 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
                                         max_chunk_bytes=max_chunk_bytes(kv_cache_config, self.cfg.chunk_size),
                                         event_groups=event_groups_of(kv_cache_config))
         else:
-            from shmkv.integration.vllm.worker import WorkerSide
-
             rank = _tp_rank()
             self._work = WorkerSide(self.cfg, self.store, groups, rank, block_size,
                                     stores=stores_on_rank(vllm_config, rank))
         log.info("shmkv: %s connector ready (role %s, chunk %d tokens, block %d, loads %s, stores %s)",
                  self._kv_role_name, ktc.kv_role, self.cfg.chunk_size, block_size,
                  "on" if ktc.is_kv_consumer else "off", "on" if ktc.is_kv_producer else "off")
+
+    # ============================================================ handshake
+    def get_handshake_metadata(self) -> ShmKVWorkerReport | None:
+        """Worker: whether it can serve this engine, once its KV caches are registered."""
+        w = self._work
+        return None if w is None else ShmKVWorkerReport(w.tp_rank, w.off_reason, w.sections)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Scheduler: every worker's start report (before the first request).
+        One refusal, or a rank that did not report, turns the connector off
+        for the engine; per-shape payload sections name the namespace."""
+        if self._sched is None:
+            return
+        reports = {r: m for r, m in (metadata or {}).items() if isinstance(m, ShmKVWorkerReport)}
+        missing = sorted(set(range(self._tp_size)) - set(reports))
+        off = [(r, m.off_reason) for r, m in sorted(reports.items()) if m.off_reason is not None]
+        if missing:
+            off.append((missing[0], "it gave no start report (not shmkv's worker connector?)"))
+        if off:
+            rank, reason = off[0]
+            self._turn_off(f"TP rank {rank}'s worker cannot serve it: {reason}")
+            return
+        sections = {r: m.sections for r, m in reports.items() if m.sections}
+        if sections:
+            self._sched.name_sections(sections)
+        self._sched.announce_namespaces()
+        engine_registry.record(self.cfg.cache_name, self._model, True)
+
+    def _turn_off(self, reason: str) -> None:
+        """The scheduler half stops for this engine: no lookups, no stores, no delayed frees."""
+        self.off_reason = reason
+        log.warning("shmkv: connector off for this engine: %s; vLLM serves without the shared cache", reason)
+        engine_registry.record(self.cfg.cache_name, self._model, False, reason)
+        sched, self._sched = self._sched, None
+        if sched is not None:
+            sched.shutdown()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
     # ============================================================ scheduler
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -247,6 +305,14 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ============================================================== metrics
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Worker: what it moved since the last call. Scheduler: the
+        connector_on gauge, when it changes (vLLM merges both)."""
+        if self._kv_role_name == "scheduler":
+            on = self._sched is not None
+            if on == self._on_reported:
+                return None
+            self._on_reported = on
+            return ShmKVStats(data={"counters": {}, "observations": {}, "gauges": {"connector_on": int(on)}})
         data = self._work.take_transfer_stats() if self._work is not None else None
         return ShmKVStats(data=data) if data else None
 

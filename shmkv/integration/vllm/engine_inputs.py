@@ -39,15 +39,23 @@ class KVGroup:
 
 
 def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[list[KVGroup], str | None]:
-    """The engine's KV-cache groups, or the reason shmkv cannot copy them exactly."""
+    """The engine's KV-cache groups, or the reason shmkv cannot copy them exactly.
+
+    The scheduler and the workers both call this, on vLLM's configs of one
+    engine: the scheduler's has each UniformTypeKVCacheSpecs group (layers of
+    one attention type but several shapes: a drafter of another head size in
+    the target's group, per-layer head counts) replaced by its first layer's
+    spec, so such a group must read the same here either way; the workers
+    copy it per layer shape (worker.py)."""
     if kv_cache_config is None:
         return [KVGroup(())], None
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     groups = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
-        spec = g.kv_cache_spec
-        kind = type(spec).__name__
+        specs = _layer_specs(g.kv_cache_spec)
+        spec = specs[0]
+        kind = type(g.kv_cache_spec).__name__
         # NOTE: an EAGLE/MTP drafter's group (is_eagle_group) is copied like any other: its
         # chunks are keyed with the prefill lookahead tokens it read (drafter_lookahead)
         if not getattr(g, "enable_kv_transfer", True):
@@ -59,20 +67,44 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tupl
                             f"{_names(g.layer_names)}; vLLM's mamba_cache_mode={mode}): shmkv restores that "
                             "state only where vLLM keeps it at block boundaries (mamba_cache_mode=align, which "
                             "vLLM picks with prefix caching on), and never loads attention KV without it")
+            if getattr(spec, "num_speculative_blocks", 0):
+                return [], (f"KV-cache group {i} holds linear-attention state with "
+                            f"{spec.num_speculative_blocks} speculative blocks per request (an EAGLE/MTP drafter "
+                            "on a Mamba/GDN hybrid: vLLM's num_speculative_blocks, use_eagle_block_drop): shmkv "
+                            "restores one state per block boundary, not the drafter's speculative states. Serve "
+                            "this model without speculative decoding to use shmkv")
+            hash_bs = getattr(kv_cache_config, "hash_block_size", None) or block_size
+            if hash_bs < block_size:
+                return [], (f"KV-cache group {i} holds linear-attention state and vLLM hashes prefixes in "
+                            f"{hash_bs}-token blocks, under the {block_size}-token block (sub-block hits: vLLM "
+                            "copies a state block on a partial hit): shmkv restores states at whole blocks only. "
+                            "Leave hash_block_size at the block size to use shmkv")
             if spec.block_size != block_size:
                 return [], f"KV-cache group {i} ({kind}) has block size {spec.block_size}, not {block_size}"
             groups.append(KVGroup(tuple(g.layer_names), state=_state_desc(spec)))
             continue
         if spec.block_size != block_size:
             return [], f"KV-cache group {i} ({kind}) has block size {spec.block_size}, not {block_size}"
-        if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+        if all(type(s) in (FullAttentionSpec, MLAAttentionSpec) for s in specs):
             groups.append(KVGroup(tuple(g.layer_names)))
-        elif type(spec) is SlidingWindowSpec and not spec.extra_retained_tokens:
+        elif (all(type(s) is SlidingWindowSpec and not s.extra_retained_tokens for s in specs)
+              and len({s.sliding_window for s in specs}) == 1):
             groups.append(KVGroup(tuple(g.layer_names), int(spec.sliding_window)))
         else:
-            return [], (f"KV-cache group {i} is {kind} (layers {_names(g.layer_names)}): shmkv copies attention "
-                        "KV only, and this state cannot be restored exactly from chunks")
+            kinds = ", ".join(sorted({type(s).__name__ for s in specs}))
+            return [], (f"KV-cache group {i} is {kind} ({kinds}; layers {_names(g.layer_names)}): shmkv copies "
+                        "attention KV only, and this state cannot be restored exactly from chunks")
+    if groups and all(g.state for g in groups):
+        return [], ("the engine's only KV-cache groups hold linear-attention state (no attention KV): shmkv "
+                    "restores a state only beside the attention KV of the chunk it ends, and vLLM's per-layer "
+                    "load wait covers attention layers only")
     return groups, None
+
+
+def _layer_specs(spec) -> list:
+    """The per-layer specs of a group's spec (a UniformTypeKVCacheSpecs holds one per layer)."""
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    return list(per_layer.values()) if isinstance(per_layer, dict) and per_layer else [spec]
 
 
 def _names(layer_names) -> str:

@@ -1,12 +1,15 @@
-"""What the scheduler half ships to the workers each step (pickled by vLLM
-with the SchedulerOutput): the step's loads and stores, and per request what
-the logs say about it."""
+"""What the two halves tell each other, pickled by vLLM: each step the
+scheduler half ships the step's loads and stores to the workers (with the
+SchedulerOutput), and once, at engine start, each worker reports whether it
+can serve the connector and the shapes of its payload sections (vLLM's
+handshake: get_handshake_metadata on the workers, set_xfer_handshake_metadata
+on the scheduler, before the first request)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 from shmkv.transfer.items import LoadItem, StoreItem
 
@@ -33,3 +36,15 @@ class ShmKVMetadata(KVConnectorMetadata):
     # failed_recving if they fail; failed_loads could not even be planned
     async_loads: set[str] = field(default_factory=set)
     failed_loads: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ShmKVWorkerReport(KVConnectorHandshakeMetadata):
+    """One worker's answer at engine start: `off_reason` None when it copies
+    this engine's KV cache; `sections` names the payload's per-shape
+    sections where a KV-cache group's layers differ in shape ("" when every
+    group has one shape: plain engines keep their keys)."""
+
+    tp_rank: int
+    off_reason: str | None = None
+    sections: str = ""

@@ -10,7 +10,10 @@ Two ways in, both vLLM 0.32 interfaces:
     `get_kv_connector_stats` each step (pickled to the front end with the
     step's output); vLLM aggregates them and calls ShmKVPromMetrics.observe,
     which feeds `vllm:shmkv_loaded_tokens_total`, `vllm:shmkv_stored_tokens_total`
-    and the `vllm:shmkv_load_seconds` / `vllm:shmkv_store_seconds` histograms.
+    and the `vllm:shmkv_load_seconds` / `vllm:shmkv_store_seconds` histograms;
+    the scheduler half adds the gauge `vllm:shmkv_connector_on` (1: the
+    connector serves this engine, 0: it turned off, the log says why) at
+    start and whenever it changes.
 """
 
 from __future__ import annotations
@@ -35,13 +38,18 @@ HISTOGRAMS = {  # stats key -> (metric, help)
     "load_seconds": ("vllm:shmkv_load_seconds", "Time to load one step's hits into the paged cache"),
     "store_seconds": ("vllm:shmkv_store_seconds", "Time from issuing a chunk's store to its commit in the shared tier"),
 }
+GAUGES = {  # stats key -> (metric, help)
+    "connector_on": ("vllm:shmkv_connector_on",
+                     "1 while shmkv serves this engine; 0 once it turned off for it (the engine's log says why)"),
+}
 _BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 @dataclass
 class ShmKVStats(KVConnectorStats):
-    """{"counters": {key: n}, "observations": {key: [seconds, ...]}}, plain data
-    (it travels between processes)."""
+    """{"counters": {key: n}, "observations": {key: [seconds, ...]}, and
+    optionally "gauges": {key: value}}, plain data (it travels between
+    processes; the latest gauge value wins)."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -62,6 +70,8 @@ class ShmKVStats(KVConnectorStats):
             self.count(k, v)
         for k, vs in other.data.get("observations", {}).items():
             self.data["observations"].setdefault(k, []).extend(vs)
+        if other.data.get("gauges"):
+            self.data.setdefault("gauges", {}).update(other.data["gauges"])
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -69,10 +79,12 @@ class ShmKVStats(KVConnectorStats):
         for k, vs in self.data["observations"].items():
             if vs:
                 out[f"{k}_avg_ms"] = round(1e3 * sum(vs) / len(vs), 3)
+        out.update(self.data.get("gauges", {}))
         return out
 
     def is_empty(self) -> bool:
-        return not self.data["counters"] and not any(self.data["observations"].values())
+        return (not self.data["counters"] and not any(self.data["observations"].values())
+                and not self.data.get("gauges"))
 
 
 class ShmKVPromMetrics(KVConnectorPromMetrics):
@@ -86,6 +98,9 @@ class ShmKVPromMetrics(KVConnectorPromMetrics):
         self._histograms = {k: self._histogram_cls(name=name, documentation=doc, labelnames=labelnames,
                                                    buckets=_BUCKETS)
                             for k, (name, doc) in HISTOGRAMS.items()}
+        self._gauges = {k: self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                           multiprocess_mode="mostrecent")
+                        for k, (name, doc) in GAUGES.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -97,3 +112,6 @@ class ShmKVPromMetrics(KVConnectorPromMetrics):
                 child = self._histograms[k].labels(*labels)
                 for v in vs:
                     child.observe(v)
+        for k, v in transfer_stats_data.get("gauges", {}).items():
+            if k in self._gauges:
+                self._gauges[k].labels(*labels).set(v)

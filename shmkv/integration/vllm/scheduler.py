@@ -131,10 +131,7 @@ class SchedulerSide:
                      f"it that the drafter read" if self._lookahead else
                      f"the drafter's KV layers are stored and loaded with the target's (namespace field "
                      f"drafter={drafter})")
-        for rank, ns in enumerate(self._base_ns):
-            # operators name a namespace by this root in the controller API (lookup, clear, pin...)
-            log.info("shmkv: namespace of TP rank %d: root %s (model %s, %s, %d layers)", rank,
-                     register(self.cfg.cache_name, ns), ns.model_id, ns.dtype, ns.num_layers)
+        self._announced = False  # the namespaces are registered and logged once final (announce_namespaces)
         if self.cfg.lossy_form:
             log.warning("shmkv: lossy_form=%s: this engine loads and stores only the %s form of chunks (made by "
                         "POST /compress with form %s; roots %s); its outputs are not those of exact KV",
@@ -151,6 +148,28 @@ class SchedulerSide:
             self._maintainer_role = MaintainerRole(self.cfg, self.chain)
             self._maintainer_role.start()
         self._settle_load_failure_policy(ktc)
+
+    def announce_namespaces(self) -> None:
+        """Register the engine's namespaces (operators name them by root in
+        the controller API) and log them, once they are final: after the
+        workers' start reports, or at the first request if none came."""
+        if self._announced:
+            return
+        self._announced = True
+        for rank, ns in enumerate(self._base_ns):
+            # operators name a namespace by this root in the controller API (lookup, clear, pin...)
+            log.info("shmkv: namespace of TP rank %d: root %s (model %s, %s, %d layers)", rank,
+                     register(self.cfg.cache_name, ns), ns.model_id, ns.dtype, ns.num_layers)
+
+    def name_sections(self, sections: dict[int, str]) -> None:
+        """The workers' per-shape payload sections (a KV-cache group whose
+        layers differ in shape), per TP rank, from vLLM's start handshake:
+        they name the namespace, so engines whose payloads are cut otherwise
+        never share keys. Before the first request (no planner is kept)."""
+        self._base_ns = [dataclasses.replace(ns, extra=ns.extra + (("kv_sections", sections[rank]),))
+                         if sections.get(rank) else ns for rank, ns in enumerate(self._base_ns)]
+        self._planners.clear()
+        self._plans.clear()
 
     def _settle_load_failure_policy(self, ktc) -> None:
         """A chunk evicted between lookup and load should mean "recompute it",
@@ -202,6 +221,7 @@ class SchedulerSide:
         return torch.empty((), dtype=self._vllm_config.model_config.dtype).element_size()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self.announce_namespaces()
         try:
             tokens = prompt_tokens(request)
             # the request's cache salt and LoRA adapter are in every key it reads or writes,

@@ -26,6 +26,14 @@ still copying, and never any other request (vLLM asserts on an id it did not
 delay). That holds even when the KV caches could not be registered (no
 engine: nothing is pending, the ids are reported at once).
 
+Off: a worker that cannot copy this engine's KV cache (a KV-cache group of
+a kind shmkv cannot restore, KV caches it cannot register) still answers
+vLLM's protocol exactly: every delayed request is reported finished at
+once, every load it is asked for fails (vLLM recomputes). The connector
+sends its off_reason (and `sections`) to the scheduler half in vLLM's start
+handshake, which turns the connector off for the whole engine before the
+first request.
+
 Nothing here raises into vLLM: a unit that cannot be loaded is reported
 through `load_errors` and vLLM recomputes it; one that cannot be stored is
 skipped; each such path has a counter (the engine's).
@@ -65,17 +73,33 @@ def _render(c: dict, seconds: float) -> str:
             f"{c.get('not_stored', 0)} not stored)")
 
 
+def _layers_by_shape(names: Sequence[str], kv_caches: dict[str, Any]) -> list[tuple[str, ...]]:
+    """A group's layers by tensor shape, dtype and strides, in the order each first appears."""
+    out: dict[tuple, list[str]] = {}
+    for n in names:
+        t = kv_caches[n]
+        out.setdefault((tuple(t.shape[1:]), t.dtype, tuple(t.stride())), []).append(n)
+    return [tuple(v) for v in out.values()]
+
+
+def _shape_desc(t: Any, layers: int) -> str:
+    """One section of a payload: its layers' shape past the block dim, dtype, and how many layers."""
+    return f"{'x'.join(str(d) for d in t.shape[1:])}/{str(t.dtype).replace('torch.', '')}/{layers}"
+
+
 class WorkerSide:
     """The connector's worker half: it builds the copy layouts when vLLM
     registers its KV caches, then drives the transfer engine in vLLM's call
     order. Free of vLLM imports: it sees vLLM's tensors and the scheduler
     half's ShmKVMetadata only."""
 
-    def __init__(self, cfg: Any, store: Store, groups: Sequence[Any], tp_rank: int, block_size: int, *,
-                 stores: bool = True, deferred: bool = False) -> None:
+    def __init__(self, cfg: Any, store: Store | None, groups: Sequence[Any], tp_rank: int, block_size: int, *,
+                 stores: bool = True, deferred: bool = False, off_reason: str | None = None) -> None:
         """`stores`: this rank stores what the scheduler half ships (False:
         another rank stores the same bytes, as with MLA; this one only loads
-        and reports its requests finished at once)."""
+        and reports its requests finished at once). `off_reason`: this
+        worker cannot serve the engine (decided before vLLM built the KV
+        cache; `store` may then be None): it only answers the protocol."""
         self.cfg = cfg
         self.store = store
         self.groups = list(groups)  # engine_inputs.KVGroup per KV-cache group
@@ -84,7 +108,8 @@ class WorkerSide:
         self.block_size = block_size  # of vLLM's block tables
         self.worker: TransferEngine | None = None
         self.chain: TierChain | None = None  # with remote_write_through: committed chunks are queued for remote
-        self.off_reason: str | None = None  # the KV caches could not be copied: every load is recomputed
+        self.off_reason = off_reason  # the KV caches cannot be copied: every load is recomputed
+        self.sections = ""  # the payload's per-shape sections, where a group's layers differ in shape
         self.activity = ActivitySummary(log, cfg.log_summary_s, _render)
         self._deferred = deferred  # tests: CPU copies run only when waited for
         self._transfer = _new_transfer_stats()  # since vLLM last asked (get_kv_connector_stats)
@@ -100,6 +125,8 @@ class WorkerSide:
         self._registered = False  # the segment is registered with CUDA for this worker
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.off_reason is not None:
+            return
         # the first attention layer's tensor (a state group's may come first, and may be a list)
         attn_names = [n for g in self.groups if not g.state for n in g.layer_names]
         first = kv_caches.get(attn_names[0]) if attn_names else None
@@ -114,10 +141,19 @@ class WorkerSide:
             if first.dim() != 4:
                 raise InvalidArgumentError(f"a {first.dim()}-D KV cache tensor of shape {tuple(first.shape)} "
                                            "(vLLM 0.32 gives [blocks, heads, block tokens, content])")
-            # NOTE: a linear-attention group (align mode) is the state of each block: one run per block
-            layouts = [KVLayout("state", [kv_caches[n] for n in names], names) if g.state
-                       else KVLayout(kind, [kv_caches[n] for n in names], names, block_size=self.block_size)
-                       for g, names in zip(self.groups, groups)]
+            # NOTE: a linear-attention group (align mode) is the state of each block: one run per block.
+            # A group whose layers differ in shape is one layout per shape, over the group's block ids.
+            layouts, layout_groups, sections = [], [], []
+            for gi, (g, names) in enumerate(zip(self.groups, groups)):
+                by_shape = _layers_by_shape(names, kv_caches)
+                for shape_names in by_shape:
+                    tensors = [kv_caches[n] for n in shape_names]
+                    layouts.append(KVLayout("state", tensors, shape_names) if g.state
+                                   else KVLayout(kind, tensors, shape_names, block_size=self.block_size))
+                    layout_groups.append(gi)
+                if len(by_shape) > 1:
+                    sections.append(f"{gi}:" + ";".join(_shape_desc(kv_caches[n[0]], len(n)) for n in by_shape))
+            self.sections = "|".join(sections)
             if first.device.type == "cuda":
                 from shmkv.transfer import gpu
 
@@ -133,14 +169,16 @@ class WorkerSide:
                                          on_commit=self.chain.write_through if self.chain else None,
                                          layer_order=list(kv_caches),
                                          lossy_ok=bool(self.cfg.lossy_form), deferred=self._deferred,
-                                         skip_load_layers=self.cfg.debug_skip_load_layers)
+                                         skip_load_layers=self.cfg.debug_skip_load_layers,
+                                         layout_groups=layout_groups)
             if self.cfg.debug_evict_before_load:
                 log.warning("shmkv: TEST ONLY debug_evict_before_load: every chunk is deleted before it is loaded")
         except Exception as e:
             # NOTE: never stop vLLM's start for the cache: serve without it, saying why
             self.off_reason = str(e) if isinstance(e, InvalidArgumentError) else f"{type(e).__name__}: {e}"
-            log.error("shmkv: cannot copy this engine's KV cache (%s); the connector stores nothing and every "
-                      "hit is recomputed by vLLM", self.off_reason)
+            # NOTE: the scheduler half says so at WARNING for the engine (vLLM's start handshake)
+            log.info("shmkv: TP rank %d cannot copy this engine's KV cache (%s)", self.tp_rank, self.off_reason,
+                     exc_info=not isinstance(e, InvalidArgumentError))
             if self.chain is not None:
                 self.chain.close(flush_timeout_s=0)
                 self.chain = None
@@ -148,13 +186,16 @@ class WorkerSide:
             return
         attention = [lay for lay in layouts if lay.kind != "state"]
         log.info("shmkv: registered %d KV layers in %d group(s) (%s layout, %s, %.1f KiB per token, %s copies)",
-                 len(kv_caches), len(layouts), kind, str(attention[0].dtype).replace("torch.", ""),
+                 len(kv_caches), len(self.groups), kind, str(attention[0].dtype).replace("torch.", ""),
                  sum(lay.bytes_per_token() for lay in attention) / 1024,
                  "CUDA stream" if self.worker.on_gpu else "asynchronous CPU")
         for lay in layouts:
             if lay.kind == "state":
                 log.info("shmkv: %d linear-attention layers keep %.1f KiB of recurrent state per block boundary",
                          lay.num_layers, lay.geometry.run_bytes / 1024)
+        if self.sections:
+            log.info("shmkv: layers of one KV-cache group differ in shape; copied per shape (sections %s)",
+                     self.sections)
         if not self.stores:
             log.info("shmkv: TP rank %d only loads: rank 0 stores the latent (MLA) KV every rank holds", self.tp_rank)
 

@@ -1,0 +1,164 @@
+"""One decision per engine, obeyed by both halves. A worker that cannot
+serve the engine (here the test-only debug_worker_off; in the field a group
+only the workers see, caches that cannot be registered) still answers vLLM's
+protocol exactly: every delayed request is reported finished at once, every
+load fails. Its start report (vLLM's handshake, before the first request)
+turns the scheduler half off: no lookups, no stores, no delayed frees, one
+WARNING, the connector_on gauge at 0 and the engine registry (shmkv stats)
+saying why. Workers that can serve name their per-shape payload sections in
+the namespace."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shmkv import engine_registry
+from shmkv.integration.vllm.metadata import ShmKVMetadata, ShmKVWorkerReport
+from shmkv.transfer.items import GroupWindow, LoadItem, StoreItem
+
+BS = 16
+
+
+@pytest.fixture(autouse=True)
+def shmkv_log(caplog):
+    """The records of the shmkv loggers (the connector sets up a handler of its own on them, which would
+    outlive the test: handlers, propagation and level are restored after every test here)."""
+    log = logging.getLogger("shmkv")
+    saved = log.handlers[:], log.propagate, log.level
+    log.addHandler(caplog.handler)
+    log.propagate = False
+    yield caplog
+    log.handlers[:] = saved[0]
+    log.propagate = saved[1]
+    log.setLevel(saved[2])
+
+
+def engine_config(model_dir: str, cache_name: str, **extra):
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096)
+    return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BS), kv_transfer_config=KVTransferConfig(
+        kv_connector="ShmKVConnector", kv_connector_module_path="shmkv.integration.vllm", kv_role="kv_both",
+        kv_connector_extra_config={"cache_name": cache_name, "capacity": "16MiB", "log_level": "info",
+                                   "maintainer": False, **extra}))
+
+
+def kv_cache_config(specs: dict[str, object]):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
+    spec = UniformTypeKVCacheSpecs.from_specs(specs) if len({id(s) for s in specs.values()}) > 1 else \
+        next(iter(specs.values()))
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(specs), spec)])
+
+
+def attention(heads: int, head: int):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=head, dtype=torch.bfloat16)
+
+
+def request(n: int = 600) -> SimpleNamespace:
+    return SimpleNamespace(request_id="r", prompt_token_ids=list(range(n)), num_prompt_tokens=n,
+                           cache_salt=None, lora_request=None, mm_features=None, prompt_embeds=None)
+
+
+def connectors(vc, workers_config, scheduler_config=None):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from shmkv.integration.vllm.connector import ShmKVConnector
+
+    # vLLM builds the workers' connectors first (with the KV cache), then the scheduler's
+    worker = ShmKVConnector(vc, KVConnectorRole.WORKER, workers_config)
+    sched = ShmKVConnector(vc, KVConnectorRole.SCHEDULER, scheduler_config or workers_config)
+    return sched, worker
+
+
+def test_an_off_worker_answers_vllms_protocol_and_its_report_turns_the_engine_off(cache_name, tmp_path,
+                                                                                   shmkv_log):
+    from shmkv.bench.models import write_llama
+
+    vc = engine_config(write_llama(str(tmp_path / "model")), cache_name, debug_worker_off="a worker-only reason")
+    cfg = kv_cache_config({"model.layers.0.self_attn.attn": attention(2, 64),
+                           "model.layers.1.self_attn.attn": attention(2, 64)})
+    sched, worker = connectors(vc, cfg)
+    assert sched.get_num_new_matched_tokens(request(), 0) == (0, False), "no chunk yet"
+
+    # Before the scheduler half hears of it, a worker that is off still answers exactly:
+    # the delayed request is finished at once, the synchronous load's blocks fail,
+    # the asynchronous load is reported received and failed.
+    unit = (GroupWindow(0, 1, (3,)),)
+    meta = ShmKVMetadata(stores=[StoreItem("r", (b"k" * 16,), BS, unit)],
+                         loads=[LoadItem("s", (b"k" * 16,), (GroupWindow(0, 1, (5,)),)),
+                                LoadItem("a", (b"j" * 16,), (GroupWindow(0, 1, (6,)),))], async_loads={"a"})
+    worker.register_kv_caches({n: torch.zeros(8, 2, BS, 128, dtype=torch.bfloat16)
+                               for n in cfg.kv_cache_groups[0].layer_names})
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    results = worker.get_transfer_results({"r"})
+    assert results.finished_sending == {"r"}, "a delayed free is never held by an off worker"
+    assert results.failed_recving == {"a"} and "a" in results.finished_recving
+    assert worker.get_block_ids_with_load_errors() == {5}
+    worker.clear_connector_metadata()
+
+    report = worker.get_handshake_metadata()
+    assert isinstance(report, ShmKVWorkerReport) and "a worker-only reason" in report.off_reason
+    sched.set_xfer_handshake_metadata({0: report})
+    off = [r for r in shmkv_log.records if "connector off for this engine" in r.getMessage()]
+    assert [r.levelname for r in off] == ["WARNING"], "once, from the scheduler half, which decided for the engine"
+    assert "TP rank 0's worker cannot serve it: TEST ONLY debug_worker_off: a worker-only reason" in \
+        off[0].getMessage()
+    assert sched.get_num_new_matched_tokens(request(), 0) == (0, False)
+    assert not sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).stores
+    assert sched.request_finished(request(), [1, 2]) == (False, None), "an off engine never delays a free"
+    assert sched.get_kv_connector_stats().data["gauges"] == {"connector_on": 0}
+    assert sched.get_kv_connector_stats() is None, "the gauge is sent when it changes"
+    summary = engine_registry.summary(cache_name)
+    assert (summary["on"], summary["off"]) == (0, 1)
+    assert "debug_worker_off: a worker-only reason" in summary["last_off"]["reason"]
+    for c in (worker, sched):
+        c.shutdown()
+
+
+def test_a_rank_that_does_not_report_turns_the_engine_off(cache_name, tmp_path, shmkv_log):
+    from shmkv.bench.models import write_llama
+
+    vc = engine_config(write_llama(str(tmp_path / "model")), cache_name)
+    vc.parallel_config.tensor_parallel_size = 2
+    sched, worker = connectors(vc, kv_cache_config({"model.layers.0.self_attn.attn": attention(1, 64)}))
+    sched.set_xfer_handshake_metadata({0: worker.get_handshake_metadata(), 1: None})
+    assert sched._sched is None
+    assert any("TP rank 1's worker cannot serve it: it gave no start report" in r.getMessage()
+               for r in shmkv_log.records if r.levelname == "WARNING")
+    for c in (worker, sched):
+        c.shutdown()
+
+
+def test_workers_that_serve_name_their_shape_sections_in_the_namespace(cache_name, tmp_path):
+    """A drafter of head size 32 beside a target of 64, in one group: the
+    scheduler half sees only the first layer's spec, the workers see both;
+    from their reports the namespace names both shapes."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    from shmkv.bench.models import write_llama
+
+    vc = engine_config(write_llama(str(tmp_path / "model")), cache_name)
+    shapes = {"model.layers.0.self_attn.attn": (2, 64), "model.layers.1.self_attn.attn": (2, 64),
+              "draft_model.model.layers.0.self_attn.attn": (2, 32)}
+    workers_cfg = kv_cache_config({n: attention(h, d) for n, (h, d) in shapes.items()})
+    sched, worker = connectors(vc, workers_cfg, generate_scheduler_kv_cache_config([copy.deepcopy(workers_cfg)]))
+    worker.register_kv_caches({n: torch.zeros(8, h, BS, 2 * d, dtype=torch.bfloat16) for n, (h, d) in shapes.items()})
+    before = sched._sched._base_ns[0].root_key()
+    sched.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})
+    ns = sched._sched._base_ns[0]
+    assert dict(ns.extra)["kv_sections"] == "0:2x16x128/bfloat16/2;2x16x64/bfloat16/1"
+    assert ns.root_key() != before, "an engine cut otherwise never shares keys with this one"
+    assert sched.get_kv_connector_stats().data["gauges"] == {"connector_on": 1}
+    assert engine_registry.summary(cache_name)["on"] == 1
+    for c in (worker, sched):
+        c.shutdown()
