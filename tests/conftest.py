@@ -142,9 +142,15 @@ def redis_cluster(tmp_path) -> Iterator:
 # The parameter is session-scoped, so pytest runs each runner's cases together
 # and starts one reference engine per runner.
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--vllm-runner", choices=("both", *VLLM_RUNNERS), default="both",
+                     help="the vLLM model runner(s) the vLLM end-to-end cases run on (default: both)")
+
+
 def pytest_generate_tests(metafunc) -> None:
     if "vllm_runner" in metafunc.fixturenames:
-        metafunc.parametrize("vllm_runner", VLLM_RUNNERS, scope="session")
+        chosen = metafunc.config.getoption("--vllm-runner")
+        metafunc.parametrize("vllm_runner", VLLM_RUNNERS if chosen == "both" else (chosen,), scope="session")
 
 
 @pytest.fixture(scope="session")

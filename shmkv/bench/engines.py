@@ -230,7 +230,25 @@ def _abort_after_steps(llm: Any, prompt: list[int], steps: int) -> dict[str, Any
     engine.abort_request(["abort-me"])
     while engine.has_unfinished_requests():
         engine.step()
+    _settle(llm)
     return {"aborted": not finished}
+
+
+def _settle(llm: Any, timeout_s: float = 120.0) -> None:
+    """With EngineCore in this process nothing steps the engine between
+    commands, while vLLM's engine process keeps stepping until every delayed
+    free is done (its scheduler's has_requests() counts requests held for the
+    connector). Do the same here, so that an idle engine is the same state in
+    both: stores landed, blocks given back (reset_prefix_cache needs them)."""
+    inproc = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if inproc is None:  # vLLM's process split: its own busy loop settles it
+        return
+    deadline = time.monotonic() + timeout_s
+    while inproc.scheduler.has_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine still holds requests for the connector after {timeout_s:.0f} s")
+        llm.llm_engine.step()
+        time.sleep(0.001)  # a poll interval: the stores' copy threads need the cores
 
 
 def _make_embeds(spec: dict[str, int]) -> Any:
@@ -331,6 +349,7 @@ def _serve(spec: EngineSpec) -> None:
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
             wall = time.perf_counter() - t0
+            _settle(llm)
             reply: dict[str, Any] = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
                                      "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
                                      "wall_s": wall}

@@ -105,6 +105,53 @@ def write_llama(directory: str, spec: TinyLlama = TEST_MODEL) -> str:
     return directory
 
 
+def write_llama_wide_heads(directory: str, source_dir: str, factor: int = 4) -> str:
+    """The Llama checkpoint in `source_dir` with `factor` times its head size
+    and the same function: each head's q/k/v rows are spread over the wider
+    head with zeros between them, so that source rotary pair i lands on wide
+    pair factor*i, whose RoPE frequency is the same (theta^(-2i/d)); q is
+    scaled by sqrt(factor) (exact for factor 4) to keep the softmax scale. A
+    draft model of the source's head size drafting for it has its proposals
+    accepted when its KV is right (Llama-3.2-1B drafting Llama-3.1-8B has
+    head sizes 64 and 128). Returns the directory."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if factor != 4:
+        raise ValueError("factor 4 only: its q scale (2) is exact in bfloat16")
+    with open(os.path.join(source_dir, "config.json")) as f:
+        config = json.load(f)
+    src = load_file(os.path.join(source_dir, "model.safetensors"))
+    head = config["head_dim"]
+    half = head // 2
+    # source dim s of a head -> wide dim: rotary halves stay halves, pair i -> pair factor*i
+    where = torch.tensor([factor * s if s < half else factor * half + factor * (s - half) for s in range(head)])
+
+    def widen_rows(w: torch.Tensor, heads: int, scale: float = 1.0) -> torch.Tensor:
+        out = torch.zeros(heads, head * factor, w.shape[1], dtype=w.dtype)
+        out[:, where] = (w.view(heads, head, -1).float() * scale).to(w.dtype)
+        return out.view(heads * head * factor, -1)
+
+    def widen_cols(w: torch.Tensor, heads: int) -> torch.Tensor:
+        out = torch.zeros(w.shape[0], heads, head * factor, dtype=w.dtype)
+        out[:, :, where] = w.view(w.shape[0], heads, head)
+        return out.view(w.shape[0], -1)
+
+    tensors = dict(src)
+    q_heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}.self_attn."
+        tensors[p + "q_proj.weight"] = widen_rows(src[p + "q_proj.weight"], q_heads, scale=float(factor) ** 0.5)
+        tensors[p + "k_proj.weight"] = widen_rows(src[p + "k_proj.weight"], kv_heads)
+        tensors[p + "v_proj.weight"] = widen_rows(src[p + "v_proj.weight"], kv_heads)
+        tensors[p + "o_proj.weight"] = widen_cols(src[p + "o_proj.weight"], q_heads)
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**config, "head_dim": head * factor}, f, indent=2)
+    return directory
+
+
 def write_eagle(directory: str, target_dir: str) -> str:
     """An EAGLE-1 draft head (vLLM's EagleLlamaForCausalLM) for the Llama
     checkpoint in `target_dir` that drafts what a 1-layer target computes:

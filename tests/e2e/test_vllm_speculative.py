@@ -1,10 +1,10 @@
 """Speculative decoding with the connector on: ngram (no drafter KV),
 draft_model (the target as its own drafter: its own KV layers), draft_model
-with a drafter of half the target's head size (as Llama-3.2-1B drafting
-Llama-3.1-8B: vLLM puts both in one KV-cache group of two shapes, copied per
-shape), EAGLE (a
-head drafting for a 1-layer target, whose KV of a position read the next
-token) and EAGLE-3 (a random head beside an 8-layer target: the path, not
+with a drafter of another head size (32 drafting for 128, the target being
+the drafter with widened heads, so proposals are accepted when the KV is
+right; as Llama-3.2-1B drafting Llama-3.1-8B, vLLM puts both in one KV-cache
+group of two shapes, copied per shape), EAGLE (a head drafting for a 1-layer
+target, whose KV of a position read the next token) and EAGLE-3 (a random head beside an 8-layer target: the path, not
 the drafting; it has almost nothing accepted). A second engine hits what the first stored; its greedy output and
 the drafter's proposals and acceptances equal those of an engine without
 shmkv that recomputed from the same split; the KV it loads (the drafter's
@@ -20,7 +20,7 @@ import re
 import pytest
 from helpers import check_loaded_bytes_equal_stored, random_prompt
 
-from shmkv.bench.models import TinyLlama, write_eagle, write_eagle3, write_llama
+from shmkv.bench.models import TinyLlama, write_eagle, write_eagle3, write_llama, write_llama_wide_heads
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +37,13 @@ EAGLE3_TARGET_LAYERS = 8  # vLLM's fewest for EAGLE-3's auxiliary hidden states
 
 
 @pytest.fixture(scope="module")
-def small_head_drafter(tmp_path_factory) -> str:
-    """A drafter of head size 32 for the head-size-64 test model (same vocabulary)."""
-    return write_llama(str(tmp_path_factory.mktemp("drafter-head32")),
-                       TinyLlama(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256))
+def small_head_dirs(tmp_path_factory) -> tuple[str, str]:
+    """(a target of head size 128, a drafter of head size 32 computing the
+    same function): the drafter has its proposals accepted when its KV is right."""
+    drafter = write_llama(str(tmp_path_factory.mktemp("drafter-head32")),
+                          TinyLlama(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=256))
+    return write_llama_wide_heads(str(tmp_path_factory.mktemp("target-head128")), drafter), drafter
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +95,13 @@ def recomputed_from(engine, prompt: list[int], split: int) -> tuple[dict, dict[s
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_small_head", "eagle", "eagle3"])
 def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_engine, model_dir, eagle_dirs,
-                                                    eagle3_dirs, small_head_drafter, tmp_path):
+                                                    eagle3_dirs, small_head_dirs, tmp_path):
     digests = str(tmp_path / "digests.txt")
     cfg = {"cache_name": cache_name, "capacity": "256MiB", "debug_digest_file": digests}
-    if method in ("eagle", "eagle3"):
-        model_dir, eagle_dir = eagle_dirs if method == "eagle" else eagle3_dirs
-    else:
-        eagle_dir = small_head_drafter if method == "draft_model_small_head" else ""
+    eagle_dir = ""
+    if method in ("eagle", "eagle3", "draft_model_small_head"):
+        model_dir, eagle_dir = {"eagle": eagle_dirs, "eagle3": eagle3_dirs,
+                                "draft_model_small_head": small_head_dirs}[method]
     spec = {"speculative_config": speculative_config(method, model_dir, eagle_dir), "disable_log_stats": False}
     engine = {"model_dir": model_dir, "llm_kwargs": spec}
 
@@ -110,7 +113,7 @@ def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_eng
     assert layers == {"ngram": 2, "draft_model": 4, "draft_model_small_head": 4, "eagle": 2,
                       "eagle3": EAGLE3_TARGET_LAYERS + 1}[method], "the drafter's layers are copied too"
     if method == "draft_model_small_head":
-        assert "copied per shape (sections 0:2x128x128/bfloat16/2;2x128x64/bfloat16/2)" in log_a
+        assert "copied per shape (sections 0:2x128x256/bfloat16/2;2x128x64/bfloat16/2)" in log_a
 
     b = start_engine(f"spec-{method}-b", shmkv=cfg, **engine)
     r, counts = generate_counted(b, P)

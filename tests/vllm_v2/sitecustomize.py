@@ -10,7 +10,8 @@ TRITON_INTERPRET=1, so Triton's interpreter runs V2's bookkeeping and
 sampling kernels on CPU tensors; nothing is ever compiled through the entry
 (attention stays vLLM's CPU backend). It also closes the interpreter's one
 gap vLLM meets: `tl.range` loop variables are Python ints there (tensors
-when compiled), and vLLM's top-k/top-p kernel calls `.to()` on one.
+when compiled), and vLLM's top-k/top-p kernel calls `.to()` on one; and
+masks broadcast from a scalar, which its C++ load/store refuse.
 """
 
 import os
@@ -89,6 +90,23 @@ def _install() -> None:
         scope.set_attr(lang, "static_range", loop_range)
 
     interpreter._patch_lang_core = patched_core
+
+    import numpy as np
+
+    builder = interpreter.InterpreterBuilder
+    masked_load, masked_store = builder.create_masked_load, builder.create_masked_store
+
+    def dense_mask(mask):
+        """The interpreter's C++ load/store take a contiguous bool mask; a mask
+        broadcast from a scalar (vLLM's n-gram drafter) is a strided view."""
+        data = mask.data
+        if isinstance(data, np.ndarray) and not (data.dtype == np.bool_ and data.flags.c_contiguous):
+            mask = interpreter.TensorHandle(np.ascontiguousarray(data, dtype=np.bool_), mask.dtype)
+        return mask
+
+    builder.create_masked_load = lambda self, ptrs, mask, *a: masked_load(self, ptrs, dense_mask(mask), *a)
+    builder.create_masked_store = lambda self, ptrs, value, mask, *a: masked_store(self, ptrs, value,
+                                                                                   dense_mask(mask), *a)
 
 
 if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
