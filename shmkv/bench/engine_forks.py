@@ -8,12 +8,15 @@ their own process gain (EngineSpec.in_process): vLLM spawns a fresh Python
 for a separate EngineCore anyway.
 
 The server talks over a SOCK_SEQPACKET socket pair: a request is the
-engine's spec and environment as JSON, with three file descriptors passed
-alongside (SCM_RIGHTS): the engine's stdin, stdout and log. The forked
-engine becomes its own session (its process group is its pid, as with
-start_new_session), puts those on fds 0, 1 and 2, sets its environment and
-serves exactly as `python -m shmkv.bench.engines` does. The server answers
-the engine's pid and reaps it when it exits.
+engine's spec (or a module to run as `python -m` would, with its
+arguments) and environment as JSON, with four file descriptors passed
+alongside (SCM_RIGHTS): the child's stdin, stdout and stderr, and a pipe for
+its exit status. The forked child becomes its own session (its process
+group is its pid, as with start_new_session), puts those on fds 0, 1 and 2,
+sets its environment and serves exactly as `python -m shmkv.bench.engines`
+does (or runs the module). The server answers the child's pid; a thread of
+the server reaps it and writes its wait status to the status pipe, so the
+client's handle has a returncode as Popen's has (negative: the signal).
 
 Environment read at interpreter start or at import (PYTHONPATH and its
 sitecustomize, Triton's TRITON_INTERPRET, vLLM's model runner choice,
@@ -32,6 +35,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 # read before or while vLLM is imported (OpenMP reads its thread count when torch loads it):
@@ -41,38 +45,58 @@ _MAX_MSG = 1 << 20
 
 
 class ForkedProcess:
-    """The Popen-like handle of a forked engine: its pid, pipes and exit
-    (through a pidfd: the server, not this process, is its parent)."""
+    """The Popen-like handle of a forked child: its pid, pipes and exit
+    status (the server, its parent, reaps it and writes the status to a pipe
+    this handle reads)."""
 
-    def __init__(self, pid: int, stdin: Any, stdout: Any) -> None:
+    def __init__(self, pid: int, stdin: Any, stdout: Any, status_fd: int, stderr: Any = None) -> None:
         self.pid = pid
         self.stdin = stdin
         self.stdout = stdout
-        try:
-            self._pidfd: int | None = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self._pidfd = None  # gone already
+        self.stderr = stderr
+        self._status_fd: int | None = status_fd
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        """None while it runs; 0 once it has exited (its status is the server's)."""
-        if self.returncode is None and (self._pidfd is None or select.select([self._pidfd], [], [], 0)[0]):
-            self.returncode = 0
-            self._close_pidfd()
+        """None while it runs, else its exit code (negative: the signal that ended it)."""
+        if self.returncode is None and select.select([self._status_fd], [], [], 0)[0]:
+            self._read_status()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None and self._pidfd is not None:
-            if not select.select([self._pidfd], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired(f"engine {self.pid}", timeout or 0)
-        self.returncode = 0
-        self._close_pidfd()
-        return 0
+        if self.returncode is None:
+            if not select.select([self._status_fd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(f"process {self.pid}", timeout or 0)
+            self._read_status()
+        assert self.returncode is not None
+        return self.returncode
 
-    def _close_pidfd(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Everything the child writes to stdout and stderr until it exits (text), as Popen's."""
+        outs: dict[Any, list[bytes]] = {f: [] for f in (self.stdout, self.stderr) if f is not None}
+        open_fds = {f.fileno(): f for f in outs}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while open_fds:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"process {self.pid}", timeout or 0)
+            for fd in select.select(list(open_fds), [], [], left)[0]:
+                data = os.read(fd, 1 << 16)
+                if data:
+                    outs[open_fds[fd]].append(data)
+                else:
+                    open_fds.pop(fd).close()
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        text = [b"".join(outs.get(f, [])).decode(errors="replace") for f in (self.stdout, self.stderr)]
+        return text[0], text[1]
+
+    def _read_status(self) -> None:
+        assert self._status_fd is not None
+        data = os.read(self._status_fd, 16)
+        os.close(self._status_fd)
+        self._status_fd = None
+        # no status: the server itself went away before its child; the child is gone with it
+        self.returncode = os.waitstatus_to_exitcode(int(data)) if data else -signal.SIGKILL
 
 
 class ForkServer:
@@ -90,10 +114,11 @@ class ForkServer:
         if ready != b"ready":
             raise RuntimeError(f"the engine fork server did not start ({self.proc.poll()})")
 
-    def start(self, spec_json: str, env: dict[str, str], stdin_fd: int, stdout_fd: int, log_fd: int) -> int:
-        msg = json.dumps({"spec": spec_json, "env": env}).encode()
+    def start(self, request: dict[str, Any], fds: list[int]) -> int:
+        """Fork a child for `request` on `fds` (stdin, stdout, stderr, status pipe); its pid."""
+        msg = json.dumps(request).encode()
         with self._lock:
-            socket.send_fds(self.sock, [msg], [stdin_fd, stdout_fd, log_fd])
+            socket.send_fds(self.sock, [msg], fds)
             reply = self.sock.recv(64)
         if not reply:
             raise RuntimeError(f"the engine fork server exited ({self.proc.poll()})")
@@ -112,22 +137,46 @@ _SERVERS: dict[tuple[str, ...], ForkServer] = {}  # the one registry: a server p
 _SERVERS_LOCK = threading.Lock()
 
 
-def fork_engine(spec_json: str, env: dict[str, str], log_fd: int) -> ForkedProcess:
-    """Start an engine (`spec_json`, an EngineSpec as JSON) as a fork of the
-    server for `env`'s import-time variables (started on first use)."""
+def _server(env: dict[str, str]) -> ForkServer:
+    """The server for `env`'s import-time variables (started on first use)."""
     key = tuple(env.get(k, "") for k in IMPORT_ENV)
     with _SERVERS_LOCK:
         server = _SERVERS.get(key)
         if server is None or server.proc.poll() is not None:
             server = _SERVERS[key] = ForkServer(env)
+        return server
+
+
+def _fork(request: dict[str, Any], env: dict[str, str], stderr_fd: int | None) -> ForkedProcess:
     stdin_r, stdin_w = os.pipe()
     stdout_r, stdout_w = os.pipe()
+    status_r, status_w = os.pipe()
+    err_r, err_w = os.pipe() if stderr_fd is None else (None, stderr_fd)
     try:
-        pid = server.start(spec_json, env, stdin_r, stdout_w, log_fd)
+        pid = _server(env).start({**request, "env": env}, [stdin_r, stdout_w, err_w, status_w])
+    except BaseException:
+        for fd in (stdin_w, stdout_r, status_r, err_r):
+            if fd is not None:
+                os.close(fd)
+        raise
     finally:
-        os.close(stdin_r)
-        os.close(stdout_w)
-    return ForkedProcess(pid, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"))
+        for fd in (stdin_r, stdout_w, status_w) + ((err_w,) if stderr_fd is None else ()):
+            os.close(fd)
+    return ForkedProcess(pid, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"), status_r,
+                         None if err_r is None else os.fdopen(err_r, "rb"))
+
+
+def fork_engine(spec_json: str, env: dict[str, str], log_fd: int) -> ForkedProcess:
+    """Start an engine (`spec_json`, an EngineSpec as JSON) as a fork of the
+    server for `env`'s import-time variables, its stderr on `log_fd`."""
+    return _fork({"spec": spec_json}, env, log_fd)
+
+
+def fork_module(module: str, argv: list[str], env: dict[str, str]) -> ForkedProcess:
+    """Run `python -m module *argv` as a fork of the server for `env` (for
+    children that import vLLM and exit: no import per child); stdin, stdout
+    and stderr are pipes."""
+    return _fork({"module": module, "argv": list(argv)}, env, None)
 
 
 def close_servers() -> None:
@@ -142,28 +191,53 @@ atexit.register(close_servers)
 
 # ----------------------------------------------------------------- server ---
 def _child(request: dict[str, Any], fds: list[int]) -> None:
-    """In the forked engine: become its own session on the passed fds, serve, exit."""
+    """In the forked child: become its own session on the passed fds, serve
+    (or run the module), exit."""
+    import runpy
+
     from shmkv.bench.engines import EngineSpec, _serve
 
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores it; vLLM waits for its own children
     os.setsid()
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
         os.close(fd)
+    os.close(fds[3])  # the status pipe is the server's to write
     os.environ.clear()
     os.environ.update(request["env"])
     code = 0
     try:
-        _serve(EngineSpec(**json.loads(request["spec"])))
+        if "module" in request:
+            sys.argv = [request["module"], *request["argv"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            _serve(EngineSpec(**json.loads(request["spec"])))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
     except BaseException:
         import traceback
 
         traceback.print_exc()
         code = 1
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed by what ran
+                pass
         os._exit(code)
+
+
+def _reap(pid: int, status_fd: int) -> None:
+    """A server thread: wait for one child, hand its wait status to the client."""
+    _, status = os.waitpid(pid, 0)
+    try:
+        os.write(status_fd, str(status).encode())
+    except OSError:
+        pass  # the client is gone
+    finally:
+        os.close(status_fd)
 
 
 def _serve_forks(fd: int) -> None:
@@ -175,18 +249,18 @@ def _serve_forks(fd: int) -> None:
     import shmkv.integration.vllm.connector  # noqa: F401
     from shmkv.bench import engines  # noqa: F401
 
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # engines are reaped as they exit
     sock.send(b"ready")
     while True:
-        msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 3)
+        msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 4)
         if not msg:
             return  # the client closed its end
         pid = os.fork()
         if pid == 0:
             sock.close()
             _child(json.loads(msg), fds)
-        for f in fds:
+        for f in fds[:3]:
             os.close(f)
+        threading.Thread(target=_reap, args=(pid, fds[3]), daemon=True).start()
         sock.send(str(pid).encode())
 
 

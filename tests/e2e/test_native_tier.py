@@ -12,24 +12,23 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 from helpers import REPO, wait_until
 
 from shmkv import Store
+from shmkv.bench.engine_forks import ForkedProcess, fork_module
 
 pytestmark = pytest.mark.slow
 
-def start(role: str, **params) -> subprocess.Popen:
+def start(role: str, **params) -> ForkedProcess:
+    """`python -m shmkv.bench.native_tier ROLE JSON`, forked from a server that
+    imported vLLM once (one engine's process each, without its import cost)."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, "-m", "shmkv.bench.native_tier", role, json.dumps(params)],
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+    return fork_module("shmkv.bench.native_tier", [role, json.dumps(params)], env)
 
 
-def finish(proc: subprocess.Popen) -> dict:
+def finish(proc: ForkedProcess) -> dict:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))

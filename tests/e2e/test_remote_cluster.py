@@ -96,9 +96,12 @@ def test_a_primary_lost_is_misses_then_its_replica_serves(store, replicated_clus
     assert on_victim
     cl.kill_node(victim)
     errors = store.stats()["remote_errors"]
-    assert c.remote.fetch(key(on_victim[0]), NS) is None  # a miss, not an exception
+    live = next(i for i in range(N) if i not in on_victim)
+    # a lookup of the dead shard's chunks alone is their miss, not the whole tier's backoff
     assert c.remote.contains([key(on_victim[0])], [NS]) == [False]
     assert store.stats()["remote_errors"] > errors
+    assert c.remote.available and c.remote.contains([key(live)], [NS]) == [True], "the live shards answer at once"
+    assert c.remote.fetch(key(on_victim[0]), NS) is None  # a miss, not an exception
     cl.wait_for_failover(victim)
     got = None
     for _ in range(20):  # each try waits out the tier's backoff first (a bound, not a guess)

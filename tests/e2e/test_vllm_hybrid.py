@@ -28,6 +28,7 @@ def hybrid_dir(tmp_path_factory) -> str:
     return write_llama(str(tmp_path_factory.mktemp("hybrid-llama")), MODEL)
 
 
+@pytest.mark.v1  # V1's own call order too (conftest: V2 runs every case, V1 these)
 def test_sliding_window_model_hits_across_engines(cache_name, start_engine, hybrid_dir, tmp_path):
     digests = str(tmp_path / "digests.txt")
     cfg = {"cache_name": cache_name, "capacity": "256MiB", "debug_digest_file": digests}

@@ -27,6 +27,7 @@ P = random_prompt(1500, seed=53)
 HIT = 1408  # the last whole 128-token block below the prompt's end: where vLLM keeps the state
 
 
+@pytest.mark.v1  # V1's own call order too (conftest: V2 runs every case, V1 these)
 def test_the_state_is_restored_with_the_attention_kv(cache_name, start_engine, tmp_path_factory, tmp_path):
     model = write_hybrid(str(tmp_path_factory.mktemp("qwen3_next")), "qwen3_next")
     cfg = {"cache_name": cache_name, "capacity": "64MiB", "disk_dir": str(tmp_path / "disk")}

@@ -14,6 +14,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
     cuda_vllm_missing() is not None, reason=cuda_vllm_missing() or "")])]
 
 
+@pytest.mark.v1  # V1's own call order too (conftest: V2 runs every case, V1 these)
 @pytest.mark.parametrize("device", DEVICES)
 def test_resumed_request_reloads_its_own_chunks_and_abort_leaves_only_good_chunks(
         cache_name, start_engine, reference, tmp_path, device):

@@ -14,6 +14,7 @@ P = random_prompt(3000, seed=1)
 Q = P[:2000] + random_prompt(1000, seed=2)
 
 
+@pytest.mark.v1  # V1's own call order too (conftest: V2 runs every case, V1 these)
 def test_shmkv_and_vllm_prefix_cache_together(cache_name, start_engine, reference):
     e = start_engine("apc", shmkv={"cache_name": cache_name, "capacity": "256MiB"}, prefix_caching=True)
     e.generate([P])  # computed, stored in shmkv, and cached locally by vLLM

@@ -22,7 +22,7 @@ ERROR_LINE = re.compile(r"Traceback|AttributeError| ERROR |\bError\b.*shutdown",
 
 
 def _second_engine_hits(label, cache_name, start_engine, reference, env) -> None:
-    b = start_engine(label, shmkv={}, env=env, in_process=False)
+    b = start_engine(label, shmkv={}, env=env)
     r = b.generate([P])
     assert r["num_cached_tokens"][0] == 2944, "11 chunks and the 128-token tail piece, from engine 1"
     assert r["outputs"][0] == reference.output(P, 2944)
@@ -51,7 +51,7 @@ def test_default_settings_survive_a_restart(cache_name, start_engine, reference)
 
 def test_a_killed_engine_leaves_its_chunks(cache_name, start_engine, reference):
     env = {"SHMKV_CACHE_NAME": cache_name}
-    a = start_engine("killed-a", shmkv={}, env=env, in_process=False)
+    a = start_engine("killed-a", shmkv={}, env=env)  # one process: SIGKILL ends engine and EngineCore at once
     assert a.generate([P])["num_cached_tokens"] == [0]
     a.kill()
     log = open(a.log_path, errors="replace").read()

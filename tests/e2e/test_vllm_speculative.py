@@ -93,7 +93,10 @@ def recomputed_from(engine, prompt: list[int], split: int) -> tuple[dict, dict[s
     return r, counts
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_small_head", "eagle", "eagle3"])
+# V1 too (conftest) for the drafters whose KV V1 handles its own way
+@pytest.mark.parametrize("method", ["ngram", "draft_model",
+                                    pytest.param("draft_model_small_head", marks=pytest.mark.v1),
+                                    pytest.param("eagle", marks=pytest.mark.v1), "eagle3"])
 def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_engine, model_dir, eagle_dirs,
                                                     eagle3_dirs, small_head_dirs, tmp_path):
     digests = str(tmp_path / "digests.txt")

@@ -39,6 +39,7 @@ def serve_all(engine) -> None:
         assert len(r["outputs"][0]) == 16, f"request {i}"
 
 
+@pytest.mark.v1  # V1's own call order too (conftest: V2 runs every case, V1 these)
 def test_a_drafter_of_another_head_size_with_a_tiny_kv_cache_keeps_serving(cache_name, start_engine, model_dir,
                                                                             small_head_drafter):
     spec = {"speculative_config": {"method": "draft_model", "model": small_head_drafter, "num_speculative_tokens": 3},
@@ -52,6 +53,7 @@ def test_a_drafter_of_another_head_size_with_a_tiny_kv_cache_keeps_serving(cache
     assert "connector off" not in open(engine.log_path).read()
 
 
+@pytest.mark.v1  # V1's own call order too (conftest: V2 runs every case, V1 these)
 def test_workers_off_with_the_scheduler_on_keeps_serving(cache_name, start_engine):
     # vLLM's own process split: the worker's report reaches EngineCore pickled, as deployed
     engine = start_engine("tiny-split", shmkv={"cache_name": cache_name, "debug_worker_off": "the split"},

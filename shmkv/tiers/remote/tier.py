@@ -357,7 +357,9 @@ class RemoteTier:
         """EXISTS of each key, one pipeline per shard: a shard that cannot be
         reached (its primary down, before or during a failover) answers 0 for
         its keys, counted in remote_errors, and the others answer as usual.
-        Raises only when no shard answered."""
+        Raises (the whole tier backs off) only when every shard of the
+        cluster failed: a lookup whose keys all lie on the one dead shard must
+        not turn the live shards' chunks into misses for the backoff's time."""
         by_node: dict[str, list[int]] = {}
         for i, rk in enumerate(rkeys):
             by_node.setdefault(self._client.get_node_from_key(rk).name, []).append(i)
@@ -375,12 +377,19 @@ class RemoteTier:
             for i, x in zip(idx, res):
                 out[i] = int(x) if type(x) is int else 0
         if failed:
-            if failed == len(by_node):
+            if failed == len(by_node) and failed >= self._primaries():
                 raise last  # type: ignore[misc]
             self._count("remote_errors", failed)
             log.warning("shmkv: remote tier %s: %d of %d shards did not answer (%s); their chunks are misses",
                         self.display_url, failed, len(by_node), last)
         return out
+
+    def _primaries(self) -> int:
+        """How many primaries the cluster client knows (1 when it cannot say)."""
+        try:
+            return max(1, len(self._client.get_primaries()))
+        except Exception:  # a client without a slot map yet
+            return 1
 
     def _rkey(self, key: bytes, namespace: bytes) -> bytes:
         return chunk_key(key, namespace, self._secret is not None)
