@@ -39,10 +39,11 @@ def test_delayed_frees_across_short_full_hit_concurrent_and_consumer_requests(ca
     (the reference engine runs eager)."""
     digests = str(tmp_path / "digests.txt")
     cfg = {"cache_name": cache_name, "capacity": "256MiB", "debug_digest_file": digests}
-    # vLLM's own process split: the delayed-free protocol crosses EngineCore and the worker as deployed
-    spec = {"llm_kwargs": {"enforce_eager": False}, "in_process": False} if device == "cuda" else {"in_process": False}
+    # engine a keeps vLLM's own process split: the delayed-free protocol crosses EngineCore and the
+    # worker as deployed; the consumer and engine b check what they load and store (EngineCore in-process)
+    spec = {"llm_kwargs": {"enforce_eager": False}} if device == "cuda" else {}
     exact = device == "cpu"
-    a = start_engine("a", shmkv=cfg, **spec)
+    a = start_engine("a", shmkv=cfg, **spec, in_process=False)
     store = Store.attach(cache_name)
     try:
         short = random_prompt(40, seed=70)  # under one 128-token block: stores nothing
