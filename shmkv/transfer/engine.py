@@ -135,8 +135,9 @@ class TransferEngine:
         self.on_commit = on_commit
         self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
         self._layout_groups = list(layout_groups) if layout_groups is not None else list(range(len(self.layouts)))
-        if len(self._layout_groups) != len(self.layouts) or sorted(set(self._layout_groups)) != list(
-                range(len(set(self._layout_groups)))):
+        self._num_groups = len(set(self._layout_groups))
+        if (len(self._layout_groups) != len(self.layouts)
+                or set(self._layout_groups) != set(range(self._num_groups))):
             raise ValueError(f"layout_groups {self._layout_groups} must give each of the {len(self.layouts)} "
                              "layouts a KV-cache group, every group from 0 on having one")
         # NOTE: a recurrent-state group ("state" layout) holds one block per unit, whatever the block size
@@ -308,9 +309,9 @@ class TransferEngine:
 
     def _windows(self, groups: Sequence[GroupWindow]) -> list[tuple[KVLayout, GroupWindow]]:
         """Each layout with its KV-cache group's window of a unit."""
-        if len(groups) != len(set(self._layout_groups)):
+        if len(groups) != self._num_groups:
             raise InvalidArgumentError(f"a unit of {len(groups)} KV-cache group windows for an engine of "
-                                       f"{len(set(self._layout_groups))} groups")
+                                       f"{self._num_groups} groups")
         return [(lay, groups[g]) for lay, g in zip(self.layouts, self._layout_groups)]
 
     def _sections(self, groups: Sequence[GroupWindow]) -> list[tuple[int, int]]:

@@ -177,9 +177,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.off_reason is not None:
             # one line per engine (the scheduler's); vLLM serves as if no connector were set
             if role == KVConnectorRole.SCHEDULER:
-                log.warning("shmkv: connector off for this engine: %s; vLLM serves without the shared cache",
-                            self.off_reason)
-                engine_registry.record(self.cfg.cache_name, self._model, False, self.off_reason)
+                self._say_off(self.off_reason)
             else:  # it still answers vLLM's protocol (delayed frees, loads) until the scheduler half knows
                 log.debug("shmkv: worker connector off: %s", self.off_reason)
                 self._work = WorkerSide(self.cfg, None, [], _tp_rank(), block_size, off_reason=self.off_reason)
@@ -234,11 +232,15 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched.announce_namespaces()
         engine_registry.record(self.cfg.cache_name, self._model, True)
 
+    def _say_off(self, reason: str) -> None:
+        """The engine's one line (the scheduler's) and its entry in the engine registry (shmkv stats)."""
+        log.warning("shmkv: connector off for this engine: %s; vLLM serves without the shared cache", reason)
+        engine_registry.record(self.cfg.cache_name, self._model, False, reason)
+
     def _turn_off(self, reason: str) -> None:
         """The scheduler half stops for this engine: no lookups, no stores, no delayed frees."""
         self.off_reason = reason
-        log.warning("shmkv: connector off for this engine: %s; vLLM serves without the shared cache", reason)
-        engine_registry.record(self.cfg.cache_name, self._model, False, reason)
+        self._say_off(reason)
         sched, self._sched = self._sched, None
         if sched is not None:
             sched.shutdown()
