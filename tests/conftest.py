@@ -15,6 +15,21 @@ from helpers import VLLM_RUNNERS, Child, DaemonProcess, Reference, check_runner,
 cache_name = pytest.fixture(fresh_cache_name, name="cache_name")
 
 
+@pytest.fixture(autouse=True)
+def _shmkv_logger_restored():
+    """A connector built in the test process sets up the shmkv logger (a
+    handler of its own, no propagation): restored after every test, so a
+    later test in the same worker still sees shmkv's records in caplog."""
+    import logging
+
+    log = logging.getLogger("shmkv")
+    saved = log.handlers[:], log.propagate, log.level
+    yield
+    log.handlers[:] = saved[0]
+    log.propagate = saved[1]
+    log.setLevel(saved[2])
+
+
 def pytest_configure(config) -> None:
     """Every vLLM engine start of the run is noted in one file (all xdist
     workers append to the controller's): the summary adds them up."""

@@ -333,16 +333,9 @@ class ServeProcess:
     def close(self) -> None:
         import signal
 
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        from shmkv.bench.engine_forks import end_group
+
+        end_group(self.proc, timeout=60, first=signal.SIGTERM)
         self.log.close()
 
 

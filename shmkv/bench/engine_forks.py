@@ -49,8 +49,10 @@ class ForkedProcess:
     status (the server, its parent, reaps it and writes the status to a pipe
     this handle reads)."""
 
-    def __init__(self, pid: int, stdin: Any, stdout: Any, status_fd: int, stderr: Any = None) -> None:
+    def __init__(self, pid: int, stdin: Any, stdout: Any, status_fd: int, stderr: Any = None,
+                 server: ForkServer | None = None) -> None:
         self.pid = pid
+        self._server = server
         self.stdin = stdin
         self.stdout = stdout
         self.stderr = stderr
@@ -90,6 +92,12 @@ class ForkedProcess:
         text = [b"".join(outs.get(f, [])).decode(errors="replace") for f in (self.stdout, self.stderr)]
         return text[0], text[1]
 
+    def signal_group(self, sig: int) -> bool:
+        """Signal the child's process group, through the server, which does it
+        only while the child is not reaped (its pid cannot be another's yet).
+        Whether it was signalled."""
+        return self.returncode is None and self._server is not None and self._server.signal(self.pid, sig)
+
     def _read_status(self) -> None:
         assert self._status_fd is not None
         data = os.read(self._status_fd, 16)
@@ -97,6 +105,53 @@ class ForkedProcess:
         self._status_fd = None
         # no status: the server itself went away before its child; the child is gone with it
         self.returncode = os.waitstatus_to_exitcode(int(data)) if data else -signal.SIGKILL
+
+
+def signal_group(proc: Any, sig: int) -> bool:
+    """Signal the process group of `proc` (a Popen started with
+    start_new_session, or a ForkedProcess: its pid is the group id) only
+    while its leader is not reaped: a reaped pid may be another process's
+    by now (pids wrap at 32768 on these hosts, and vLLM starts hundreds of
+    threads). Whether it was signalled."""
+    if isinstance(proc, ForkedProcess):
+        return proc.signal_group(sig)
+    if proc.returncode is not None:  # Popen reaped it
+        return False
+    try:
+        os.killpg(proc.pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def wait_exited(proc: Any, timeout: float) -> bool:
+    """Wait up to `timeout` s for `proc`'s leader to exit, leaving a Popen's
+    unreaped (its group id stays its own for signal_group). Whether it exited."""
+    if isinstance(proc, ForkedProcess):
+        try:
+            proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    if proc.returncode is not None:
+        return True
+    deadline = time.monotonic() + timeout
+    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def end_group(proc: Any, timeout: float = 60.0, first: int | None = signal.SIGTERM) -> int:
+    """Signal `proc`'s group with `first` (None: nothing; it is already ending),
+    wait up to `timeout` s for its leader, SIGKILL what is left of the group,
+    reap the leader; its exit code."""
+    if first is not None:
+        signal_group(proc, first)
+    wait_exited(proc, timeout)
+    signal_group(proc, signal.SIGKILL)  # children left behind (a ForkedProcess's server does it at reaping)
+    return proc.wait()
 
 
 class ForkServer:
@@ -123,6 +178,13 @@ class ForkServer:
         if not reply:
             raise RuntimeError(f"the engine fork server exited ({self.proc.poll()})")
         return int(reply)
+
+    def signal(self, pid: int, sig: int) -> bool:
+        """Signal child `pid`'s process group if the server has not reaped it."""
+        with self._lock:
+            socket.send_fds(self.sock, [json.dumps({"signal": pid, "sig": sig}).encode()], [])
+            reply = self.sock.recv(64)
+        return reply == b"1"
 
     def close(self) -> None:
         self.sock.close()  # the server exits when its socket closes
@@ -152,8 +214,9 @@ def _fork(request: dict[str, Any], env: dict[str, str], stderr_fd: int | None) -
     stdout_r, stdout_w = os.pipe()
     status_r, status_w = os.pipe()
     err_r, err_w = os.pipe() if stderr_fd is None else (None, stderr_fd)
+    server = _server(env)
     try:
-        pid = _server(env).start({**request, "env": env}, [stdin_r, stdout_w, err_w, status_w])
+        pid = server.start({**request, "env": env}, [stdin_r, stdout_w, err_w, status_w])
     except BaseException:
         for fd in (stdin_w, stdout_r, status_r, err_r):
             if fd is not None:
@@ -163,7 +226,7 @@ def _fork(request: dict[str, Any], env: dict[str, str], stderr_fd: int | None) -
         for fd in (stdin_r, stdout_w, status_w) + ((err_w,) if stderr_fd is None else ()):
             os.close(fd)
     return ForkedProcess(pid, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"), status_r,
-                         None if err_r is None else os.fdopen(err_r, "rb"))
+                         None if err_r is None else os.fdopen(err_r, "rb"), server)
 
 
 def fork_engine(spec_json: str, env: dict[str, str], log_fd: int) -> ForkedProcess:
@@ -229,9 +292,22 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
         os._exit(code)
 
 
+_LIVE: set[int] = set()  # server: children not yet reaped (their pids and group ids are still theirs)
+_LIVE_LOCK = threading.Lock()
+
+
 def _reap(pid: int, status_fd: int) -> None:
-    """A server thread: wait for one child, hand its wait status to the client."""
-    _, status = os.waitpid(pid, 0)
+    """A server thread: wait for one child, end what is left of its process
+    group (while the exited child still holds the group id), reap it, hand
+    its wait status to the client."""
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    with _LIVE_LOCK:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _, status = os.waitpid(pid, 0)
+        _LIVE.discard(pid)
     try:
         os.write(status_fd, str(status).encode())
     except OSError:
@@ -254,7 +330,21 @@ def _serve_forks(fd: int) -> None:
         msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 4)
         if not msg:
             return  # the client closed its end
-        pid = os.fork()
+        request = json.loads(msg)
+        if "signal" in request:  # a child's group, only while the child is ours (not reaped)
+            with _LIVE_LOCK:
+                ok = request["signal"] in _LIVE
+                if ok:
+                    try:
+                        os.killpg(request["signal"], request["sig"])
+                    except ProcessLookupError:
+                        ok = False
+            sock.send(b"1" if ok else b"0")
+            continue
+        with _LIVE_LOCK:
+            pid = os.fork()
+            if pid:
+                _LIVE.add(pid)
         if pid == 0:
             sock.close()
             _child(json.loads(msg), fds)

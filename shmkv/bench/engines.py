@@ -97,7 +97,7 @@ class EngineProcess:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 tail = open(self.log_path, errors="replace").read()[-3000:]
-                raise RuntimeError(f"engine exited ({self.proc.poll()}); log tail:\n{tail}")
+                raise RuntimeError(f"engine exited; log tail:\n{tail}")
             self._pending += chunk
 
     def call(self, timeout: float = 600, **cmd: Any) -> dict[str, Any]:
@@ -148,26 +148,22 @@ class EngineProcess:
         """Shut the engine down, giving EngineCore `shutdown_timeout` s for
         its teardown before vLLM kills it (vLLM's own default for LLM is 5 s;
         `vllm serve` gives --shutdown-timeout, default 0: killed at once)."""
-        if self.proc.poll() is None:
+        from shmkv.bench.engine_forks import end_group, wait_exited
+
+        if not wait_exited(self.proc, 0):
             try:
                 self.call(cmd="quit", shutdown_timeout=shutdown_timeout, timeout=shutdown_timeout + 60)
-                self.proc.wait(timeout=60)
             except Exception:
                 pass
-        try:
-            os.killpg(self.pid, signal.SIGKILL)  # EngineCore/workers left behind
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        end_group(self.proc, timeout=60, first=None)  # then EngineCore/workers left behind are killed
         self._log.close()
         _remove_orphan_psm(_psm_segments() - self._shm_before)
 
     def kill(self) -> None:
         """End the engine as `vllm serve` does by default: no teardown (SIGKILL to every process of it)."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        from shmkv.bench.engine_forks import signal_group
+
+        signal_group(self.proc, signal.SIGKILL)
         self.close()
 
     def __enter__(self) -> EngineProcess:

@@ -9,7 +9,8 @@ Child process (used by the benchmark and tests/e2e/test_native_tier.py):
 ROLE "store": chunk i's bytes (derived from its key) are written into this
 engine's primary view at the ids prepare_store returns (as vLLM's worker
 would; not timed), then complete_store and scheduler steps until no work is
-pending (the cascade, timed). ROLE "load": every key is looked up, again each
+pending (the cascade, timed); with "endless", fresh keys round after round
+until killed (or the deadline). ROLE "load": every key is looked up, again each
 step, until each is HIT or MISS (the promotion, timed), then the hits
 prepared for loading and their bytes in this engine's primary view compared
 with what "store" wrote. Prints one "RESULT {json}" line.
@@ -22,6 +23,7 @@ median over --repeats rounds of fresh keys.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -71,11 +73,17 @@ def main() -> None:
     m = spec.get_manager()
     view = np.asarray(m.primary_tier.get_kv_memoryview()).reshape(-1).view(np.uint8)
     n = view.size // spec.num_chunks
-    keys = [make_offload_key(bytes([p.get("seed", 1), i % 256, i // 256]) * 10 + b"hh", 0)
-            for i in range(p["chunks"])]
     ctx = ReqContext(req_id=f"{role}-req")
-    for i, k in enumerate(keys):
-        ctx.set_offload_key_position(k, (i + 1) * BLOCKS_PER_CHUNK * 16)
+
+    def keys_of(round_: int) -> list:
+        """The prompt's chunk keys (round 0; later rounds: fresh keys, as new prompts)."""
+        ks = [make_offload_key(bytes([p.get("seed", 1), i % 256, i // 256, round_ % 256]) * 7 + b"hhhh", 0)
+              for i in range(p["chunks"])]
+        for i, k in enumerate(ks):
+            ctx.set_offload_key_position(k, (round_ * p["chunks"] + i + 1) * BLOCKS_PER_CHUNK * 16)
+        return ks
+
+    keys = keys_of(0)
     m.on_new_request(ctx)
     for tier in m.secondary_tiers:  # a running engine's segment is reserved and mapped long before requests
         if hasattr(tier, "store"):
@@ -90,10 +98,19 @@ def main() -> None:
 
     if role == "store":
         stored, worker_s = 0, 0.0
-        for i in range(0, len(keys), 16):
+        # "endless": fresh keys round after round until killed or the deadline (a store always under way)
+        batches = ((r, i) for r in (itertools.count() if p.get("endless") else [0]) for i in range(0, len(keys), 16))
+        for r, i in batches:
+            if i == 0 and r:
+                keys = keys_of(r)
+                if time.monotonic() > deadline:
+                    break
             batch = keys[i:i + 16]
             prep = m.prepare_store(batch, ctx)
-            assert prep is not None, "the primary tier refused the store"
+            while prep is None and time.monotonic() < deadline:  # the primary tier is full of chunks still
+                step()  # cascading (a slow host): give the cascade steps, as a busy engine would
+                prep = m.prepare_store(batch, ctx)
+            assert prep is not None, "the primary tier refused the store until the deadline"
             ids = np.asarray(prep.store_spec.chunk_ids)  # vLLM's CPU load/store spec
             tw = time.perf_counter()  # vLLM's worker writes the primary view: not part of the cascade
             for k, cid in zip(prep.keys_to_store, ids):

@@ -65,7 +65,10 @@ class StoreJob:
     t0: float
     event: Any = None
     failed: bool = False  # a copy could not be issued: aborted once the event completes
+    doomed: str = ""  # why its bytes cannot be trusted (its blocks were rewritten): aborted too
     seconds: float = 0.0  # from issue to commit (or abort)
+    blocks: frozenset[int] = frozenset()  # vLLM block ids its gathers read
+    ops: list[Any] = field(default_factory=list)  # its copies, as a checking backend returns them
 
 
 @dataclass
@@ -88,6 +91,7 @@ class LoadJob:
             self.by_request[it.req_id].append(it)
         self.jobs: list[tuple[LoadItem, Any]] = []  # (item, its lease)
         self.failed: set[int] = set()  # block ids the caller must recompute
+        self.reported: set[int] = set()  # ... of them, those the caller reported at submit
         self.broken: set[int] = set()  # job indices whose copy failed (written by the copies)
         self.sources: dict[int, Any] = {}  # job index -> decoded payload (compressed entries)
         self.batches: dict[int, tuple[list[int], Any]] = {}  # group -> (job index of each entry, its copy batch)
@@ -120,7 +124,7 @@ class TransferEngine:
     def __init__(self, store: Store, layouts: KVLayout | Sequence[KVLayout], tp_rank: int, *,
                  digest_file: str = "", on_commit: Callable[[bytes, bytes, int], None] | None = None,
                  layer_order: Sequence[str] | None = None, lossy_ok: bool = False, deferred: bool = False,
-                 skip_load_layers: str = "", layout_groups: Sequence[int] | None = None):
+                 skip_load_layers: str = "", layout_groups: Sequence[int] | None = None, backend: Any = None):
         """`layouts`: one per KV-cache group, in the caller's group order, or
         several per group (one per layer shape) with `layout_groups` giving
         each layout's KV-cache group (the index into an item's `groups`);
@@ -130,7 +134,8 @@ class TransferEngine:
         loaded (else never); `deferred` (tests): CPU copies run only when
         something waits for them; `skip_load_layers` (tests only: proves
         that a test would catch a layer left unloaded): a regex of layer
-        names whose loads are not copied."""
+        names whose loads are not copied; `backend` (tests): the streams'
+        backend (device_model.DeviceModel), else the device's."""
         self.cache = store
         self.on_commit = on_commit
         self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
@@ -164,7 +169,8 @@ class TransferEngine:
         self.digest_file = digest_file
         self.lossy_ok = lossy_ok
         self.on_gpu = layout.on_gpu
-        self.backend = backend_for(layout.device, deferred=deferred)
+        self.backend = backend if backend is not None else backend_for(layout.device, deferred=deferred)
+        self._tracks = getattr(self.backend, "tracks_blocks", False)  # name the blocks each copy touches
         self._store_stream = self.backend.stream("store")
         self._load_stream = self.backend.stream("load")
         self._stores: list[StoreJob] = []  # issued, not yet committed or aborted (issue order)
@@ -201,7 +207,12 @@ class TransferEngine:
             job.broken.update(range(len(job.jobs)))
         for g, layer in self._order:
             try:
-                self._load_stream.run(lambda s, g=g, layer=layer: self._load_layer(job, g, layer, s))
+                touches, label = (), ""
+                if self._tracks:
+                    lay = self.layouts[g]
+                    ids = [b for it, _ in job.jobs for b in self._tensor_blocks(lay, it.groups[self._layout_groups[g]])]
+                    touches, label = [(lay.layers[layer], ids, "w")], f"load {lay.names[layer]}"
+                self._load_stream.run(lambda s, g=g, layer=layer: self._load_layer(job, g, layer, s), touches, label)
             except Exception:
                 log.exception("shmkv: issuing a load failed; its units are recomputed")
                 self.counters["load_errors"] += 1
@@ -349,6 +360,12 @@ class TransferEngine:
                                     "part": sections[g]}
 
     @staticmethod
+    def _tensor_blocks(lay: KVLayout, w: GroupWindow) -> list[int]:
+        """The blocks of `lay`'s tensors (their first dim) a unit's window covers (an order checker's view)."""
+        per = max(1, lay.block_size // lay.geometry.block_size) if lay.token_mode else 1
+        return [b * per + j for b in w.block_ids for j in range(per)]
+
+    @staticmethod
     def _window_slots(lay: KVLayout, w: GroupWindow):
         """Token payloads: the slot of every token of the section; -1 outside the window."""
         import numpy as np
@@ -387,11 +404,18 @@ class TransferEngine:
                 # NOTE: the gathers must see the KV the forward pass just wrote
                 self._store_stream.after_compute()
                 ordered = True
-            job = StoreJob(it, r, ns, t0)
+            job = StoreJob(it, r, ns, t0, blocks=frozenset(b for w in it.groups for b in w.block_ids))
             try:
                 # one copy per group, each checked as it is issued
-                for _, lay, index, options in self._group_copies(it.groups):
-                    self._store_stream.run(lambda s, lay=lay, index=index, o=options, r=r: lay.gather(index, r, s, **o))
+                for g, lay, index, options in self._group_copies(it.groups):
+                    touches, label = (), ""
+                    if self._tracks:
+                        ids = self._tensor_blocks(lay, it.groups[self._layout_groups[g]])
+                        touches, label = [(t, ids, "r") for t in lay.layers], f"store gather of {it.req_id}"
+                    op = self._store_stream.run(lambda s, lay=lay, index=index, o=options, r=r:
+                                                lay.gather(index, r, s, **o), touches, label)
+                    if op is not None:
+                        job.ops.append(op)
             except Exception:
                 log.exception("shmkv: storing a chunk of request %s failed; continuing without it", it.req_id)
                 job.failed = True
@@ -418,12 +442,14 @@ class TransferEngine:
         job.seconds = time.perf_counter() - job.t0
         tally.store_s += job.seconds
         error = job.event.error
-        if job.failed or error is not None:
+        if job.failed or job.doomed or error is not None:
             if error is not None:
                 log.error("shmkv: storing a chunk of request %s failed (%s); continuing without it", it.req_id,
                           error)
+            elif job.doomed:
+                log.debug("shmkv: a chunk of request %s is not stored: %s", it.req_id, job.doomed)
             r.abort()
-            self.counters["store_errors"] += 1
+            self.counters["store_doomed" if job.doomed and error is None and not job.failed else "store_errors"] += 1
             tally.not_stored += 1
             return
         if self.digest_file:
@@ -460,6 +486,37 @@ class TransferEngine:
             if (want is None or job.item.req_id in want) and not job.event.query():
                 self.backend.compute_waits(job.event)
                 n += 1
+        return n
+
+    def pending_stores(self) -> list[StoreJob]:
+        return list(self._stores)
+
+    def stores_on_blocks(self, block_ids: set[int] | frozenset[int]) -> list[StoreJob]:
+        """The pending stores whose gathers read any of `block_ids`."""
+        return [job for job in self._stores if not job.blocks.isdisjoint(block_ids)]
+
+    def order_compute_after(self, jobs: Iterable[StoreJob]) -> int:
+        """The compute (and the loads issued after it) go on only after these
+        stores have read their blocks. How many it had to wait for."""
+        n = 0
+        for job in jobs:
+            if not job.event.query():
+                self.backend.compute_waits(job.event)
+                n += 1
+        return n
+
+    def doom(self, jobs: Iterable[StoreJob], why: str) -> int:
+        """These stores' blocks were (or may have been) rewritten before their
+        gathers ran: they are aborted once their copies have run, never
+        committed. How many."""
+        n = 0
+        for job in jobs:
+            if not job.doomed:
+                job.doomed = why
+                n += 1
+                discard = getattr(self._store_stream, "discard", None)
+                if discard is not None and job.ops:
+                    discard(job.ops)  # a checking backend: the race cannot corrupt what nobody keeps
         return n
 
     def pending_requests(self) -> set[str]:

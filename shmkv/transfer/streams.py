@@ -21,6 +21,9 @@ Invariants:
   * a copy that fails on the CPU thread does not stop the stream: its error
     is carried by the next event recorded on that stream (`event.error`),
     the way a CUDA launch error is raised by `run` itself;
+  * shmkv.transfer.device_model (tests only) is a third backend: a device
+    whose copies run as late as the recorded dependencies allow, with a
+    checker of the order of every access to a KV block;
   * `deferred=True` (tests only) runs a CPU stream's copies on the thread
     that waits for one of its events, never before: copies stay in flight,
     deterministically, for as long as a test needs.
@@ -86,8 +89,9 @@ class CpuStream:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def run(self, copy: Copy) -> None:
-        """Queue a copy (it runs after everything queued before)."""
+    def run(self, copy: Copy, touches: Any = (), label: str = "") -> None:
+        """Queue a copy (it runs after everything queued before). `touches`
+        and `label` are for a backend that checks the order (device_model)."""
         self._put((copy, None))
 
     def record(self) -> CpuEvent:
@@ -195,7 +199,7 @@ class CudaStream:
     def handle(self) -> int:
         return int(self._s.cuda_stream)
 
-    def run(self, copy: Copy) -> None:
+    def run(self, copy: Copy, touches: Any = (), label: str = "") -> None:
         """Launch the copies now, on this stream (asynchronous)."""
         import torch
 

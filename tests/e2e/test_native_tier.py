@@ -97,11 +97,15 @@ def test_eight_engines_storing_the_same_keys_leave_one_copy(cache_name):
 
 
 def test_an_engine_killed_while_its_cascade_runs_leaves_nothing_partial(cache_name):
-    a = start("store", cache=cache_name, engine="A", chunks=4096, step_s=0.0)
+    # endless: engine A stores round after round until killed, so the kill always lands mid-cascade
+    a = start("store", cache=cache_name, engine="A", chunks=256, step_s=0.0, endless=True)
     wait_until(lambda: os.path.exists(f"/dev/shm/{cache_name}") and _puts(cache_name) >= 64,
                "engine A's cascade under way")
-    os.killpg(a.pid, signal.SIGKILL)
-    a.wait()
+    if a.poll() is not None:
+        _, err = a.communicate(timeout=60)
+        pytest.fail(f"engine A exited ({a.returncode}) before it was killed: {err[-2000:]}")
+    assert a.signal_group(signal.SIGKILL)
+    assert a.wait() == -signal.SIGKILL
     store = Store.attach(cache_name)
     try:
         store.reclaim()  # what the survivors (or the daemon) do for a dead process
@@ -110,7 +114,7 @@ def test_an_engine_killed_while_its_cascade_runs_leaves_nothing_partial(cache_na
         held = st["entries"]
     finally:
         store.close()
-    b = drive("load", cache=cache_name, engine="B", chunks=4096)
+    b = drive("load", cache=cache_name, engine="B", chunks=256)
     assert b["equal"], "every chunk B loads is whole"
     assert b["hits"] <= held
 

@@ -15,7 +15,8 @@ import torch
 torch.cuda.is_available = lambda: True
 sys.modules["shmkv._C_cuda"] = None  # import fails, as in a build without nvcc
 import pytest
-sys.exit(pytest.main(["-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/unit/test_kernels_cuda.py"]))
+# in this process (-n 0): the simulated GPU and build are this interpreter's
+sys.exit(pytest.main(["-m", "gpu", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/unit/test_kernels_cuda.py"]))
 """
 
 

@@ -174,7 +174,7 @@ def test_a_preempted_requests_store_reads_its_blocks_before_they_are_reused(stor
     for n in NAMES:  # the next forward reuses blocks 3 and 5 for another request
         caches[n][[3, 5]] = 7
     side.worker.wait_stores()
-    assert side.worker.counters["preempted_store_waits"] == 1
+    assert side.worker.counters["reused_block_store_waits"] == 1
     other, dst = worker_side(store, 2)
     failed, _ = other.worker.load([loaded("q", b"k1" * 8, 8, 9)])
     assert failed == set()
@@ -246,16 +246,33 @@ def test_the_connector_decides_from_vllms_forward_context():
     from vllm.forward_context import ForwardContext
 
     from shmkv.integration.vllm import ShmKVConnector
-    from shmkv.integration.vllm.connector import _replays_full_graph
+    from shmkv.integration.vllm.connector import _no_layer_hooks
 
-    def ctx(mode):
-        return ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}, cudagraph_runtime_mode=mode)
+    def ctx(mode, attn_metadata=None):
+        return ForwardContext(no_compile_layers={}, attn_metadata={} if attn_metadata is None else attn_metadata,
+                              slot_mapping={}, cudagraph_runtime_mode=mode)
 
-    assert _replays_full_graph(ctx(CUDAGraphMode.FULL))
-    assert not _replays_full_graph(ctx(CUDAGraphMode.PIECEWISE))
-    assert not _replays_full_graph(ctx(CUDAGraphMode.NONE))
-    assert not _replays_full_graph(None)
+    assert _no_layer_hooks(ctx(CUDAGraphMode.FULL), {}), "V1 replays a FULL graph in its forward context"
+    assert not _no_layer_hooks(ctx(CUDAGraphMode.PIECEWISE), {})
+    assert not _no_layer_hooks(ctx(CUDAGraphMode.NONE), {})
+    outside = ForwardContext(no_compile_layers={}, attn_metadata=None, slot_mapping={})
+    assert _no_layer_hooks(outside, {"attn_metadata": {"l0": object()}}), "V2's FULL branch: outside any forward"
+    assert _no_layer_hooks(outside, {}), "no forward context: nothing will wait layer by layer"
+    assert _no_layer_hooks(None, {})
     assert ShmKVConnector.requires_piecewise_for_cudagraph({}) is False, "decode batches keep their full graphs"
+
+
+def test_context_parallelism_is_refused_naming_the_setting():
+    from types import SimpleNamespace
+
+    from shmkv.integration.vllm.connector import context_parallel_refusal
+
+    assert context_parallel_refusal(SimpleNamespace(decode_context_parallel_size=1,
+                                                    prefill_context_parallel_size=1)) is None
+    why = context_parallel_refusal(SimpleNamespace(decode_context_parallel_size=2, prefill_context_parallel_size=1))
+    assert why.startswith("decode_context_parallel_size=2:") and "decode_context_parallel_size=1" in why
+    why = context_parallel_refusal(SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=4))
+    assert why.startswith("prefill_context_parallel_size=4:")
 
 
 def test_a_copy_that_fails_on_the_cpu_thread_is_carried_by_the_next_event():

@@ -139,14 +139,39 @@ def _require_cuda_kernels_if_on_cuda() -> None:
                           "connector") from e
 
 
-def _replays_full_graph(forward_context: Any) -> bool:
-    """Whether this step's forward is a FULL CUDA graph replay (vLLM's
-    cudagraph_mode FULL_AND_PIECEWISE uses one for uniform-decode-shaped
-    batches, which a load step can be: a full hit leaving one token, or k+1
-    with speculative decoding)."""
+def _no_layer_hooks(forward_context: Any, load_kwargs: dict[str, Any]) -> bool:
+    """Whether this step's forward runs without wait_for_layer_load: a FULL
+    CUDA graph replay (vLLM's cudagraph_mode FULL_AND_PIECEWISE uses one for
+    uniform-decode-shaped batches, which a load step can be: a full hit
+    leaving one token, or k+1 with speculative decoding). V1 says so in the
+    forward context; Model Runner V2's FULL branch calls start_load_kv
+    outside any forward (a context without attention metadata), passing the
+    step's attn_metadata (vllm/v1/worker/gpu/kv_connector.py); no other V2
+    call passes it."""
     from vllm.config import CUDAGraphMode
 
-    return getattr(forward_context, "cudagraph_runtime_mode", CUDAGraphMode.NONE) == CUDAGraphMode.FULL
+    if getattr(forward_context, "cudagraph_runtime_mode", CUDAGraphMode.NONE) == CUDAGraphMode.FULL:
+        return True
+    return load_kwargs.get("attn_metadata") is not None or getattr(forward_context, "attn_metadata", None) is None
+
+
+def _runs_v2(vllm_config: Any) -> bool:
+    """Model Runner V2 (what a GPU runs by default in vLLM 0.32)."""
+    try:
+        return bool(vllm_config.use_v2_model_runner)
+    except Exception:  # it raises where V2 was asked for and cannot run; the engine then fails itself
+        return False
+
+
+def context_parallel_refusal(parallel_config: Any) -> str | None:
+    """Why decode/prefill context parallelism cannot be served (None: it is off):
+    its ranks hold the KV of different tokens, shmkv's chunks hold every token's."""
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        n = getattr(parallel_config, name, 1) or 1
+        if n > 1:
+            return (f"{name}={n}: context parallelism shards the KV cache by token across ranks, and shmkv's "
+                    f"chunks hold every token's KV of a TP rank; set {name}=1 to use shmkv")
+    return None
 
 
 class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -164,6 +189,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_role_name = role.name.lower()
         block_size = vllm_config.cache_config.block_size
         groups, self.off_reason = kv_groups_of(kv_cache_config, block_size)
+        self.off_reason = self.off_reason or context_parallel_refusal(vllm_config.parallel_config)
         if self.cfg.debug_worker_off and role == KVConnectorRole.WORKER and self.off_reason is None:
             # TEST ONLY: the split a worker-only reason makes (scheduler on, workers off)
             self.off_reason = f"TEST ONLY debug_worker_off: {self.cfg.debug_worker_off}"
@@ -200,7 +226,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             rank = _tp_rank()
             self._work = WorkerSide(self.cfg, self.store, groups, rank, block_size,
-                                    stores=stores_on_rank(vllm_config, rank))
+                                    stores=stores_on_rank(vllm_config, rank),
+                                    writes_before_hooks=_runs_v2(vllm_config))
         log.info("shmkv: %s connector ready (role %s, chunk %d tokens, block %d, loads %s, stores %s)",
                  self._kv_role_name, ktc.kv_role, self.cfg.chunk_size, block_size,
                  "on" if ktc.is_kv_consumer else "off", "on" if ktc.is_kv_producer else "off")
@@ -301,7 +328,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """No: a step whose forward replays a FULL CUDA graph (no Python runs
         inside it, so no wait_for_layer_load) makes the compute stream wait
-        for all its loads in start_load_kv instead (_replays_full_graph);
+        for all its loads in start_load_kv instead (_no_layer_hooks);
         decode batches keep their full graphs."""
         return False
 
@@ -344,7 +371,12 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._work is not None:
-            self._work.start_load(self._connector_metadata, whole_forward=_replays_full_graph(forward_context))
+            self._work.start_load(self._connector_metadata, whole_forward=_no_layer_hooks(forward_context, kwargs))
+
+    def finish_forward(self) -> None:
+        """Model Runner V2, after the target's forward (before a drafter's)."""
+        if self._work is not None:
+            self._work.finish_forward()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._work is not None:

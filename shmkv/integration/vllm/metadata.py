@@ -31,6 +31,12 @@ class ShmKVMetadata(KVConnectorMetadata):
     failed_blocks: set[int] = field(default_factory=set)
     # requests vLLM preempted this step: their blocks may be reused by this step's forward
     preempted: set[str] = field(default_factory=set)
+    # blocks vLLM gave out this step (new blocks of every request past its own prefix-cache hit,
+    # copy-on-write targets, zeroed blocks; planner.ALL_BLOCKS: any): a pending store reading one must read it before
+    # this step writes it; prewritten_blocks: those the runner may write before the connector's
+    # first call of the step (zeroing, copy-on-write, Mamba's state pre-copy; Model Runner V2)
+    reused_blocks: set[int] = field(default_factory=set)
+    prewritten_blocks: set[int] = field(default_factory=set)
     # engines of several KV-cache groups load asynchronously (vLLM takes a failed load back
     # only per request there): these requests' loads are reported in finished_recving, and
     # failed_recving if they fail; failed_loads could not even be planned

@@ -50,6 +50,7 @@ from shmkv.tiers import TierChain
 from shmkv.transfer.items import GroupWindow, LoadItem, StoreItem
 
 NULL_BLOCK = 0  # vLLM's null block (the block pool's first): a freed or skipped position
+ALL_BLOCKS = -1  # in a step's reused_blocks: any block (the scheduler half could not tell which)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from shmkv.integration.vllm.engine_inputs import (
 )
 from shmkv.integration.vllm.kv_events import EventGroup, SharedTierEvents
 from shmkv.integration.vllm.metadata import RequestSummary, ShmKVMetadata
-from shmkv.integration.vllm.planner import NULL_BLOCK, Planner, RequestPlan
+from shmkv.integration.vllm.planner import ALL_BLOCKS, NULL_BLOCK, Planner, RequestPlan
 from shmkv.keys import Namespace, lossy_key
 from shmkv.names import DISK, REMOTE, SHM, TIERS
 from shmkv.namespaces import register
@@ -347,7 +347,41 @@ class SchedulerSide:
         # same predicate the workers use to report finished_sending
         self._shipped_stores.update(it.req_id for it in meta.stores)
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        try:
+            meta.reused_blocks, meta.prewritten_blocks = self._blocks_given_out(scheduler_output)
+        except Exception:
+            # NOTE: without them a worker cannot order its stores: it treats every pending one as reused
+            self.counters["block_plan_errors"] += 1
+            log.exception("shmkv: reading this step's new blocks failed; pending stores are ordered before it")
+            meta.reused_blocks, meta.prewritten_blocks = {ALL_BLOCKS}, {ALL_BLOCKS}
         return meta
+
+    def _blocks_given_out(self, so: SchedulerOutput) -> tuple[set[int], set[int]]:
+        """(every block vLLM gave out this step, those its runner may write
+        before the connector's first call): new blocks of new and resumed
+        requests past their own prefix-cache hit (V2 sends a resumed request
+        as a new one), new blocks of running ones, copy-on-write targets,
+        blocks to zero; of these, the zeroed and copy-on-write ones and any
+        new block of a recurrent-state group (Mamba's pre-copy) are prewritten."""
+        bs = self.block_size
+        state = [g.state for g in self._groups]
+        given, prewritten = set(), set()
+
+        def add(groups, skip: int = 0) -> None:
+            for g, ids in enumerate(groups or ()):
+                new = {b for b in ids[skip:] if b != NULL_BLOCK}
+                given.update(new)
+                if g < len(state) and state[g]:
+                    prewritten.update(new)
+
+        for new in so.scheduled_new_reqs:
+            plan = self._plans.get(new.req_id)
+            add(new.block_ids, plan.local_tokens // bs if plan is not None else 0)
+        for ids in so.scheduled_cached_reqs.new_block_ids:
+            add(ids)
+        copies = {c.dst_block_id for c in getattr(so, "kv_cache_block_copies", None) or ()}
+        zeroed = set(getattr(so, "new_block_ids_to_zero", None) or ())
+        return given | copies | zeroed, prewritten | copies | zeroed
 
     def _plan_loads(self, meta: ShmKVMetadata, so: SchedulerOutput) -> None:
         """Load items of the requests admitted with a hit. A request whose loads

@@ -47,6 +47,7 @@ from typing import Any
 
 from shmkv.activity import ActivitySummary
 from shmkv.errors import InvalidArgumentError
+from shmkv.integration.vllm.planner import ALL_BLOCKS
 from shmkv.store import Store
 from shmkv.tiers import TierChain, open_tiers
 from shmkv.transfer import LoadJob, TransferEngine
@@ -94,12 +95,17 @@ class WorkerSide:
     half's ShmKVMetadata only."""
 
     def __init__(self, cfg: Any, store: Store | None, groups: Sequence[Any], tp_rank: int, block_size: int, *,
-                 stores: bool = True, deferred: bool = False, off_reason: str | None = None) -> None:
+                 stores: bool = True, deferred: bool = False, off_reason: str | None = None,
+                 backend: Any = None, writes_before_hooks: bool = False) -> None:
         """`stores`: this rank stores what the scheduler half ships (False:
         another rank stores the same bytes, as with MLA; this one only loads
         and reports its requests finished at once). `off_reason`: this
         worker cannot serve the engine (decided before vLLM built the KV
-        cache; `store` may then be None): it only answers the protocol."""
+        cache; `store` may then be None): it only answers the protocol.
+        `writes_before_hooks`: vLLM's runner may write a step's new blocks
+        (zeroing, copy-on-write, Mamba's pre-copy) before the connector's
+        first call of the step (Model Runner V2; V1 calls handle_preemptions
+        first)."""
         self.cfg = cfg
         self.store = store
         self.groups = list(groups)  # engine_inputs.KVGroup per KV-cache group
@@ -112,6 +118,7 @@ class WorkerSide:
         self.sections = ""  # the payload's per-shape sections, where a group's layers differ in shape
         self.activity = ActivitySummary(log, cfg.log_summary_s, _render)
         self._deferred = deferred  # tests: CPU copies run only when waited for
+        self._backend = backend  # tests: the streams' backend (shmkv.transfer.device_model)
         self._transfer = _new_transfer_stats()  # since vLLM last asked (get_kv_connector_stats)
         self._load_errors: set[int] = set()  # blocks vLLM must recompute
         self._storing: set[str] = set()  # requests with store items: vLLM delays their frees
@@ -123,6 +130,7 @@ class WorkerSide:
         self._recv_failed: set[str] = set()  # ... of them, those that failed (failed_recving)
         self._summaries: dict[int, Any] = {}  # id(load job) -> its step's per-request summaries
         self._registered = False  # the segment is registered with CUDA for this worker
+        self.writes_before_hooks = writes_before_hooks
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self.off_reason is not None:
@@ -170,7 +178,7 @@ class WorkerSide:
                                          layer_order=list(kv_caches),
                                          lossy_ok=bool(self.cfg.lossy_form), deferred=self._deferred,
                                          skip_load_layers=self.cfg.debug_skip_load_layers,
-                                         layout_groups=layout_groups)
+                                         layout_groups=layout_groups, backend=self._backend)
             if self.cfg.debug_evict_before_load:
                 log.warning("shmkv: TEST ONLY debug_evict_before_load: every chunk is deleted before it is loaded")
         except Exception as e:
@@ -212,22 +220,43 @@ class WorkerSide:
         bound = {it.req_id for it in getattr(meta, "stores", ())}
         self._storing |= bound
         self._unsubmitted = bound if self.stores else set()
-        if self.worker is not None and any(g.window or g.state for g in self.groups):
-            # NOTE: vLLM frees sliding-window blocks as a request advances and may hand them
-            # to this step's forward (and a recurrent state's boundary block once the request
-            # has moved past it): it must not overwrite them before pending stores read them.
-            self.worker.order_compute_after_stores()
+        self._order_reused_blocks(meta)  # V2 calls handle_preemptions first, V1 bind later: either is early enough
 
     def handle_preemptions(self, meta: Any) -> None:
-        """vLLM freed the blocks of these requests and may reuse them this
-        step: the compute waits for their pending stores first."""
-        ids = getattr(meta, "preempted", None)
-        if ids and self.worker is not None:
-            n = self.worker.order_compute_after_stores(ids)
-            if n:
-                self.worker.counters["preempted_store_waits"] += n
-                log.debug("shmkv: %d stores of preempted requests %s ordered before their blocks are reused", n,
-                          sorted(ids))
+        """vLLM's first call of a step in V1 (before it zeroes or copies new
+        blocks), the first of V2's pre_forward (after): _order_reused_blocks."""
+        self._order_reused_blocks(meta)
+
+    def _order_reused_blocks(self, meta: Any) -> None:
+        """vLLM freed blocks (a preempted request's, those a sliding window or
+        a recurrent state left behind) and gave them out again this step: a
+        pending store still reading one must read it before the step writes
+        it. The compute (and the loads after it) wait for such stores; where
+        the runner may already have written the block (Model Runner V2's
+        zeroing, copy-on-write and Mamba pre-copy run before this call), the
+        store is aborted instead: its bytes cannot be trusted. Once per step."""
+        if self.worker is None or getattr(meta, "_shmkv_reuse_ordered", False):
+            return
+        try:
+            meta._shmkv_reuse_ordered = True  # the same object reaches handle_preemptions and bind
+        except AttributeError:  # a frozen test double: each call then orders again (idempotent)
+            pass
+        reused = getattr(meta, "reused_blocks", None)
+        pending = self.worker.pending_stores()
+        if reused is None:  # an older scheduler half: what it says are the preempted requests
+            ids = getattr(meta, "preempted", None) or set()
+            reused_jobs, prewritten_jobs = [j for j in pending if j.item.req_id in ids], []
+        else:
+            reused_jobs = pending if ALL_BLOCKS in reused else self.worker.stores_on_blocks(reused)
+            pre = getattr(meta, "prewritten_blocks", set()) if self.writes_before_hooks else set()
+            prewritten_jobs = pending if ALL_BLOCKS in pre else self.worker.stores_on_blocks(pre) if pre else []
+        doomed = self.worker.doom(prewritten_jobs, "its blocks were given out again and rewritten before vLLM's "
+                                                   "first connector call of the step")
+        waited = self.worker.order_compute_after([j for j in reused_jobs if not j.doomed])
+        self.worker.counters["reused_block_store_waits"] += waited
+        if doomed or waited:
+            log.debug("shmkv: blocks of pending stores given out again: %d ordered before the step, %d aborted",
+                      waited, doomed)
 
     def start_load(self, meta: Any, *, whole_forward: bool = False) -> None:
         """Issue this step's loads. `whole_forward`: the forward cannot wait
@@ -253,6 +282,10 @@ class WorkerSide:
             # NOTE: vLLM computes these requests only once get_finished reports them
             self._async_jobs[id(job)] = async_reqs
             return
+        # NOTE: units that failed already (evicted since the lookup, a damaged compressed chunk)
+        # are vLLM's to recompute in this step's output, before it samples from their blocks
+        job.reported = job.failed | {b for j in job.broken for b in job.jobs[j][0].block_ids}
+        self._load_errors |= job.reported
         if whole_forward:
             job.wait_all()
             self.worker.counters["whole_forward_loads"] += 1
@@ -261,6 +294,13 @@ class WorkerSide:
     def wait_layer(self, layer_name: str) -> None:
         if self._loading is not None:
             self._loading[1].wait_layer(layer_name)
+
+    def finish_forward(self) -> None:
+        """Model Runner V2, after the target's forward: what runs next (an
+        EAGLE/MTP or draft-model proposer, perhaps a FULL CUDA graph with no
+        per-layer hook) reads the drafter's layers: every load is waited for."""
+        if self._loading is not None:
+            self._loading[1].wait_all()
 
     def _poll(self) -> None:
         """Commit finished stores, release finished loads (never blocks)."""
@@ -272,7 +312,7 @@ class WorkerSide:
         for job, failed in self.worker.poll_loads():
             async_reqs = self._async_jobs.pop(id(job), None)
             if async_reqs is None:
-                self._load_errors |= failed
+                self._load_errors |= failed - job.reported  # those reported at submit, once
             else:
                 self._recv_done |= async_reqs
                 self._recv_failed |= {r for r, items in job.by_request.items()
@@ -297,12 +337,25 @@ class WorkerSide:
         asynchronously), and take what has completed. Never waits for a
         copy: the leases of this step's loads go back once their copies
         have run (on the CPU they have: the forward waited for each layer)."""
-        self._loading = None
+        loading, self._loading = self._loading, None
         self._unsubmitted = set()
         if self.worker is None:
             return
-        if self.stores and getattr(meta, "stores", None):
-            self.worker.submit_store(meta.stores)
+        stores = list(getattr(meta, "stores", None) or ()) if self.stores else []
+        failed = loading[1].reported if loading is not None else set()
+        if failed and stores:
+            # NOTE: this step computed those requests over blocks nobody filled: vLLM recomputes
+            # them (this step's invalid blocks); what it computed now must not be stored
+            bad = {r for r, items in loading[1].by_request.items()
+                   if any(b in failed for it in items for b in it.block_ids)}
+            kept = [it for it in stores if it.req_id not in bad]
+            if len(kept) < len(stores):
+                self.worker.counters["stores_dropped_after_failed_load"] += len(stores) - len(kept)
+                log.info("shmkv: %d chunks of requests %s not stored: computed over a load that failed",
+                         len(stores) - len(kept), sorted(bad))
+                stores = kept
+        if stores:
+            self.worker.submit_store(stores)
         before = self.worker.counters["stored_tokens"]
         self._poll()
         _count(self._transfer, stored_tokens=self.worker.counters["stored_tokens"] - before)

@@ -1,0 +1,155 @@
+"""vLLM's GPU call orders, proven on the CPU: vLLM's real Scheduler, the real
+connector (both roles) and a real segment, driven by a runner that follows
+Model Runner V2's execute_model (through vLLM's own ActiveKVConnector) or
+V1's, over the device-like stream model (tests/vllm_call_order.py). Every
+case checks two things: every sampled token is the one a right KV cache
+gives (the toy model knows it), and the device model found no access to a
+KV block that is not ordered after the copies touching it.
+
+Cases: a hit served on both runners; a fully hit prompt batched with
+decodes (V2 and V1 replay a FULL CUDA graph: no per-layer hook); a chunk
+evicted between the lookup and the load; preemption while stores are in
+flight, with vLLM zeroing new blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm_call_order import Harness, continuation_ok
+
+from shmkv import Store
+
+RUNNERS = ["v2", "v1"]
+SEEDS = [0, 1, 2]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(1, 900) for _ in range(n)]
+
+
+def serve(cache_name, model_dir, runner, seed, prompts, max_tokens, after_step=None, **kw) -> Harness:
+    h = Harness(cache_name, model_dir, runner, seed=seed, **kw)
+    try:
+        for req_id, p in prompts.items():
+            h.add(req_id, p, max_tokens)
+        h.run(after_step=after_step)
+    finally:
+        h.close()
+    return h
+
+
+def stored_tokens(cache_name: str) -> int:
+    s = Store.attach(cache_name)
+    try:
+        return s.stats()["put_tokens"]
+    finally:
+        s.close()
+
+
+def loaded(h: Harness) -> int:
+    return h.worker._work.worker.counters["loaded_tokens"]
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_hit_is_served_right_on_both_runners(cache_name, model_dir, runner, seed):
+    p = prompt(600, seed)
+    a = serve(cache_name, model_dir, runner, seed, {"a": p}, 4)
+    assert not continuation_ok(a, {"a": p}) and not a.device.violations
+    assert stored_tokens(cache_name) >= 512
+    b = serve(cache_name, model_dir, runner, seed + 10, {"b": p[:550] + prompt(20, 99)}, 4)
+    assert loaded(b) >= 512, "engine B loaded both whole chunks"
+    assert not continuation_ok(b, {"b": p[:550] + prompt(20, 99)})
+    assert b.device.violations == []
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_full_hit_batched_with_decodes_replays_a_full_graph_right(cache_name, model_dir, runner, seed):
+    """A prompt whose every chunk is cached leaves one token: batched with
+    decodes it is a uniform-decode batch, which vLLM runs as a FULL CUDA
+    graph (no wait_for_layer_load): the loads must be waited for before it."""
+    p = prompt(512, seed)
+    serve(cache_name, model_dir, runner, seed, {"a": p + [5]}, 2)
+    h = Harness(cache_name, model_dir, runner, seed=seed)
+    try:
+        h.add("d", prompt(40, seed + 1), 30)  # decoding when the hit arrives
+        full_steps = []
+
+        def add_hit(h, so):
+            if h.step == 3:
+                h.add("hit", p + [7], 4)
+            if so.scheduled_new_reqs and any(r.req_id == "hit" for r in so.scheduled_new_reqs):
+                full_steps.append(h._uniform_decode(so))
+
+        h.run(after_step=add_hit)
+    finally:
+        h.close()
+    assert full_steps == [True], "the hit's first step was a uniform-decode (FULL graph) batch"
+    assert loaded(h) == 512
+    assert h.device.violations == [], h.device.violations[:3]
+    assert not continuation_ok(h, {"hit": p + [7], "d": prompt(40, seed + 1)})
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_chunk_evicted_between_lookup_and_load_is_recomputed_in_that_step(cache_name, model_dir, runner, seed):
+    """The second chunk goes between the scheduler's lookup and the worker's
+    load (another engine evicted it): vLLM must learn it in the same step's
+    output, before it samples from blocks nobody filled."""
+    p = prompt(600, seed)
+    serve(cache_name, model_dir, runner, seed, {"a": p}, 2)
+    h = Harness(cache_name, model_dir, runner, seed=seed)
+    evicted = []
+    orig = h.worker.start_load_kv
+
+    def start_load_kv(ctx, **kw):
+        meta = h.worker._connector_metadata
+        if meta is not None and meta.loads and not evicted:
+            key = meta.loads[-1].keys[0]
+            assert h.worker.store.delete(key)
+            evicted.append(key)
+        return orig(ctx, **kw)
+
+    h.worker.start_load_kv = start_load_kv
+    try:
+        h.add("b", p[:560], 6)
+        h.run()
+    finally:
+        h.close()
+    assert evicted, "a load was planned and its last chunk evicted"
+    assert not continuation_ok(h, {"b": p[:560]})
+    assert h.device.violations == []
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_preemption_with_stores_in_flight_and_zeroing_keeps_every_chunk_right(cache_name, model_dir, runner,
+                                                                             seed):
+    """A KV cache too small for two requests: r1's prompt ends on a chunk
+    boundary, its last chunk's store is issued, and at the next step r0
+    needs a block: vLLM preempts r1 and gives r0 a block of that chunk,
+    zeroing it first (as for Mamba or mixed-precision engines) - in V2
+    before the connector's first call of the step. Whatever a store commits
+    must be the KV it was asked for: a second engine loads every chunk of
+    r1's prompt and samples right."""
+    r0, r1 = prompt(60, seed + 1), prompt(512, seed + 2)
+    seen: dict[str, set] = {"preempted_in_flight": set(), "pending": set()}
+
+    def watch(h, so):
+        if so.preempted_req_ids:
+            seen["preempted_in_flight"] |= set(so.preempted_req_ids) & seen["pending"]
+        seen["pending"] = h.worker._work.worker.pending_requests()
+
+    a = serve(cache_name, model_dir, runner, seed, {"r0": r0, "r1": r1}, 60, after_step=watch, num_blocks=37,
+              max_num_batched_tokens=128, zeroing=True, query_progress=0.05)
+    assert seen["preempted_in_flight"] == {"r1"}, "r1 was preempted while its store was in flight"
+    assert not continuation_ok(a, {"r0": r0, "r1": r1})
+    assert a.device.violations == [], a.device.violations[:3]
+    b = serve(cache_name, model_dir, runner, seed + 100, {"b": r1 + [3]}, 3)
+    assert not continuation_ok(b, {"b": r1 + [3]})
+    assert b.device.violations == []
+    assert loaded(b) in (256, 512), "what engine B found of r1's prompt it loaded"

