@@ -47,8 +47,9 @@ class ToyModel:
     at positions up to p (causal), so KV computed over a wrong context is
     wrong too. Values are multiples of 1/8 below 32 (exact in bfloat16)."""
 
-    def __init__(self, layers: int) -> None:
-        self.layers = layers
+    def __init__(self, layers: int, target_layers: int | None = None) -> None:
+        self.layers = layers  # a drafter's layers follow the target's (its first reads the target's last)
+        self.target_layers = layers if target_layers is None else target_layers
 
     @staticmethod
     def kv(layer: int, prefix_sum: int, pos: int, below: int) -> int:
@@ -69,7 +70,12 @@ class ToyModel:
         return out
 
     def checksum(self, tokens: list[int]) -> int:
-        return sum(sum(row) for row in self.values(tokens))
+        """What the target's forward over `tokens` reads (its layers only)."""
+        return sum(sum(row) for row in self.values(tokens)[:self.target_layers])
+
+    def draft_checksum(self, tokens: list[int]) -> int:
+        """What the drafter's forward over `tokens` reads."""
+        return sum(sum(row) for row in self.values(tokens)[self.target_layers:])
 
     @staticmethod
     def token(checksum: int, n: int) -> int:
@@ -100,7 +106,8 @@ class Harness:
     def __init__(self, cache_name: str, model_dir: str, runner: str, *, seed: int = 0, num_blocks: int = 64,
                  block_size: int = 16, max_num_batched_tokens: int = 512, prefix_caching: bool = False,
                  zeroing: bool = False, full_graphs: bool = True, extra_config: dict | None = None,
-                 max_model_len: int = 2048, query_progress: float = 0.2) -> None:
+                 max_model_len: int = 2048, query_progress: float = 0.2, drafter_layers: int = 0,
+                 drafter_full_graph: bool = True) -> None:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -122,7 +129,10 @@ class Harness:
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16",
                          seed=0)
         self.layers = mc.hf_config.num_hidden_layers
-        self.model = ToyModel(self.layers)
+        self.drafter_layers = drafter_layers
+        self.drafter_full_graph = drafter_full_graph
+        self.model = ToyModel(self.layers + drafter_layers, self.layers)
+        self.proposals: list[tuple[list[int], int]] = []  # (tokens the drafter ran over, what it read)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False)
         cc = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=prefix_caching)
@@ -136,7 +146,9 @@ class Harness:
         vc.cache_config.num_gpu_blocks = num_blocks
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
         assert vc.use_v2_model_runner == (runner == "v2")
-        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
+        # an EAGLE-style drafter: its layers in the target's KV-cache group, after the target's
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)] + [
+            f"drafter.layers.{i}.self_attn.attn" for i in range(drafter_layers)]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
         kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                             kv_cache_groups=[KVCacheGroupSpec(self.names, spec)])
@@ -260,19 +272,23 @@ class Harness:
         return self.full_graphs and bool(so.num_scheduled_tokens) and all(
             n == 1 for n in so.num_scheduled_tokens.values())
 
-    def _forward(self, so, layer_waits: bool) -> dict[str, list[int]]:
-        """One forward: each layer writes the scheduled tokens' KV and reads the
-        whole context's (compute ops on the device model); what each request
-        will read back, for sampling."""
-        sums: dict[str, list[int]] = {}
+    def _plan(self, so) -> list[tuple[str, ReqState, int, int]]:
+        """Each scheduled request's positions this step (before sampling moves it on)."""
         plan = []
         for req_id, n in so.num_scheduled_tokens.items():
             st = self.reqs[req_id]
             lo, hi = st.num_computed, st.num_computed + n
             assert hi <= len(st.tokens) + 1, (req_id, lo, hi, len(st.tokens))
             plan.append((req_id, st, lo, hi))
-            sums[req_id] = []
-        for li, name in enumerate(self.names):
+        return plan
+
+    def _forward(self, plan, layer_waits: bool, layers: range | None = None) -> dict[str, list[int]]:
+        """One forward of `layers` (default: the target's): each writes the
+        scheduled tokens' KV and reads the whole context's (compute ops on the
+        device model); what each request read back, for sampling."""
+        sums: dict[str, list[int]] = {req_id: [] for req_id, *_ in plan}
+        for li in layers if layers is not None else range(self.layers):
+            name = self.names[li]
             if layer_waits:
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -323,6 +339,22 @@ class Harness:
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled)
 
+    def _draft(self, plan) -> None:
+        """An EAGLE-style proposer over the same positions: its layers (a FULL
+        CUDA graph: no per-layer hook, unless drafter_full_graph is False)."""
+        if not self.drafter_layers or not plan:
+            return
+        sums = self._forward(plan, layer_waits=not self.drafter_full_graph,
+                             layers=range(self.layers, self.layers + self.drafter_layers))
+        self.device.sync_compute()  # the proposals are read on the host
+        for req_id, st, _lo, hi in plan:
+            self.proposals.append((st.tokens[:hi], sum(sums[req_id])))
+
+    def wrong_proposals(self) -> list[tuple[int, int, int]]:
+        """(positions, got, want) of each proposal whose drafter KV was not the right one."""
+        return [(len(t), got, self.model.draft_checksum(t)) for t, got in self.proposals
+                if got != self.model.draft_checksum(t)]
+
     # ------------------------------------------------------------ runner: V2 --
     def execute_v2(self, so) -> Any:
         from vllm.config import CUDAGraphMode
@@ -334,16 +366,18 @@ class Harness:
         if so.total_num_scheduled_tokens == 0:
             return self.kvc.no_forward(so)
         batch = _InputBatch(list(so.num_scheduled_tokens), so.total_num_scheduled_tokens)
+        plan = self._plan(so)
         if self._uniform_decode(so):  # the FULL CUDA-graph branch: no forward context, no per-layer hook
             self.kvc.pre_forward(so, batch, attn_metadata={"full": True})
-            sums = self._forward(so, layer_waits=False)
+            sums = self._forward(plan, layer_waits=False)
         else:
             with set_forward_context({}, self.vllm_config, num_tokens=so.total_num_scheduled_tokens,
                                      cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE):
                 self.kvc.pre_forward(so, batch)
-                sums = self._forward(so, layer_waits=True)
+                sums = self._forward(plan, layer_waits=True)
         self.kvc.finish_forward()
         out = self._sample(so, sums)
+        self._draft(plan)  # sample_tokens: the speculator proposes, then post_forward
         kv_out = self.kvc.post_forward(so.finished_req_ids)
         return ModelRunnerOutput(req_ids=out.req_ids, req_id_to_index=out.req_id_to_index,
                                  sampled_token_ids=out.sampled_token_ids, kv_connector_output=kv_out)
@@ -365,24 +399,39 @@ class Harness:
         ctx = set_forward_context({}, self.vllm_config, num_tokens=so.total_num_scheduled_tokens,
                                   cudagraph_runtime_mode=mode) if so.total_num_scheduled_tokens else \
             set_forward_context(None, self.vllm_config)
+        plan = self._plan(so)
+        defer = bool(self.drafter_layers)  # with a drafter, wait_for_save comes after its forward
         with ctx:
             conn.bind_connector_metadata(so.kv_connector_metadata)
             if so.has_sync_kv_loads:
                 conn.start_load_kv(get_forward_context())
             try:
                 if so.total_num_scheduled_tokens:
-                    sums = self._forward(so, layer_waits=not full)
+                    sums = self._forward(plan, layer_waits=not full)
             finally:
                 if not so.has_sync_kv_loads:
                     conn.start_load_kv(get_forward_context())
-                conn.wait_for_save()
+                if not defer:
+                    conn.wait_for_save()
                 res = conn.get_transfer_results(so.finished_req_ids)
                 kv_out.finished_sending = res.finished_sending or None
                 kv_out.finished_recving = res.finished_recving or None
                 kv_out.failed_recving = res.failed_recving
                 kv_out.invalid_block_ids = conn.get_block_ids_with_load_errors()
                 kv_out.kv_connector_stats = conn.get_kv_connector_stats()
-                conn.clear_connector_metadata()
+                if not defer:
+                    conn.clear_connector_metadata()
+        if defer:  # V1's spec decoding: sample, propose, then finalize_kv_connector
+            out = self._sample(so, sums) if so.total_num_scheduled_tokens else None
+            mode = CUDAGraphMode.FULL if self.drafter_full_graph else CUDAGraphMode.PIECEWISE
+            with set_forward_context({}, self.vllm_config, cudagraph_runtime_mode=mode):
+                self._draft(plan)
+            conn.wait_for_save()
+            conn.clear_connector_metadata()
+            if out is None:
+                return ModelRunnerOutput.with_kv_conn_output_only(kv_out)
+            out.kv_connector_output = kv_out
+            return out
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput.with_kv_conn_output_only(kv_out) if hasattr(
                 ModelRunnerOutput, "with_kv_conn_output_only") else ModelRunnerOutput(

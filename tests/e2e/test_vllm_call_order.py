@@ -9,7 +9,8 @@ KV block that is not ordered after the copies touching it.
 Cases: a hit served on both runners; a fully hit prompt batched with
 decodes (V2 and V1 replay a FULL CUDA graph: no per-layer hook); a chunk
 evicted between the lookup and the load; preemption while stores are in
-flight, with vLLM zeroing new blocks.
+flight, with vLLM zeroing new blocks; an EAGLE-style drafter whose layer is
+loaded with the target's and read by a FULL graph after the target's forward.
 """
 
 from __future__ import annotations
@@ -153,3 +154,19 @@ def test_preemption_with_stores_in_flight_and_zeroing_keeps_every_chunk_right(ca
     assert not continuation_ok(b, {"b": r1 + [3]})
     assert b.device.violations == []
     assert loaded(b) in (256, 512), "what engine B found of r1's prompt it loaded"
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_eagle_drafters_layers_are_loaded_before_its_full_graph_reads_them(cache_name, model_dir, runner, seed):
+    """An EAGLE-style drafter keeps its layer in the target's KV-cache group;
+    its forward comes after the target's (V2: after finish_forward; V1: after
+    the step's transfer results, before wait_for_save) and replays a FULL
+    CUDA graph: no per-layer hook waits for its loaded layer."""
+    p = prompt(600, seed)
+    serve(cache_name, model_dir, runner, seed, {"a": p}, 2, drafter_layers=1)
+    b = serve(cache_name, model_dir, runner, seed + 10, {"b": p[:560]}, 4, drafter_layers=1)
+    assert loaded(b) >= 512
+    assert b.device.violations == [], b.device.violations[:3]
+    assert b.proposals and b.wrong_proposals() == []
+    assert not continuation_ok(b, {"b": p[:560]})

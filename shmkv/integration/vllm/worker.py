@@ -369,6 +369,11 @@ class WorkerSide:
         """(finished_sending, finished_recving): the delayed requests whose
         stores have all completed, each once; the requests whose
         asynchronous loads have completed (or failed), each once."""
+        if self._loading is not None:
+            # NOTE: V1 with speculative decoding asks here, after the target's forward and before
+            # the drafter's (which may replay a FULL CUDA graph, with no per-layer hook): the
+            # drafter's layers are loaded by then (V2: finish_forward)
+            self._loading[1].wait_all()
         if self.worker is not None:
             before = self.worker.counters["stored_tokens"]
             self._poll()
