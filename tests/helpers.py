@@ -46,6 +46,17 @@ def cuda_build_missing() -> str | None:
     return None if cuda_missing() is not None else unavailable()
 
 
+def segment_stat(cache_name: str, name: str) -> int:
+    """One figure of the segment's stats (attached for the call)."""
+    from shmkv import Store
+
+    s = Store.attach(cache_name)
+    try:
+        return s.stats()[name]
+    finally:
+        s.close()
+
+
 def wait_until(cond, what: str, timeout: float = 60.0) -> None:
     """Poll `cond` until it holds (an asynchronous effect: a store commits once
     its copies have run, after the request that made it returned), or fail

@@ -18,9 +18,9 @@ stream and events on a GPU, a copy thread and completion flags on the CPU.
           its copies failed: never while a copy issued for it may still run
           (a freed extent is never written). Until then its source blocks
           must stay untouched: `pending_requests` says whose, and
-          `order_compute_after_stores` orders the compute after them (the
-          caller uses it before those blocks are reused: preemption, sliding
-          windows).
+          `order_compute_after_stores` / `order_compute_after` order the
+          compute after them, or `doom` aborts them (the caller's choice once
+          vLLM gives their blocks out again: preemption, sliding windows).
 
 Nothing here raises into the caller for a unit: a unit that cannot be loaded
 (evicted since the lookup, lease gone stale, a failed copy) reports its
@@ -481,12 +481,7 @@ class TransferEngine:
         all) have read their blocks: on a GPU the compute stream waits on the
         device, on the CPU the host waits. How many stores it waited for."""
         want = None if req_ids is None else set(req_ids)
-        n = 0
-        for job in self._stores:
-            if (want is None or job.item.req_id in want) and not job.event.query():
-                self.backend.compute_waits(job.event)
-                n += 1
-        return n
+        return self.order_compute_after(j for j in self._stores if want is None or j.item.req_id in want)
 
     def pending_stores(self) -> list[StoreJob]:
         return list(self._stores)

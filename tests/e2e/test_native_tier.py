@@ -14,7 +14,7 @@ import os
 import signal
 
 import pytest
-from helpers import REPO, wait_until
+from helpers import REPO, segment_stat, wait_until
 
 from shmkv import Store
 from shmkv.bench.engine_forks import ForkedProcess, fork_module
@@ -120,11 +120,7 @@ def test_an_engine_killed_while_its_cascade_runs_leaves_nothing_partial(cache_na
 
 
 def _puts(cache: str) -> int:
-    s = Store.attach(cache)
-    try:
-        return s.stats()["puts"]
-    finally:
-        s.close()
+    return segment_stat(cache, "puts")
 
 
 def test_a_bad_option_in_the_tier_entry_names_it(cache_name):

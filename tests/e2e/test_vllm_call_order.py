@@ -16,9 +16,8 @@ loaded with the target's and read by a FULL graph after the target's forward.
 from __future__ import annotations
 
 import pytest
+from helpers import segment_stat
 from vllm_call_order import Harness, continuation_ok
-
-from shmkv import Store
 
 RUNNERS = ["v2", "v1"]
 SEEDS = [0, 1, 2]
@@ -43,11 +42,7 @@ def serve(cache_name, model_dir, runner, seed, prompts, max_tokens, after_step=N
 
 
 def stored_tokens(cache_name: str) -> int:
-    s = Store.attach(cache_name)
-    try:
-        return s.stats()["put_tokens"]
-    finally:
-        s.close()
+    return segment_stat(cache_name, "put_tokens")
 
 
 def loaded(h: Harness) -> int:

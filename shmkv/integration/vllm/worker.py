@@ -242,14 +242,13 @@ class WorkerSide:
         except AttributeError:  # a frozen test double: each call then orders again (idempotent)
             pass
         reused = getattr(meta, "reused_blocks", None)
-        pending = self.worker.pending_stores()
         if reused is None:  # an older scheduler half: what it says are the preempted requests
             ids = getattr(meta, "preempted", None) or set()
-            reused_jobs, prewritten_jobs = [j for j in pending if j.item.req_id in ids], []
+            reused_jobs, prewritten_jobs = [j for j in self.worker.pending_stores() if j.item.req_id in ids], []
         else:
-            reused_jobs = pending if ALL_BLOCKS in reused else self.worker.stores_on_blocks(reused)
             pre = getattr(meta, "prewritten_blocks", set()) if self.writes_before_hooks else set()
-            prewritten_jobs = pending if ALL_BLOCKS in pre else self.worker.stores_on_blocks(pre) if pre else []
+            reused_jobs = self._stores_on(reused)
+            prewritten_jobs = self._stores_on(pre) if pre else []
         doomed = self.worker.doom(prewritten_jobs, "its blocks were given out again and rewritten before vLLM's "
                                                    "first connector call of the step")
         waited = self.worker.order_compute_after([j for j in reused_jobs if not j.doomed])
@@ -257,6 +256,11 @@ class WorkerSide:
         if doomed or waited:
             log.debug("shmkv: blocks of pending stores given out again: %d ordered before the step, %d aborted",
                       waited, doomed)
+
+    def _stores_on(self, blocks: set[int]) -> list:
+        """The pending stores reading any of `blocks` (ALL_BLOCKS: every pending store)."""
+        assert self.worker is not None
+        return self.worker.pending_stores() if ALL_BLOCKS in blocks else self.worker.stores_on_blocks(blocks)
 
     def start_load(self, meta: Any, *, whole_forward: bool = False) -> None:
         """Issue this step's loads. `whole_forward`: the forward cannot wait
