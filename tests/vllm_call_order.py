@@ -29,6 +29,7 @@ writes to the device model, which checks their order against the copies.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -47,35 +48,46 @@ class ToyModel:
     at positions up to p (causal), so KV computed over a wrong context is
     wrong too. Values are multiples of 1/8 below 32 (exact in bfloat16)."""
 
-    def __init__(self, layers: int, target_layers: int | None = None) -> None:
+    def __init__(self, layers: int, target_layers: int | None = None, windows: tuple[int, ...] = ()) -> None:
         self.layers = layers  # a drafter's layers follow the target's (its first reads the target's last)
         self.target_layers = layers if target_layers is None else target_layers
+        # per layer: its sliding window in tokens (0: full attention); a query at p reads (p-w, p]
+        self.windows = tuple(windows) + (0,) * (layers - len(windows))
+
+    def window_start(self, layer: int, p: int) -> int:
+        """The first position a query at p reads in `layer`."""
+        w = self.windows[layer]
+        return max(0, p - w + 1) if w else 0
 
     @staticmethod
     def kv(layer: int, prefix_sum: int, pos: int, below: int) -> int:
-        """`below`: the sum of layer-1's KV values at positions <= pos (0 for layer 0)."""
+        """`below`: the sum of layer-1's KV values a query at pos reads there (0 for layer 0)."""
         return (prefix_sum * (layer + 3) + pos * 5 + layer + below * 7) % 251
 
     def values(self, tokens: list[int]) -> list[list[int]]:
         """Every layer's KV value at every position of `tokens`."""
         out: list[list[int]] = []
         for layer in range(self.layers):
-            row, s, below = [], 0, 0
+            row, s = [], 0
             for p, t in enumerate(tokens):
                 s += t
-                if layer:
-                    below += out[layer - 1][p]
+                below = sum(out[layer - 1][self.window_start(layer - 1, p):p + 1]) if layer else 0
                 row.append(self.kv(layer, s, p, below))
             out.append(row)
         return out
 
+    def _read(self, tokens: list[int], layers: range) -> int:
+        """The sum of what the last token's query reads in `layers`."""
+        vals, last = self.values(tokens), len(tokens) - 1
+        return sum(sum(vals[li][self.window_start(li, last):]) for li in layers)
+
     def checksum(self, tokens: list[int]) -> int:
         """What the target's forward over `tokens` reads (its layers only)."""
-        return sum(sum(row) for row in self.values(tokens)[:self.target_layers])
+        return self._read(tokens, range(self.target_layers))
 
     def draft_checksum(self, tokens: list[int]) -> int:
         """What the drafter's forward over `tokens` reads."""
-        return sum(sum(row) for row in self.values(tokens)[self.target_layers:])
+        return self._read(tokens, range(self.target_layers, self.layers))
 
     @staticmethod
     def token(checksum: int, n: int) -> int:
@@ -92,7 +104,7 @@ class ToyModel:
 class ReqState:
     tokens: list[int]  # the prompt, then what was sampled
     prompt_len: int
-    blocks: list[int] = field(default_factory=list)  # group 0's block table
+    blocks: list[list[int]] = field(default_factory=list)  # the block table of each KV-cache group
     num_computed: int = 0
 
 
@@ -107,13 +119,14 @@ class Harness:
                  block_size: int = 16, max_num_batched_tokens: int = 512, prefix_caching: bool = False,
                  zeroing: bool = False, full_graphs: bool = True, extra_config: dict | None = None,
                  max_model_len: int = 2048, query_progress: float = 0.2, drafter_layers: int = 0,
-                 drafter_full_graph: bool = True) -> None:
+                 drafter_full_graph: bool = True, sliding_window: int = 0) -> None:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
+                                                SlidingWindowSpec)
         from vllm.v1.structured_output import StructuredOutputManager
 
         from shmkv.transfer.device_model import DeviceModel
@@ -131,7 +144,11 @@ class Harness:
         self.layers = mc.hf_config.num_hidden_layers
         self.drafter_layers = drafter_layers
         self.drafter_full_graph = drafter_full_graph
-        self.model = ToyModel(self.layers + drafter_layers, self.layers)
+        # sliding_window: the target's even layers attend a window (a KV-cache group of their own, as
+        # vLLM groups a Gemma-style hybrid); the others, a drafter's too, attend everything. The layer
+        # above a sliding one reads its whole window, so a block of it loaded wrong changes the tokens
+        windows = tuple(sliding_window if sliding_window and li % 2 == 0 else 0 for li in range(self.layers))
+        self.model = ToyModel(self.layers + drafter_layers, self.layers, windows)
         self.proposals: list[tuple[list[int], int]] = []  # (tokens the drafter ran over, what it read)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False)
@@ -150,8 +167,21 @@ class Harness:
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)] + [
             f"drafter.layers.{i}.self_attn.attn" for i in range(drafter_layers)]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
-        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(self.names, spec)])
+        full = [n for li, n in enumerate(self.names) if not self.model.windows[li]]
+        sliding = [n for li, n in enumerate(self.names) if self.model.windows[li]]
+        groups = [KVCacheGroupSpec(full, spec)]
+        if sliding:
+            groups.append(KVCacheGroupSpec(sliding, SlidingWindowSpec(
+                block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16,
+                sliding_window=sliding_window)))
+        self.group_of = {n: gi for gi, g in enumerate(groups) for n in g.layer_names}
+        # as vLLM lays out a hybrid: the i-th layer of each group shares one tensor (one block pool)
+        shared = [[g.layer_names[i] for g in groups if i < len(g.layer_names)]
+                  for i in range(max(len(g.layer_names) for g in groups))]
+        page = block_size * HEADS * 2 * HEAD * 2
+        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups,
+                            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=names, layer_stride=0,
+                                                            block_stride=page) for names in shared])
         self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(vc), block_size=block_size)
         if zeroing:  # as vLLM sets it up for Mamba or mixed-precision engines
@@ -165,10 +195,11 @@ class Harness:
         if self.worker._work is not None:
             self.worker._work._backend = self.device  # the streams the worker's transfer engine gets
         kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
-        self.caches = {n: torch.zeros(num_blocks, HEADS, block_size, 2 * HEAD, dtype=torch.bfloat16)
-                       for n in self.names}
-        for n, t in self.caches.items():
-            self.device.name_tensor(t, n)
+        self.caches = {}
+        for names in shared:
+            t = torch.zeros(num_blocks, HEADS, block_size, 2 * HEAD, dtype=torch.bfloat16)
+            self.device.name_tensor(t, "+".join(names))
+            self.caches.update(dict.fromkeys(names, t))
         if runner == "v2":
             from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
@@ -240,30 +271,32 @@ class Harness:
         for new in so.scheduled_new_reqs:
             # NOTE: V2 sends a resumed request as a new one, its tokens so far as prefill_token_ids
             self.reqs[new.req_id] = ReqState(list(new.prefill_token_ids or new.prompt_token_ids),
-                                             len(new.prompt_token_ids), list(new.block_ids[0]),
+                                             len(new.prompt_token_ids), [list(b) for b in new.block_ids],
                                              new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self.reqs[req_id]
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                st.blocks = list(new_ids[0]) if new_ids else []
+                st.blocks = [list(b) for b in new_ids] if new_ids else [[] for _ in st.blocks]
                 st.tokens = list(cached.all_token_ids.get(req_id, st.tokens))
             elif new_ids is not None:
-                st.blocks.extend(new_ids[0])
+                for table, ids in zip(st.blocks, new_ids):
+                    table.extend(ids)
             st.num_computed = cached.num_computed_tokens[i]
             # NOTE: a token vLLM took back (sampled from a failed load) is dropped here, as the runners do
             del st.tokens[st.prompt_len + cached.num_output_tokens[i]:]
 
     def _zero_and_copy(self, so) -> None:
         """vLLM zeroes new blocks and runs the copy-on-write copies (compute stream)."""
+        tensors = {id(t): (n, t) for n, t in self.caches.items()}.values()  # block ids span the shared pool
         zero = list(so.new_block_ids_to_zero or ())
         if zero:
-            for n, t in self.caches.items():
+            for n, t in tensors:
                 self.device.compute(f"zero new blocks ({n})", lambda t=t: t.__setitem__(zero, 0),
                                     [(t, zero, "w")])
         for c in so.kv_cache_block_copies or ():
-            for n, t in self.caches.items():
+            for n, t in tensors:
                 self.device.compute(f"copy-on-write {c.src_block_id}->{c.dst_block_id} ({n})",
                                     lambda t=t, c=c: t[c.dst_block_id].copy_(t[c.src_block_id]),
                                     [(t, [c.src_block_id], "r"), (t, [c.dst_block_id], "w")])
@@ -287,6 +320,7 @@ class Harness:
         scheduled tokens' KV and reads the whole context's (compute ops on the
         device model); what each request read back, for sampling."""
         sums: dict[str, list[int]] = {req_id: [] for req_id, *_ in plan}
+        bs, m = self.bs, self.model
         for li in layers if layers is not None else range(self.layers):
             name = self.names[li]
             if layer_waits:
@@ -296,28 +330,37 @@ class Harness:
             t = self.caches[name]
             below_t = self.caches[self.names[li - 1]] if li else None
             for req_id, st, lo, hi in plan:
-                bs = self.bs
-                written = sorted({st.blocks[p // bs] for p in range(lo, hi)})
-                read = sorted({st.blocks[p // bs] for p in range(hi)} - set(written))
+                table = st.blocks[self.group_of[name]]
+                # what the queries [lo, hi) read: from the first one's window start (a sliding
+                # window's blocks before it may be vLLM's null block or given to others)
+                ctx = range(m.window_start(li, lo), hi)
+                written = sorted({table[p // bs] for p in range(lo, hi)})
+                read = sorted({table[p // bs] for p in ctx} - set(written))
                 prefix = [sum(st.tokens[:p + 1]) for p in range(lo, hi)]
-                pos = torch.arange(hi)
-                blk = torch.tensor([st.blocks[p // bs] for p in range(hi)])
+                last = range(m.window_start(li, hi - 1), hi)  # what the last query reads: sampled from
+                pos, blk = torch.tensor(last), torch.tensor([table[p // bs] for p in last])
                 out = sums[req_id]
+                below_ctx = range(m.window_start(li - 1, lo), hi) if li else range(0)
+                below_table = st.blocks[self.group_of[self.names[li - 1]]] if li else []
+                below_blk = sorted({below_table[p // bs] for p in below_ctx})
 
                 def fn(t=t, below_t=below_t, li=li, lo=lo, hi=hi, prefix=prefix, pos=pos, blk=blk, out=out,
-                       st=st) -> None:
-                    below = [0] * hi
-                    if below_t is not None:  # the layer below over the context, causally summed
-                        vals = (below_t[blk, 0, pos % self.bs, 0].float() * 8).round().long()
-                        below = torch.cumsum(vals, 0).tolist()
+                       table=table, below_ctx=below_ctx, below_table=below_table) -> None:
+                    below: dict[int, int] = {}
+                    if below_t is not None:  # the layer below, over what a query at p reads of it
+                        bpos = torch.tensor(below_ctx)
+                        bblk = torch.tensor([below_table[p // bs] for p in below_ctx])
+                        vals = (below_t[bblk, 0, bpos % bs, 0].float() * 8).round().long().tolist()
+                        run = dict(zip(below_ctx, itertools.accumulate(vals)))  # running sums
+                        below = {p: run[p] - run.get(m.window_start(li - 1, p) - 1, 0) for p in range(lo, hi)}
                     for p, ps in zip(range(lo, hi), prefix):
-                        t[st.blocks[p // self.bs], :, p % self.bs, :] = self.model.kv(li, ps, p, below[p]) / 8
-                    got = t[blk, 0, pos % self.bs, 0].float() * 8
+                        t[table[p // bs], :, p % bs, :] = m.kv(li, ps, p, below.get(p, 0)) / 8
+                    got = t[blk, 0, pos % bs, 0].float() * 8
                     out.append(int(got.round().long().sum()))
 
                 touches = [(t, read, "r"), (t, written, "rw")]
                 if below_t is not None:
-                    touches.append((below_t, sorted(set(read) | set(written)), "r"))
+                    touches.append((below_t, below_blk, "r"))
                 self.device.compute(f"forward {name} of {req_id} [{lo}:{hi})", fn, touches)
         return sums
 

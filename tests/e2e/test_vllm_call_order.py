@@ -10,7 +10,9 @@ Cases: a hit served on both runners; a fully hit prompt batched with
 decodes (V2 and V1 replay a FULL CUDA graph: no per-layer hook); a chunk
 evicted between the lookup and the load; preemption while stores are in
 flight, with vLLM zeroing new blocks; an EAGLE-style drafter whose layer is
-loaded with the target's and read by a FULL graph after the target's forward.
+loaded with the target's and read by a FULL graph after the target's forward;
+a sliding-window hybrid (groups overlaid on one block pool, asynchronous
+loads); a request aborted while its asynchronous load still copies.
 """
 
 from __future__ import annotations
@@ -165,3 +167,70 @@ def test_an_eagle_drafters_layers_are_loaded_before_its_full_graph_reads_them(ca
     assert b.device.violations == [], b.device.violations[:3]
     assert b.proposals and b.wrong_proposals() == []
     assert not continuation_ok(b, {"b": p[:560]})
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_sliding_window_group_is_loaded_and_read_right(cache_name, model_dir, runner, seed):
+    """A hybrid of full and sliding-window (64 tokens) layers, their groups
+    overlaid on one block pool as vLLM lays them out: the hit loads the full
+    group's blocks and the window's of the sliding group (asynchronously:
+    two groups), and nothing reads a block before its load lands."""
+    p = prompt(600, seed)
+    a = serve(cache_name, model_dir, runner, seed, {"a": p}, 3, sliding_window=64, num_blocks=128)
+    assert not continuation_ok(a, {"a": p}) and a.device.violations == []
+    tail = prompt(20, 99)
+    b = serve(cache_name, model_dir, runner, seed + 10, {"b": p[:550] + tail, "c": prompt(70, seed + 3)}, 4,
+              sliding_window=64, num_blocks=128)
+    assert loaded(b) == 512, "engine B loaded both whole chunks"
+    assert b.device.violations == [], b.device.violations[:3]
+    assert not continuation_ok(b, {"b": p[:550] + tail, "c": prompt(70, seed + 3)})
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_request_aborted_mid_load_keeps_its_blocks_until_the_load_lands(cache_name, model_dir, runner, seed):
+    """An asynchronous load (a hybrid engine's) still copying when its request
+    is aborted: vLLM keeps the blocks until the worker reports the load in
+    finished_recving, then frees them; a request given those blocks next
+    writes them only after the copies into them ran (device model), and the
+    engine ends with every block free and nothing held."""
+    from vllm.v1.request import RequestStatus
+
+    BLOCKS = 96  # tight: the later request needs blocks b held
+    p = prompt(600, seed)
+    serve(cache_name, model_dir, runner, seed, {"a": p}, 2, sliding_window=64, num_blocks=128)
+    h = Harness(cache_name, model_dir, runner, seed=seed + 10, sliding_window=64, num_blocks=BLOCKS,
+                query_progress=0.02)
+    seen = {"aborted_in_flight": False}
+    later = prompt(900, seed + 5)
+
+    def abort_mid_load(h, so):
+        req = h.scheduler.requests.get("b")
+        if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS or seen["aborted_in_flight"]:
+            return
+        if any("b" in reqs for reqs in h.worker._work._async_jobs.values()):  # its copies still run
+            seen["aborted_in_flight"] = True
+            seen["b_blocks"] = {b for table in h.reqs["b"].blocks for b in table} if "b" in h.reqs else \
+                set(h.scheduler.kv_cache_manager.get_block_ids("b")[0])
+            h.abort(["b"])
+            h.add("later", later, 3)  # needs most of the pool: b's blocks among them
+
+    def watch(h, so):
+        abort_mid_load(h, so)
+        if "later" in h.reqs:
+            seen.setdefault("later_blocks", set()).update(b for table in h.reqs["later"].blocks for b in table)
+
+    try:
+        h.add("b", p[:560], 4)
+        h.run(after_step=watch)
+        assert seen["aborted_in_flight"], "b was aborted while its load's copies were in flight"
+        assert not h.scheduler.requests, "vLLM holds no request (b's delayed free came back)"
+        pool = h.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == BLOCKS - 1, "every block is free again (the null block aside)"
+    finally:
+        h.close()
+    assert h.device.violations == [], h.device.violations[:3]
+    assert seen["b_blocks"] & seen["later_blocks"], "the later request was given blocks b's load wrote"
+    assert h.outputs["b"] == []
+    assert not continuation_ok(h, {"later": later})
