@@ -125,8 +125,13 @@ class Harness:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
-                                                SlidingWindowSpec)
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+            SlidingWindowSpec,
+        )
         from vllm.v1.structured_output import StructuredOutputManager
 
         from shmkv.transfer.device_model import DeviceModel
