@@ -107,6 +107,7 @@ pid_t ChunkTable::self_pid() {
   if (g != fork_generation_seen_) {
     fork_generation_seen_ = g;
     pid_ = getpid();
+    my_pid_ns_ = own_pid_namespace();
   }
   return pid_;
 }
@@ -114,12 +115,21 @@ pid_t ChunkTable::self_pid() {
 void ChunkTable::do_register_self_locked() {
   pid_t me = self_pid();
   if (registered_pid_ == me) return;
+  uint64_t gen = g_fork_generation.load(std::memory_order_relaxed);
+  if (gen != renewed_generation_) {
+    // A forked child shares its parent's description of the segment file, and with it the
+    // parent's slot lock: it takes one of its own, so each process's slot lives and dies with it
+    renewed_generation_ = gen;
+    if (gen != 0 && !seg_->renew_description()) c().liveness_unshared.fetch_add(1, std::memory_order_relaxed);
+  }
   ProcSlot* p = procs();
   uint32_t n = geo().max_procs;
   uint32_t free_slot = kNone;
   for (uint32_t i = 0; i < n; ++i) {
     int32_t pid = p[i].pid.load(std::memory_order_relaxed);
-    if (pid == me) {
+    if (pid == me && p[i].pid_ns == my_pid_ns_ && my_pid_ns_ != 0) {  // another Store of this process
+      seg_->hold_slot(i);
+      my_slot_ = i;
       registered_pid_ = me;
       return;
     }
@@ -129,8 +139,7 @@ void ChunkTable::do_register_self_locked() {
     // Make room: forget processes that have exited (their leases are found by
     // the full reclaim scan, which does not need the slot).
     for (uint32_t i = 0; i < n; ++i) {
-      int32_t pid = p[i].pid.load(std::memory_order_relaxed);
-      if (pid != 0 && !process_alive(pid, p[i].start_time)) {
+      if (p[i].pid.load(std::memory_order_relaxed) != 0 && !slot_alive(i)) {
         do_reclaim_locked(true);
         break;
       }
@@ -138,14 +147,18 @@ void ChunkTable::do_register_self_locked() {
     for (uint32_t i = 0; i < n && free_slot == kNone; ++i)
       if (p[i].pid.load(std::memory_order_relaxed) == 0) free_slot = i;
   }
-  if (free_slot == kNone) {
+  // NOTE: the lock is taken before the pid is published (both under the table lock): a
+  // checker never sees a registered slot that nobody holds yet
+  if (free_slot == kNone || !seg_->hold_slot(free_slot)) {
     c().procs_table_full.fetch_add(1, std::memory_order_relaxed);
     registered_pid_ = me;  // do not retry on every call
     return;
   }
   p[free_slot].start_time = proc_start_time(me);
   p[free_slot].attached_unix_ns = now_unix_ns();
+  p[free_slot].pid_ns = my_pid_ns_;
   p[free_slot].pid.store(me, std::memory_order_release);
+  my_slot_ = free_slot;
   registered_pid_ = me;
 }
 
@@ -155,7 +168,11 @@ void ChunkTable::detach_process() {
   pid_t me = self_pid();
   ProcSlot* p = procs();
   for (uint32_t i = 0; i < geo().max_procs; ++i)
-    if (p[i].pid.load(std::memory_order_relaxed) == me) p[i].pid.store(0, std::memory_order_release);
+    if (p[i].pid.load(std::memory_order_relaxed) == me && p[i].pid_ns == my_pid_ns_) {
+      p[i].pid.store(0, std::memory_order_release);
+      seg_->release_slot(i);
+    }
+  my_slot_ = kNone;
   registered_pid_ = 0;
 }
 
@@ -207,8 +224,7 @@ Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t nee
       return Status::kExists;
     }
     // WRITING: by a live process -> busy; by a dead one -> reclaim and go on.
-    LivenessCache lc{{}, procs(), g.max_procs};
-    if (lc.alive(ex.owner_pid)) {
+    if (holder_alive(ex.owner_pid)) {
       c().put_busy.fetch_add(1, std::memory_order_relaxed);
       return Status::kBusy;
     }

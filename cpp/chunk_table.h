@@ -226,6 +226,12 @@ class ChunkTable {
 
   pid_t self_pid();
   void do_register_self_locked();
+  // liveness (process_liveness.cpp): a slot's process holds its byte, or is us
+  bool slot_alive(uint32_t slot);
+  // a lease's, write's or the lock's holder, by the slots of its pid (doubt: alive)
+  bool holder_alive(pid_t pid);
+  // some attached process runs in another PID namespace (or ours is unknown)
+  bool mixed_namespaces();
 
   // index
   uint64_t slot_of(const Key& k) const;
@@ -265,6 +271,9 @@ class ChunkTable {
   pid_t pid_ = 0;
   uint64_t fork_generation_seen_ = ~0ull;
   pid_t registered_pid_ = 0;
+  uint32_t my_slot_ = 0xffffffffu;  // this process's slot once registered
+  uint32_t my_pid_ns_ = 0;          // inode of this process's PID namespace
+  uint64_t renewed_generation_ = 0;  // the fork generation whose description is our own
   std::mutex events_mu_;
   std::vector<std::string> events_;
   std::atomic<bool> has_events_{false};

@@ -61,6 +61,8 @@ inline constexpr CounterInfo kCounters[] = {
     {"put_busy", &Counters::put_busy, "counter", "shm", false, "Puts of chunks another process was writing"},
     {"put_unreserved", &Counters::put_unreserved, "counter", "shm", false,
      "Puts refused because the arena was still being reserved in the background"},
+    {"liveness_unshared", &Counters::liveness_unshared, "counter", "shm", false,
+     "Forked processes that could not open a description of their own (/proc/self/fd): presumed alive with their parent"},
     {"reserve_errors", &Counters::reserve_errors, "counter", "shm", false,
      "Background reservations of the arena's pages that failed (/dev/shm full)"},
     {"put_too_large", &Counters::put_too_large, "counter", "shm", false, "Puts larger than the largest chunk allowed"},

@@ -42,7 +42,7 @@
 namespace shmkv {
 
 constexpr uint64_t kMagic = 0x31564b4d48535f5fULL;  // "__SHMKV1" little-endian
-constexpr uint32_t kFormatVersion = 6;
+constexpr uint32_t kFormatVersion = 7;  // 7: process slots held by OFD locks (any PID namespace)
 constexpr uint32_t kNone = 0xffffffffu;       // null record index
 constexpr uint32_t kIndexEmpty = 0xffffffffu;  // index slot never used
 constexpr uint32_t kIndexTomb = 0xfffffffeu;   // index slot whose entry left
@@ -98,9 +98,14 @@ struct Lease {
   uint32_t next_free;            // derived free list
 };
 
+// A process attached to the segment. Its liveness is the OFD lock its own
+// open file description holds on the slot's byte of the segment file
+// (Segment::hold_slot), which the kernel drops when the process dies, in
+// whatever PID namespace the checker runs; pid and start time name it in
+// messages and in its own namespace.
 struct ProcSlot {
-  std::atomic<int32_t> pid;      // 0 = free slot
-  uint32_t reserved;
+  std::atomic<int32_t> pid;      // 0 = free slot; in the process's own PID namespace
+  uint32_t pid_ns;               // inode of its PID namespace (/proc/self/ns/pid); 0 = unknown
   uint64_t start_time;           // /proc/<pid>/stat starttime: detects pid reuse
   uint64_t attached_unix_ns;
 };
@@ -185,7 +190,8 @@ struct Counters {
   std::atomic<uint64_t> remote_put_tokens;
   std::atomic<uint64_t> put_unreserved;   // FULL only because the arena was still being reserved
   std::atomic<uint64_t> reserve_errors;   // background reservations that failed (/dev/shm full)
-  std::atomic<uint64_t> reserved_counters[6];
+  std::atomic<uint64_t> liveness_unshared;  // forked processes left on their parent's description (no /proc)
+  std::atomic<uint64_t> reserved_counters[5];
   // gauges (maintained under the lock, rebuilt on recovery)
   std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries
   std::atomic<uint64_t> entries;          // non-FREE entries

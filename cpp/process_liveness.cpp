@@ -1,12 +1,18 @@
 // process_liveness.cpp — is the process that holds a lease, a write or the
-// table lock still alive? /proc/<pid>/stat's start time makes (pid, start)
-// a name no later process can reuse.
+// table lock still alive, wherever the asking process runs? Every attached
+// process holds a shared OFD lock on its slot's byte of the segment file
+// (Segment::hold_slot) through a description of its own; the kernel drops it
+// when the process dies, in any PID namespace, so a slot is alive while its
+// byte is held. A holder is named by its pid (in its own namespace): it lives
+// while any slot of that pid does. Doubt means alive: a pid with no slot is
+// judged by /proc only where every attached process shares our namespace.
 #include "chunk_table.h"
 #include "table_internal.h"
 
 #include <cstring>
 
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -42,6 +48,42 @@ bool process_alive(pid_t pid, uint64_t start_time) {
     if (now != 0 && now != start_time) return false;  // pid was recycled
   }
   return true;
+}
+
+uint32_t own_pid_namespace() {
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) != 0) return 0;
+  return uint32_t(st.st_ino);
+}
+
+bool ChunkTable::slot_alive(uint32_t i) {
+  const ProcSlot& s = procs()[i];
+  if (s.pid.load(std::memory_order_acquire) == 0) return false;
+  if (i == my_slot_ && registered_pid_ == self_pid()) return true;  // this process (its own lock is not seen)
+  return seg_->slot_held(i) != 0;  // -1: the kernel did not say: alive
+}
+
+bool ChunkTable::mixed_namespaces() {
+  self_pid();
+  if (my_pid_ns_ == 0) return true;  // ours unknown: nobody else's pid can be judged
+  const ProcSlot* p = procs();
+  for (uint32_t i = 0; i < geo().max_procs; ++i)
+    if (p[i].pid.load(std::memory_order_relaxed) != 0 && p[i].pid_ns != my_pid_ns_) return true;
+  return false;
+}
+
+bool ChunkTable::holder_alive(pid_t pid) {
+  if (pid <= 0) return false;
+  const ProcSlot* p = procs();
+  bool found = false;
+  for (uint32_t i = 0; i < geo().max_procs; ++i) {
+    if (p[i].pid.load(std::memory_order_relaxed) != pid) continue;
+    found = true;
+    if (slot_alive(i)) return true;
+  }
+  if (found) return false;  // every slot of that pid is released: its process exited
+  // no slot (the process table was full when it attached): /proc says, where it can
+  return mixed_namespaces() || process_alive(pid, 0);
 }
 
 }  // namespace shmkv

@@ -24,6 +24,8 @@ namespace {
 
 constexpr off_t kInitByte = 0;   // exclusive while (re)initialising or validating
 constexpr off_t kAliveByte = 1;  // shared by every attached process
+constexpr off_t kRoleByteBase = 16;             // + role: exclusive roles (the maintainer)
+constexpr off_t kSlotByteBase = off_t(1) << 20;  // + slot: held (shared) by the slot's process
 // Arena bytes a new segment reserves before it is handed out; the rest is
 // reserved by Segment::reserve_more, in the background (shmkv.store).
 constexpr uint64_t kFirstReserve = 256ull << 20;
@@ -586,6 +588,54 @@ Status Segment::reserve_more(uint64_t max_bytes, bool map_pages, uint64_t* reser
   if (map_pages) prefault(arena() + from, len);  // without MADV_POPULATE_WRITE: first touch maps them
   return Status::kOk;
 }
+
+bool Segment::hold_slot(uint32_t slot) { return ofd_lock(fd_, kSlotByteBase + off_t(slot), F_RDLCK, false); }
+
+void Segment::release_slot(uint32_t slot) { ofd_lock(fd_, kSlotByteBase + off_t(slot), F_UNLCK, false); }
+
+namespace {
+// 1: another description holds a lock on `byte`; 0: none; -1: no answer.
+int ofd_held_elsewhere(int fd, off_t byte) {
+  struct flock fl;
+  std::memset(&fl, 0, sizeof fl);
+  fl.l_type = F_WRLCK;  // conflicts with any lock another description holds there
+  fl.l_whence = SEEK_SET;
+  fl.l_start = byte;
+  fl.l_len = 1;
+  if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return -1;
+  return fl.l_type == F_UNLCK ? 0 : 1;
+}
+}  // namespace
+
+int Segment::slot_held(uint32_t slot) const { return ofd_held_elsewhere(fd_, kSlotByteBase + off_t(slot)); }
+
+bool Segment::role_held_elsewhere(uint32_t role) const {
+  return ofd_held_elsewhere(fd_, kRoleByteBase + off_t(role)) != 0;
+}
+
+bool Segment::renew_description() {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/self/fd/%d", fd_);
+  // NOTE: a magic link to this very file (checked below by inode): a new description of it
+  int fd = ::open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat a, b;
+  if (fstat(fd, &a) != 0 || fstat(fd_, &b) != 0 || a.st_ino != b.st_ino || a.st_dev != b.st_dev ||
+      !ofd_lock(fd, kAliveByte, F_RDLCK, false)) {
+    close(fd);
+    return false;
+  }
+  // NOTE: the same fd number, atomically: another thread's fstat or fallocate on fd_ meets
+  // one description of the file or the other, never a closed or reused number. The old
+  // description stays open in the parent, and its locks with it.
+  bool ok = dup3(fd, fd_, O_CLOEXEC) == fd_;
+  close(fd);
+  return ok;
+}
+
+bool Segment::try_hold_role(uint32_t role) { return ofd_lock(fd_, kRoleByteBase + off_t(role), F_WRLCK, false); }
+
+void Segment::release_role(uint32_t role) { ofd_lock(fd_, kRoleByteBase + off_t(role), F_UNLCK, false); }
 
 Segment::~Segment() {
   if (base_) munmap(base_, mapped_bytes_);

@@ -93,6 +93,26 @@ class Segment {
   bool map_arena(uint64_t offset, uint64_t bytes);
   const std::string& name() const { return name_; }
   OpenOutcome outcome() const { return outcome_; }
+
+  // Liveness of attached processes, in any PID namespace: each process holds a
+  // shared OFD lock on its process slot's byte of the segment file through its
+  // own open file description, which the kernel releases when it dies.
+  bool hold_slot(uint32_t slot);
+  void release_slot(uint32_t slot);
+  // 1: another open file description holds `slot`'s byte (its process lives);
+  // 0: none does; -1: the kernel did not answer (the caller must presume life).
+  int slot_held(uint32_t slot) const;
+  // After a fork: give this process an open file description of its own (the
+  // inherited one, and the locks on it, stay the parent's), holding the alive
+  // byte. False (the shared one kept) when /proc/self/fd cannot be reopened.
+  bool renew_description();
+  // An exclusive role among every process of every PID namespace that shares
+  // this segment (the cache maintainer): an OFD write lock on one byte, held
+  // until released or until this description closes. Never waits.
+  bool try_hold_role(uint32_t role);
+  void release_role(uint32_t role);
+  // Whether another description holds `role` (a failed query: true).
+  bool role_held_elsewhere(uint32_t role) const;
   // True when the header was adopted from a stale segment: the table must be
   // rebuilt from its authoritative records before use.
   bool needs_rebuild() const { return outcome_ == OpenOutcome::kAdoptedStale; }

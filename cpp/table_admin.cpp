@@ -186,7 +186,7 @@ std::map<std::string, uint64_t> ChunkTable::stats() {
   ProcSlot* p = procs();
   for (uint32_t i = 0; i < g.max_procs; ++i) {
     int32_t pid = p[i].pid.load(std::memory_order_relaxed);
-    if (pid != 0 && process_alive(pid, p[i].start_time)) attached += 1;
+    if (pid != 0 && slot_alive(i)) attached += 1;
   }
   m["processes_attached"] = attached;
   // derived roots are read without the lock: a snapshot, possibly torn

@@ -519,6 +519,10 @@ void register_table(py::module_& m) {
         return bad;
       })
       .def("stats", [](PyTable& t) { return t.t->stats(); })
+      // exclusive roles among every process sharing the segment, in any PID namespace
+      .def("try_hold_role", [](PyTable& t, uint32_t role) { return t.t->segment()->try_hold_role(role); })
+      .def("release_role", [](PyTable& t, uint32_t role) { t.t->segment()->release_role(role); })
+      .def("role_held_elsewhere", [](PyTable& t, uint32_t role) { return t.t->segment()->role_held_elsewhere(role); })
       .def("removal_count", [](PyTable& t) { return t.t->removal_count(); },
            "evictions + deletes + segment resets: moves whenever a chunk may have left the table")
       .def("lock_holder", [](PyTable& t) {

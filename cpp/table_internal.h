@@ -1,8 +1,7 @@
 // table_internal.h — what the parts of the chunk table share and nothing
-// outside the table needs: time and alignment helpers, and process liveness
-// (a pid together with its start time names one process, so a recycled pid
-// is never mistaken for a dead lease holder). Implemented in
-// process_liveness.cpp.
+// outside the table needs: time and alignment helpers, and the /proc side of
+// process liveness (process_liveness.cpp; the slots' OFD locks are the
+// authority, ChunkTable::slot_alive).
 #pragma once
 
 #include <sys/types.h>
@@ -10,7 +9,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <unordered_map>
 
 #include "layout.h"
 
@@ -29,28 +27,11 @@ inline uint64_t now_unix_ns() {
 // not mistaken for the process that leased a chunk.
 uint64_t proc_start_time(pid_t pid);
 
-// Whether (pid, start time) names a live process (start time 0: pid alone).
+// Whether (pid, start time) names a live process (start time 0: pid alone), in
+// this process's PID namespace: only for holders that have no process slot.
 bool process_alive(pid_t pid, uint64_t start_time);
 
-// Liveness answers cached for the duration of one scan.
-struct LivenessCache {
-  std::unordered_map<pid_t, bool> known;
-  const ProcSlot* procs;
-  uint32_t nprocs;
-  bool alive(pid_t pid) {
-    auto it = known.find(pid);
-    if (it != known.end()) return it->second;
-    uint64_t start = 0;
-    for (uint32_t i = 0; i < nprocs; ++i) {
-      if (procs[i].pid.load(std::memory_order_relaxed) == pid) {
-        start = procs[i].start_time;
-        break;
-      }
-    }
-    bool a = process_alive(pid, start);
-    known.emplace(pid, a);
-    return a;
-  }
-};
+// The inode of this process's PID namespace (/proc/self/ns/pid); 0 when unreadable.
+uint32_t own_pid_namespace();
 
 }  // namespace shmkv

@@ -7,6 +7,8 @@
 #include "table_internal.h"
 
 #include <cstring>
+#include <unordered_map>
+#include <vector>
 
 namespace shmkv {
 
@@ -109,28 +111,42 @@ void ChunkTable::do_after_refcount_drop_locked(uint32_t e, bool cold) {
 ReclaimResult ChunkTable::do_reclaim_locked(bool full_scan) {
   ReclaimResult r;
   const Geometry& g = geo();
-  LivenessCache lc{{}, procs(), g.max_procs};
   ProcSlot* p = procs();
+  // Each pid's verdict from the slots as they are now (any held slot of the pid: alive), taken
+  // before the dead slots are freed, so the holders of a freed slot are judged by it
+  std::unordered_map<pid_t, bool> known;
+  std::vector<uint32_t> dead;
   for (uint32_t i = 0; i < g.max_procs; ++i) {
     int32_t pid = p[i].pid.load(std::memory_order_relaxed);
-    if (pid != 0 && !lc.alive(pid)) {
-      p[i].pid.store(0, std::memory_order_release);
-      r.procs += 1;
-    }
+    if (pid == 0) continue;
+    bool alive = slot_alive(i);
+    known[pid] |= alive;
+    if (!alive) dead.push_back(i);
   }
+  for (uint32_t i : dead) {
+    p[i].pid.store(0, std::memory_order_release);
+    r.procs += 1;
+  }
+  auto alive = [&](pid_t pid) {
+    auto it = known.find(pid);
+    if (it != known.end()) return it->second;
+    bool a = holder_alive(pid);  // no slot: judged by /proc where that can be trusted
+    known.emplace(pid, a);
+    return a;
+  };
   bool untracked = c().procs_table_full.load(std::memory_order_relaxed) != 0;
   if (!full_scan && r.procs == 0 && !untracked) return r;
   Lease* ls = leases();
   for (uint32_t l = 0; l < g.max_leases; ++l) {
     if (ls[l].state.load(std::memory_order_relaxed) != kLeaseHeld) continue;
-    if (lc.alive(ls[l].pid)) continue;
+    if (alive(ls[l].pid)) continue;
     do_drop_lease_locked(l);
     r.leases += 1;
   }
   Entry* ent = entries();
   for (uint32_t e = 0; e < g.max_entries; ++e) {
     if (ent[e].state.load(std::memory_order_relaxed) != kEntryWriting) continue;
-    if (lc.alive(ent[e].owner_pid)) continue;
+    if (alive(ent[e].owner_pid)) continue;
     do_index_remove_locked(e);
     do_free_entry_locked(e);
     r.writes += 1;

@@ -67,7 +67,9 @@ class TableLock {
       int32_t pid = hd->lock_holder_pid.load(std::memory_order_acquire);
       // A robust mutex's first word is its owner's thread id (plus flag bits).
       int32_t owner_tid = int32_t(*reinterpret_cast<volatile uint32_t*>(m) & 0x3fffffffu);
-      if (!tid_alive(owner_tid) && (pid == 0 || kill(pid, 0) != 0)) {
+      // NOTE: thread ids and pids are those of the holder's PID namespace: judged only
+      // where every attached process shares ours (another container's holder is alive)
+      if (!tid_alive(owner_tid) && !t.holder_alive(pid) && !t.mixed_namespaces()) {
         // Nobody alive owns it, and a dead owner would have made it EOWNERDEAD:
         // its bytes were overwritten.
         throw SegmentBroken("the segment's table lock is unusable (held by thread " +
@@ -118,8 +120,10 @@ class TableLock {
     throw LockTimeout(std::string(what) + ": the table lock of segment '" + t_.segment()->name() +
                       "' is held by pid " + std::to_string(who.pid) + " for " +
                       std::to_string(who.held_ns / 1000000) + " ms (over the " +
-                      std::to_string(t_.lock_timeout_ns_ / 1000000) +
-                      " ms bound); is that process stopped?");
+                      std::to_string(t_.lock_timeout_ns_ / 1000000) + " ms bound); is that process stopped?" +
+                      (t_.mixed_namespaces() ? " (processes of another PID namespace share this segment: the "
+                                               "pid may be one of theirs, e.g. another container's)"
+                                             : ""));
   }
 
  private:

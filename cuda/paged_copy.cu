@@ -8,7 +8,8 @@
 //   the host, then launch on the caller's stream) -> Python (shmkv/transfer/gpu.py).
 // NOTE: the launchers are asynchronous on `stream`; the payload must stay
 // leased/reserved until the stream has passed the copy (the connector commits
-// a stored chunk only when its CUDA event completes).
+// a stored chunk only when its CUDA event completes). A single copy (a store)
+// allocates and uploads nothing: its indices ride in the launch (CopyArgs).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -40,16 +41,29 @@ __device__ __forceinline__ void block_copy(uint8_t* __restrict__ dst,
   }
 }
 
-// grid: (n_blocks, layers copied); layer l = l0 + blockIdx.y
-// layer_base: [num_layers] device addresses; ids: [n]; payload: [layers][n][block_bytes]
-template <bool kGather>
-__global__ void copy_blocks_kernel(const uint64_t* __restrict__ layer_base,
-                                   const int64_t* __restrict__ ids, int64_t n,
-                                   int64_t block_stride, int64_t block_bytes,
-                                   uint8_t* __restrict__ payload, int64_t l0) {
+// A single copy's arguments travel by value in its launch (CUDA >= 12.1 takes
+// up to 32,764 bytes of kernel parameters on Volta and newer): the layer bases
+// [num_layers], then this launch's indices (block ids or slots, as int64 bits).
+// Nothing is allocated or uploaded per copy, and nothing waits on the host.
+// Two sizes, so that a small copy's launch does not carry 32 KB.
+template <int kWords>
+struct CopyArgs {
+  uint64_t w[kWords];
+};
+constexpr int kSmallArgWords = 480;   // 3,840 bytes: a 256-token chunk of a 96-layer model
+constexpr int kLargeArgWords = 4000;  // 32,000 bytes
+
+// grid: (indices of this launch, layers copied); layer l = l0 + blockIdx.y.
+// a: layer bases then ids; index k of this launch is k0 + k of the whole copy
+// (n_total indices): payload [layers][n_total][block_bytes]
+template <bool kGather, int kWords>
+__global__ void copy_blocks_kernel(const CopyArgs<kWords> a, int64_t num_layers, int64_t n_total, int64_t k0,
+                                   int64_t block_stride, int64_t block_bytes, uint8_t* __restrict__ payload,
+                                   int64_t l0) {
   int64_t k = blockIdx.x, l = l0 + blockIdx.y;
-  uint8_t* blk = reinterpret_cast<uint8_t*>(layer_base[l]) + ids[k] * block_stride;
-  uint8_t* p = payload + (l * n + k) * block_bytes;
+  int64_t id = static_cast<int64_t>(a.w[num_layers + k]);
+  uint8_t* blk = reinterpret_cast<uint8_t*>(a.w[l]) + id * block_stride;
+  uint8_t* p = payload + (l * n_total + k0 + k) * block_bytes;
   if (kGather) block_copy(p, blk, block_bytes);
   else block_copy(blk, p, block_bytes);
 }
@@ -77,15 +91,44 @@ __device__ __forceinline__ void copy_one_token(const PagedLayout& L, uint64_t la
   }
 }
 
-// grid: (n_tokens, layers copied); layer l = l0 + blockIdx.y; slots: [n] (negative: skipped)
-// payload: [layers][n][runs_i][runs_j][run_bytes]
-template <bool kGather>
-__global__ void copy_tokens_kernel(const uint64_t* __restrict__ layer_base,
-                                   const int64_t* __restrict__ slots, int64_t n,
+// grid: (tokens of this launch, layers copied); layer l = l0 + blockIdx.y.
+// a: layer bases then slots (negative: skipped); token t of this launch is
+// k0 + t of the whole copy (n_total): payload [layers][n_total][runs_i][runs_j][run_bytes]
+template <bool kGather, int kWords>
+__global__ void copy_tokens_kernel(const CopyArgs<kWords> a, int64_t num_layers, int64_t n_total, int64_t k0,
                                    PagedLayout L, uint8_t* __restrict__ payload, int64_t l0) {
   int64_t t = blockIdx.x, l = l0 + blockIdx.y;
   int64_t tok_bytes = L.runs_i * L.runs_j * L.run_bytes;
-  copy_one_token<kGather>(L, layer_base[l], slots[t], payload + (l * n + t) * tok_bytes);
+  int64_t slot = static_cast<int64_t>(a.w[num_layers + t]);
+  copy_one_token<kGather>(L, a.w[l], slot, payload + (l * n_total + k0 + t) * tok_bytes);
+}
+
+// Launch one copy as launches of at most kWords - num_layers indices each,
+// their arguments by value (no device buffer, no upload).
+template <int kWords>
+cudaError_t launch_by_value(const PagedLayout& L, bool token_mode, bool gather, const int64_t* idx, int64_t n,
+                            uint8_t* payload, int64_t l0, int64_t l1, cudaStream_t stream) {
+  const int64_t per_launch = kWords - L.num_layers;
+  CopyArgs<kWords> a;
+  std::memcpy(a.w, L.layer_base, size_t(L.num_layers) * sizeof(uint64_t));
+  for (int64_t k0 = 0; k0 < n; k0 += per_launch) {
+    int64_t m = n - k0 < per_launch ? n - k0 : per_launch;
+    std::memcpy(a.w + L.num_layers, idx + k0, size_t(m) * sizeof(int64_t));
+    dim3 grid(unsigned(m), unsigned(l1 - l0));
+    if (token_mode) {
+      if (gather) copy_tokens_kernel<true, kWords><<<grid, kThreads, 0, stream>>>(a, L.num_layers, n, k0, L, payload, l0);
+      else copy_tokens_kernel<false, kWords><<<grid, kThreads, 0, stream>>>(a, L.num_layers, n, k0, L, payload, l0);
+    } else {
+      int64_t bs = L.block_stride, bb = L.block_bytes;
+      if (gather)
+        copy_blocks_kernel<true, kWords><<<grid, kThreads, 0, stream>>>(a, L.num_layers, n, k0, bs, bb, payload, l0);
+      else
+        copy_blocks_kernel<false, kWords><<<grid, kThreads, 0, stream>>>(a, L.num_layers, n, k0, bs, bb, payload, l0);
+    }
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 // A batch of payloads, one layer: grid (batch tokens); token t's payload
@@ -111,6 +154,11 @@ Status check_copy(const PagedLayout& L, bool token_mode, const int64_t* idx, int
   if (layer_begin < 0 || layer_begin >= *layer_end || *layer_end > L.num_layers) {
     *err = "layer range [" + std::to_string(layer_begin) + ", " + std::to_string(*layer_end) +
            ") is not within the " + std::to_string(L.num_layers) + " layers";
+    return Status::kInvalidArgument;
+  }
+  if (L.num_layers >= kLargeArgWords) {  // launch_paged_copy's arguments hold every layer's base
+    *err = std::to_string(L.num_layers) + " layers in one layout: at most " + std::to_string(kLargeArgWords - 1) +
+           " fit a kernel launch's arguments";
     return Status::kInvalidArgument;
   }
   BlockWindow w;  // whole payload (the connector's CUDA path uses token payloads)
@@ -139,37 +187,11 @@ Status launch_paged_copy(const PagedLayout& L, bool token_mode, bool gather, con
     *err = cuda_error("cudaHostGetDevicePointer of the payload", e);
     return Status::kSystem;
   }
-  // Indices and layer bases travel in one small device buffer, stream-ordered.
-  size_t idx_bytes = size_t(n) * sizeof(int64_t);
-  size_t base_bytes = size_t(L.num_layers) * sizeof(uint64_t);
-  void* scratch = nullptr;
-  e = cudaMallocAsync(&scratch, idx_bytes + base_bytes, stream);
-  if (e != cudaSuccess) {
-    *err = cuda_error("cudaMallocAsync", e);
-    return Status::kSystem;
-  }
-  std::vector<uint8_t> host(idx_bytes + base_bytes);
-  std::memcpy(host.data(), idx, idx_bytes);
-  std::memcpy(host.data() + idx_bytes, L.layer_base, base_bytes);
-  // NOTE: pageable source -> the copy is staged by the driver before returning,
-  // so `host` may go out of scope safely.
-  e = cudaMemcpyAsync(scratch, host.data(), host.size(), cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess) {
-    auto* d_idx = static_cast<const int64_t*>(scratch);
-    auto* d_base = reinterpret_cast<const uint64_t*>(static_cast<uint8_t*>(scratch) + idx_bytes);
-    dim3 grid(unsigned(n), unsigned(layer_end - layer_begin));
-    auto* p = static_cast<uint8_t*>(payload_dev);
-    int64_t l0 = layer_begin, bs = L.block_stride, bb = L.block_bytes;
-    if (token_mode) {
-      if (gather) copy_tokens_kernel<true><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L, p, l0);
-      else copy_tokens_kernel<false><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, L, p, l0);
-    } else {
-      if (gather) copy_blocks_kernel<true><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, bs, bb, p, l0);
-      else copy_blocks_kernel<false><<<grid, kThreads, 0, stream>>>(d_base, d_idx, n, bs, bb, p, l0);
-    }
-    e = cudaGetLastError();
-  }
-  cudaFreeAsync(scratch, stream);
+  // NOTE: the layer bases and indices travel in the launches themselves (CopyArgs)
+  auto* p = static_cast<uint8_t*>(payload_dev);
+  e = L.num_layers + n <= kSmallArgWords
+          ? launch_by_value<kSmallArgWords>(L, token_mode, gather, idx, n, p, layer_begin, layer_end, stream)
+          : launch_by_value<kLargeArgWords>(L, token_mode, gather, idx, n, p, layer_begin, layer_end, stream);
   if (e != cudaSuccess) {
     *err = cuda_error("paged copy launch", e);
     return Status::kSystem;

@@ -76,8 +76,8 @@ second_cache = pytest.fixture(fresh_cache_name, name="second_cache")
 def child() -> Iterator[type[Child]]:
     made: list[Child] = []
 
-    def make(code: str) -> Child:
-        c = Child(code)
+    def make(code: str, **kw) -> Child:
+        c = Child(code, **kw)
         made.append(c)
         return c
 

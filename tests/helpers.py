@@ -95,10 +95,14 @@ def fresh_cache_name() -> Iterator[str]:
 class Child:
     """A Python child process running `code`; it talks through stdout lines."""
 
-    def __init__(self, code: str) -> None:
-        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    def __init__(self, code: str, *, pid_namespace: bool = False, env: dict[str, str] | None = None) -> None:
+        """`pid_namespace`: in a PID namespace of its own, as in a container
+        (`unshare --pid --fork --mount-proc`: its own /proc; /dev/shm and the
+        files stay shared; it dies with the unshare process, which `proc` is)."""
+        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+        ns = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] if pid_namespace else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code)],
+            [*ns, sys.executable, "-c", textwrap.dedent(code)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=env, cwd=REPO,
         )
@@ -251,13 +255,23 @@ V2_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_v2")
 
 
 def runner_env(runner: str) -> dict[str, str]:
-    """The environment that makes an engine's processes run `runner`."""
+    """The environment that makes an engine's processes run `runner`. On a
+    CUDA build of vLLM (a GPU host: `pytest -m gpu`) V2 is native: only the
+    switch, never the CPU-only Triton-interpreter shim."""
+    if runner == "v2" and _vllm_is_cuda_build():
+        return {"VLLM_USE_V2_MODEL_RUNNER": "1"}
     if runner == "v2":
         path = os.pathsep.join(p for p in (V2_SHIM, os.environ.get("PYTHONPATH", "")) if p)
         # NOTE: TRITON_INTERPRET too (the shim sets it only where unset): vLLM imports most of
         # V2's kernels lazily, in an engine forked with exactly this environment
         return {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     return {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def _vllm_is_cuda_build() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())
 
 
 def check_runner(log_path: str, runner: str) -> None:

@@ -37,7 +37,7 @@ from shmkv.services.controller import Controller
 from shmkv.services.controller_auth import load_or_create_token, token_path
 from shmkv.services.controller_http import ControllerServer
 from shmkv.services.maintainer import MaintainerRole
-from shmkv.store import OpenOutcome, Store, open_store
+from shmkv.store import OpenOutcome, Role, Store, open_store
 from shmkv.tiers import TierChain, open_tiers
 
 log = logging.getLogger("shmkv.daemon")
@@ -47,6 +47,10 @@ READY = "shmkv daemon ready"
 
 
 # ---------------------------------------------------------------- daemon --
+class AlreadyServedError(ShmkvError):
+    """Another daemon holds the segment's daemon role (another container's)."""
+
+
 class Daemon:
     def __init__(self, cfg: ShmkvConfig) -> None:
         self.cfg = cfg
@@ -65,6 +69,12 @@ class Daemon:
         token = load_or_create_token(cfg)  # before the segment: a bad token file refuses the start
         self.store = open_store(cfg)
         try:
+            # NOTE: the runtime directory's lock sees daemons of this host namespace; the segment's
+            # role lock sees those of every container sharing the segment
+            if not self.store.try_hold_role(Role.DAEMON):
+                raise AlreadyServedError(f"another shmkv daemon already serves segment '{cfg.cache_name}' (from "
+                                         "another container or PID namespace: its runtime directory is not "
+                                         "this one); stop it first")
             self.chain = open_tiers(cfg, self.store)
             self.role = MaintainerRole(cfg, self.chain, standby_s=0.2, yield_to_daemon=False)
             self.role.start()
@@ -199,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             daemon.start()
+        except AlreadyServedError as e:
+            print(f"shmkv daemon: {e}", file=sys.stderr)
+            return EXIT_ALREADY_RUNNING
         except (ShmkvError, OSError) as e:
             print(f"shmkv daemon: cannot start for cache '{cfg.cache_name}': {e}", file=sys.stderr)
             return EXIT_CANNOT_SERVE

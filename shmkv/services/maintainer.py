@@ -17,10 +17,14 @@ starts a backoff (0.25 s doubling to 30 s) during which passes do not try
 again; one WARNING says when spilling starts failing and one INFO when it
 works again, with the number of failures in between.
 
-The role is an exclusive flock on <runtime dir>/<cache>.maintainer.lock (shmkv.paths): the
-daemon takes it when it runs (an embedded holder hands it over within a
-second); without a daemon, the first vLLM scheduler process to get it does
-the work in a background thread, and another takes over when it exits.
+The role is an exclusive flock on <runtime dir>/<cache>.maintainer.lock (shmkv.paths) and,
+because containers share the segment but not the runtime directory, the
+segment's own maintainer role (Store.try_hold_role: an OFD lock the kernel
+drops when the holder dies, in any PID namespace): the daemon takes it when
+it runs (an embedded holder hands it over within a second, also when the
+daemon runs in another container); without a daemon, the first vLLM
+scheduler process to get it does the work in a background thread, and
+another takes over when it exits.
 
 Promotion (disk -> shared tier) is not the maintainer's: the process that
 found a disk hit promotes it (shmkv.tiers.TierChain.promote), so a lookup
@@ -39,7 +43,7 @@ from shmkv.backoff import Backoff
 from shmkv.config import io_threads
 from shmkv.errors import LockTimeoutError, SegmentCorruptError
 from shmkv.paths import daemon_lock, maintainer_lock
-from shmkv.store import FLAG_SPILLED
+from shmkv.store import FLAG_SPILLED, Role
 from shmkv.tiers import Spill, TierChain
 from shmkv.tiers.disk.tier import DiskTier
 
@@ -176,16 +180,33 @@ class MaintainerRole:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.maintainer.close()
-        self.lock.release()
+        self._release()
 
     def _daemon_runs(self) -> bool:
-        return self.daemon is not None and self.daemon.is_held_elsewhere()
+        if self.daemon is None:
+            return False
+        return self.daemon.is_held_elsewhere() or self.maintainer.store.role_held_elsewhere(Role.DAEMON)
+
+    def _acquire(self) -> bool:
+        """The role in this runtime directory and across every container that shares the segment."""
+        store = self.maintainer.store
+        if not store.try_hold_role(Role.MAINTAINER):
+            return False
+        if not self.lock.try_acquire():
+            store.release_role(Role.MAINTAINER)
+            return False
+        return True
+
+    def _release(self) -> None:
+        self.lock.release()
+        if not self.maintainer.store.closed:
+            self.maintainer.store.release_role(Role.MAINTAINER)
 
     def _loop(self) -> None:
         next_daemon_check = 0.0
         while not self._stop.is_set():
             if not self.lock.held:
-                if self._daemon_runs() or not self.lock.try_acquire():
+                if self._daemon_runs() or not self._acquire():
                     self._stop.wait(self.standby_s)
                     continue
                 log.info("shmkv: this process (pid %d) is now the cache maintainer", os.getpid())
@@ -196,8 +217,8 @@ class MaintainerRole:
                 next_daemon_check = time.monotonic() + self.standby_s
                 if self._daemon_runs():
                     log.info("shmkv: the daemon (pid %s) runs: handing it the maintainer role",
-                             self.daemon.holder_pid() if self.daemon else "?")
-                    self.lock.release()
+                             (self.daemon.holder_pid() if self.daemon else None) or "in another container")
+                    self._release()
                     continue
             try:
                 self.maintainer.run_once()

@@ -24,6 +24,7 @@ from shmkv.store.results import (
     Presence,
     PutResult,
     ReadResult,
+    Role,
     Status,
 )
 from shmkv.store.store import (
@@ -36,5 +37,6 @@ from shmkv.store.store import (
 )
 
 __all__ = ["DEFAULT_LOCK_TIMEOUT_S", "FLAG_COMPRESSED", "FLAG_SPILLED", "INIT_WAIT_S", "RESERVE_STEP", "Key", "Keys",
-           "Lease", "OpenOutcome", "Presence", "PutResult", "ReadResult", "Reservation", "SegmentGeometry", "Status",
+           "Lease", "OpenOutcome", "Presence", "PutResult", "ReadResult", "Reservation", "Role", "SegmentGeometry",
+           "Status",
            "Store", "default_cache_name", "open_store"]

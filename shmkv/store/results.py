@@ -23,6 +23,14 @@ if _missing:  # a code added in C++ without its exception class (shmkv/errors.py
     raise ImportError(f"shmkv.errors.BY_STATUS lacks the C++ error codes {sorted(_missing)}")
 
 
+class Role(enum.Enum):
+    """Exclusive roles among every process sharing a segment, in any PID
+    namespace (Store.try_hold_role: a byte of the segment file's OFD locks)."""
+
+    MAINTAINER = 0  # runs maintenance passes (shmkv.services.maintainer)
+    DAEMON = 1  # the cache's daemon runs: embedded maintainers stand by
+
+
 class PutResult(enum.Enum):
     """Outcome of a store operation that is not an error."""
 

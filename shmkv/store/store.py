@@ -50,6 +50,7 @@ from shmkv.store.results import (
     Presence,
     PutResult,
     ReadResult,
+    Role,
     Status,
     _raise,
     _raise_if_error,
@@ -281,6 +282,10 @@ class Store:
         self.close()
 
     @property
+    def closed(self) -> bool:
+        return self._t is None
+
+    @property
     def table(self) -> Any:
         if self._t is None:
             raise InvalidArgumentError(f"store '{self.name}' is closed")
@@ -404,8 +409,23 @@ class Store:
         return int(self.table.clear(namespace))
 
     def reclaim(self) -> dict[str, int]:
-        """Release leases and unfinished writes of processes that exited."""
+        """Release leases and unfinished writes of processes that exited
+        (judged by the locks their slots hold: in any PID namespace)."""
         return dict(self.table.reclaim())
+
+    # ------------------------------------------- roles across containers --
+    def try_hold_role(self, role: Role) -> bool:
+        """Take `role` among every process of every PID namespace sharing this
+        segment (an OFD lock of the segment file: the kernel drops it when this
+        process dies or the store closes); never waits."""
+        return bool(self.table.try_hold_role(role.value))
+
+    def release_role(self, role: Role) -> None:
+        self.table.release_role(role.value)
+
+    def role_held_elsewhere(self, role: Role) -> bool:
+        """Whether another process (or another store of this one) holds `role`."""
+        return bool(self.table.role_held_elsewhere(role.value))
 
     # -------------------------------------------------- tier maintenance --
     def coldest(self, max_n: int) -> list[tuple[bytes, int, int, bytes, int]]:

@@ -4,6 +4,7 @@ faults, leftover temporary files and the start-up index rebuild."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 import subprocess
@@ -94,8 +95,11 @@ def test_rebuild_removes_temp_files_and_reads_no_bodies(tmp_path, counts, monkey
         t.write(key(i), NS, os.urandom(2000))
     dead = _exited_pid()
     open(os.path.join(t.dir, f".{key(9).hex()}.{dead}.77.tmp"), "wb").write(b"half, of a killed writer")
-    live = os.path.join(t.dir, f".{key(8).hex()}.{os.getppid()}.77.tmp")
-    open(live, "wb").write(b"half, of a writer that still runs")
+    live = os.path.join(t.dir, f".{key(8).hex()}.{dead}.78.tmp")
+    writing = os.open(live, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(writing, b"half, of a writer that still runs")
+    # its flock says it still writes (its pid, another container's perhaps, says nothing)
+    fcntl.flock(writing, fcntl.LOCK_EX)
     open(os.path.join(t.dir, "README"), "w").write("not ours")
 
     def no_decode(*a, **k):
@@ -103,7 +107,10 @@ def test_rebuild_removes_temp_files_and_reads_no_bodies(tmp_path, counts, monkey
 
     monkeypatch.setattr(fmt, "decode", no_decode)
     t2 = make(tmp_path, counts)
-    files, size = t2.rebuild_index()
+    try:
+        files, size = t2.rebuild_index()
+    finally:
+        os.close(writing)
     assert files == 5 and size == sum(os.path.getsize(t2.path(key(i))) for i in range(5))
     assert [n for n in os.listdir(t2.dir) if n.endswith(".tmp")] == [os.path.basename(live)], \
         "a dead writer's temporary file goes; a live writer's stays"

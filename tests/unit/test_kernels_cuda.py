@@ -58,6 +58,34 @@ def test_cuda_gather_scatter_match_reference(gpu_store, kind, dtype, bs):
             assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("tokens", [400, 477, 478, 3997, 3998, 9000])
+def test_a_kernel_copy_of_more_indices_than_one_launch_carries_is_exact(gpu_store, tokens):
+    """The gather kernel carries the layer bases and indices in its launch
+    arguments (480 words, or 4,000, a launch): copies around those bounds,
+    and one that takes three launches, give the reference's bytes both ways."""
+    rng = np.random.default_rng(tokens)
+    blocks = -(-tokens // 16) + 3
+    layers = make_cache("nhd", 3, blocks, 16, 1, 8, torch.float16, device="cuda")
+    layout = KVLayout("nhd", layers)
+    layout.copier.engines(store="kernel", load="kernel")
+    idx = rng.permutation(blocks * 16)[:tokens].astype(np.int64)
+    idx[::97] = -1  # slots outside a window: zeros in the payload, skipped by a scatter
+    r = gpu_store.reserve(rng.bytes(16), layout.payload_bytes(tokens))
+    layout.gather(idx, r)
+    torch.cuda.synchronize()
+    got = torch.frombuffer(bytearray(r.view()), dtype=torch.uint8)
+    assert torch.equal(got, ref_gather("nhd", [t.cpu() for t in layers], torch.from_numpy(idx)))
+    fresh = [torch.zeros_like(t) for t in layers]
+    ref = [torch.zeros_like(t).cpu() for t in layers]
+    target = KVLayout("nhd", fresh)
+    target.copier.engines(store="kernel", load="kernel")
+    target.scatter(idx, r)
+    torch.cuda.synchronize()
+    ref_scatter("nhd", ref, torch.from_numpy(idx), got)
+    assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fresh, ref))
+    r.abort()
+
+
 def test_cuda_bad_index_launches_nothing(gpu_store):
     layers = make_cache("nhd", 2, 4, 16, 2, 8, torch.bfloat16, device="cuda")
     before = [t.clone() for t in layers]

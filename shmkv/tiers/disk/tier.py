@@ -1,14 +1,15 @@
 """The disk tier: one file per chunk in a 0700 directory, files 0600.
 
     <dir>/<key hex>.kv            a complete chunk (shmkv.tiers.format)
-    <dir>/.<key hex>.<pid>.<thread>.tmp   being written; renamed into place when whole
+    <dir>/.<key hex>.<pid>.<thread>.tmp   being written (its writer holds its flock); renamed into place when whole
 
 Any process may look chunks up (a stat per key: no shared index to keep
 consistent) and read them. Only the maintainer writes and removes files, so
 only it keeps an index: an LRU of file sizes under the directory's byte cap,
 rebuilt at start from a directory scan (stat only, no decompression), which
 also removes the temporary files a killed writer left (never those of a
-writer that still runs: a maintainer handing its role over may be mid-write).
+writer that still runs, in any container: a maintainer handing its role over
+may be mid-write; the writer's flock says, not its pid).
 
 Nothing here raises into the caller for a damaged file, a full disk or an I/O
 error: a bad file is a miss, a counter and an unlink; a failed write is a
@@ -24,6 +25,7 @@ it is read with exactly the length its header declares, capped.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import stat
@@ -228,13 +230,16 @@ class DiskTier:
             t1 = time.perf_counter()
             fd = self._d.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
+                # NOTE: held until the rename: a write in progress to every process that scans
+                # the directory, in any PID namespace; the kernel drops it if this one dies
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 _write_all(fd, [memoryview(head).cast("B"), memoryview(body).cast("B")])
+                size = memoryview(head).nbytes + memoryview(body).nbytes
+                if measured is not None:
+                    self.codec.record(measured[0], raw_len, size, measured[1], time.perf_counter() - t1)
+                self._d.replace(tmp, final)
             finally:
                 os.close(fd)
-            size = memoryview(head).nbytes + memoryview(body).nbytes
-            if measured is not None:
-                self.codec.record(measured[0], raw_len, size, measured[1], time.perf_counter() - t1)
-            self._d.replace(tmp, final)
             with self._lock:
                 self._unsynced.add(final)
         except OSError as e:
@@ -299,6 +304,24 @@ class DiskTier:
         self._d.fsync()
         return len(names)
 
+    def _writer_alive(self, name: str) -> bool:
+        """Whether a process still writes the temporary file `name`: it holds
+        the file's flock while it writes (whatever PID namespace it runs in,
+        where its pid in the name would mean nothing)."""
+        try:
+            fd = self._d.open(name, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            return True  # renamed into place meanwhile, or not ours to open: left alone
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
     def _chunk_names(self) -> list[str]:
         return [d.name for d in self._d.scandir() if d.name.endswith(SUFFIX) and len(d.name) == 32 + len(SUFFIX)]
 
@@ -309,7 +332,7 @@ class DiskTier:
         for d in self._d.scandir():
             name = d.name
             if name.endswith(".tmp"):
-                if not _writer_alive(name):
+                if not self._writer_alive(name):
                     self._unlink_quiet(name)  # left by a writer that was killed
                 continue
             if not name.endswith(SUFFIX) or len(name) != 32 + len(SUFFIX):
@@ -405,25 +428,6 @@ def _write_all(fd: int, parts: list[memoryview]) -> None:
             parts.pop(0)
         if parts and n:
             parts[0] = parts[0][n:]
-
-
-def _writer_alive(tmp_name: str) -> bool:
-    """Whether the process named in `.<key>.<pid>.<thread>.tmp` still runs
-    (then the file is a write in progress, not debris)."""
-    parts = tmp_name.split(".")
-    try:
-        pid = int(parts[2])
-    except (IndexError, ValueError):
-        return False
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _name(key: bytes) -> str:
