@@ -11,6 +11,10 @@ replacement. Then, with every worker gone, the segment is audited.
   leaked_leases    leases still held once every worker is gone and dead
                    processes are reclaimed
   leaked_writes    half-written chunks left in the same state
+  live_holders_reclaimed  commits (STALE) and lease releases (False) of
+                   workers still alive whose write or lease was reclaimed under
+                   them: a liveness mistake (--pid-namespaces: each worker in a
+                   PID namespace of its own, as containers run)
   consistency_ok   the table's own consistency check passes
   bytes_ok         bytes_used equals the sum of the live entries' allocations
   pins_left        pins held by killed workers (pins belong to no process by
@@ -55,7 +59,7 @@ def worker(cache: str, seed: int) -> int:
     rng = random.Random(seed)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda s, f: stop.set())
-    ops = corrupt = 0
+    ops = corrupt = stale = 0  # stale: this live process's write or lease was reclaimed under it
 
     def check(k: bytes, view) -> bool:  # noqa: ANN001
         return bytes(view) == payload_of(k)
@@ -68,12 +72,14 @@ def worker(cache: str, seed: int) -> int:
             r = store.reserve(k, len(payload_of(k)))
             if not isinstance(r, PutResult):
                 r.view()[:] = payload_of(k)
-                r.commit()
+                stale += r.commit() is PutResult.STALE
         elif op < 0.75:  # read through a lease
             lease = store.acquire(k)
             if lease is not None:
                 good = check(k, lease.view())
-                if lease.release() and not good:  # a stale lease's bytes are void, not corrupt
+                held = lease.release()
+                stale += not held
+                if held and not good:  # a stale lease's bytes are void, not corrupt
                     corrupt += 1
                     print(f"corrupt {k.hex()}", flush=True)
         elif op < 0.85:  # copy out
@@ -95,8 +101,8 @@ def worker(cache: str, seed: int) -> int:
             store.lookup_prefix([key_of(rng.randrange(KEYSPACE)) for _ in range(16)])
         ops += 1
         if ops % 200 == 0:
-            print(f"ops {ops} {corrupt}", flush=True)
-    print(f"ops {ops} {corrupt}", flush=True)
+            print(f"ops {ops} {corrupt} {stale}", flush=True)
+    print(f"ops {ops} {corrupt} {stale}", flush=True)
     store.close()
     return 0
 
@@ -131,14 +137,32 @@ def audit(store) -> dict:  # noqa: ANN001 - a shmkv.Store
 
 # -------------------------------------------------------------- supervisor --
 class _Worker:
-    def __init__(self, cache: str, seed: int, tally: dict, lock: threading.Lock) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "shmkv.bench.soak_bench", "--worker", cache, str(seed)],
-                                     stdout=subprocess.PIPE, text=True)
-        self.ops = 0
+    def __init__(self, cache: str, seed: int, tally: dict, lock: threading.Lock, *, pid_namespace: bool) -> None:
+        # NOTE: in a PID namespace of its own (a container's), unshare's child dies with unshare
+        ns = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] if pid_namespace else []
+        self.proc = subprocess.Popen([*ns, sys.executable, "-m", "shmkv.bench.soak_bench", "--worker", cache,
+                                      str(seed)], stdout=subprocess.PIPE, text=True)
+        self.ops = self.stale = 0
+        self.pid_namespace = pid_namespace
         self.tally, self.lock = tally, lock
         self.ready = threading.Event()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+
+    def terminate(self) -> None:
+        """SIGTERM to the worker (in a namespace: unshare's child; unshare does not pass it on)."""
+        if not self.pid_namespace:
+            self.proc.send_signal(signal.SIGTERM)
+            return
+        # NOTE: the worker is its namespace's init, which ignores SIGTERM until it has a handler
+        self.ready.wait(60)
+        try:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+                children = [int(p) for p in f.read().split()]
+        except OSError:
+            children = []
+        for pid in children:
+            os.kill(pid, signal.SIGTERM)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -152,6 +176,8 @@ class _Worker:
                 with self.lock:
                     self.tally["ops"] += int(parts[1]) - self.ops
                     self.ops = int(parts[1])
+                    self.tally["live_holders_reclaimed"] += int(parts[3]) - self.stale
+                    self.stale = int(parts[3])
             elif parts[0] == "corrupt":
                 with self.lock:
                     self.tally["corrupt_reads"] += 1
@@ -165,6 +191,8 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--kill-every-ms", type=float, default=300.0, help="mean interval between kills")
     ap.add_argument("--capacity-mib", type=int, default=32, help="small, so that puts evict all the time")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--pid-namespaces", action="store_true",
+                    help="each worker in a PID namespace of its own, as containers run (unshare; needs root)")
     a = ap.parse_args(argv)
 
     from shmkv import Store
@@ -172,10 +200,10 @@ def run(argv: list[str]) -> dict:
     cache = f"shmkv-soak-{os.getpid()}"
     store = Store.create(cache, a.capacity_mib << 20, populate=False, max_entries=1024)
     rng = random.Random(a.seed)
-    tally = {"ops": 0, "corrupt_reads": 0}
+    tally = {"ops": 0, "corrupt_reads": 0, "live_holders_reclaimed": 0}
     lock = threading.Lock()
     seeds = iter(range(a.seed * 1_000_000, 1 << 62))
-    workers = [_Worker(cache, next(seeds), tally, lock) for _ in range(a.workers)]
+    workers = [_Worker(cache, next(seeds), tally, lock, pid_namespace=a.pid_namespaces) for _ in range(a.workers)]
     for w in workers:
         w.ready.wait(60)
     kills = 0
@@ -189,15 +217,17 @@ def run(argv: list[str]) -> dict:
             victim.proc.wait()
             victim.reader.join(10)
             kills += 1
-            workers[i] = _Worker(cache, next(seeds), tally, lock)
+            workers[i] = _Worker(cache, next(seeds), tally, lock, pid_namespace=a.pid_namespaces)
         for w in workers:
-            w.proc.send_signal(signal.SIGTERM)
+            w.terminate()
         for w in workers:
             w.proc.wait(60)
             w.reader.join(10)
-        result = {"seconds": a.seconds, "workers": a.workers, "ops": tally["ops"], "kills": kills,
-                  "corrupt_reads": tally["corrupt_reads"], **audit(store)}
+        result = {"seconds": a.seconds, "workers": a.workers, "pid_namespaces": a.pid_namespaces,
+                  "ops": tally["ops"], "kills": kills, "corrupt_reads": tally["corrupt_reads"],
+                  "live_holders_reclaimed": tally["live_holders_reclaimed"], **audit(store)}
         result["ok"] = (result["corrupt_reads"] == 0 and result["corrupt_entries"] == 0
+                        and result["live_holders_reclaimed"] == 0
                         and result["leaked_leases"] == 0 and result["leaked_writes"] == 0
                         and result["consistency_ok"] and result["bytes_ok"] and kills > 0 and result["ops"] > 0)
         return result
@@ -211,8 +241,10 @@ def run(argv: list[str]) -> dict:
 
 
 def report(r: dict) -> None:
-    print(f"soak {r['seconds']:.0f} s, {r['workers']} workers: {r['ops']} ops, {r['kills']} kill -9's "
+    where = " in PID namespaces of their own" if r["pid_namespaces"] else ""
+    print(f"soak {r['seconds']:.0f} s, {r['workers']} workers{where}: {r['ops']} ops, {r['kills']} kill -9's "
           f"({r['lock_recoveries']} while holding the table lock)")
+    print(f"  writes or leases of live workers reclaimed under them: {r['live_holders_reclaimed']}")
     print(f"  corrupt reads {r['corrupt_reads']}, corrupt chunks at the end {r['corrupt_entries']}")
     print(f"  leaked leases {r['leaked_leases']}, leaked writes {r['leaked_writes']} (reclaimed during the run: "
           f"{r['leases_reclaimed']} leases, {r['writes_reclaimed']} writes)")

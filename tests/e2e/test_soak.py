@@ -5,6 +5,7 @@ write, and a consistent table; the audit itself catches each kind of damage."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -17,14 +18,21 @@ from shmkv.bench.soak_bench import audit, key_of, payload_of
 pytestmark = pytest.mark.slow
 
 
-def test_bounded_soak():
-    r = subprocess.run([sys.executable, "-m", "shmkv.bench", "soak", "--seconds", "20", "--json"],
+@pytest.mark.parametrize("namespaces", [
+    pytest.param([], id="one-pid-namespace"),
+    # as containers run: each of 3 workers in a PID namespace of its own, the audit in the host's
+    pytest.param(["--workers", "3", "--pid-namespaces"], id="a-pid-namespace-each", marks=pytest.mark.skipif(
+        os.geteuid() != 0, reason="PID namespaces need root (unshare), as in CI")),
+])
+def test_bounded_soak(namespaces):
+    r = subprocess.run([sys.executable, "-m", "shmkv.bench", "soak", "--seconds", "20", "--json", *namespaces],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["kills"] >= 20 and res["ops"] > 10_000, res
     assert res["corrupt_reads"] == 0 and res["corrupt_entries"] == 0, res
     assert res["leaked_leases"] == 0 and res["leaked_writes"] == 0, res
+    assert res["live_holders_reclaimed"] == 0, res
     assert res["consistency_ok"] and res["bytes_ok"] and res["ok"], res
 
 
