@@ -126,14 +126,15 @@ class Child:
 class DaemonProcess:
     """`scripts/start_shm_daemon.sh ARGS` in the foreground; `url` once it serves."""
 
-    def __init__(self, cache: str, *args: str, log_path: str) -> None:
+    def __init__(self, cache: str, *args: str, log_path: str, pid_namespace: bool = False) -> None:
         self.cache = cache
         self.log_path = log_path
         self.log = open(log_path, "ab")
         env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    PYTHON=sys.executable)
+        ns = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] if pid_namespace else []
         self.proc = subprocess.Popen(
-            ["bash", os.path.join(REPO, "scripts", "start_shm_daemon.sh"), "--cache", cache, *args],
+            [*ns, "bash", os.path.join(REPO, "scripts", "start_shm_daemon.sh"), "--cache", cache, *args],
             stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO)
         self.url = ""
 

@@ -36,6 +36,8 @@ class EngineSpec:
     # process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a start costs one Python with vLLM
     # imported instead of three. False: vLLM's default process split, as users run it.
     in_process: bool = False
+    # in a PID namespace of its own, as a container runs it (unshare --pid --fork --mount-proc: root)
+    pid_namespace: bool = False
 
 
 class EngineProcess:
@@ -58,13 +60,14 @@ class EngineProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self._shm_before = _psm_segments()
-        if fork and spec.in_process:
+        if fork and spec.in_process and not spec.pid_namespace:
             from shmkv.bench.engine_forks import fork_engine
 
             self.proc: Any = fork_engine(json.dumps(asdict(spec)), env, self._log.fileno())
         else:
+            ns = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] if spec.pid_namespace else []
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "shmkv.bench.engines", json.dumps(asdict(spec))],
+                [*ns, sys.executable, "-m", "shmkv.bench.engines", json.dumps(asdict(spec))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
                 start_new_session=True,
             )
