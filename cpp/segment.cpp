@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <sys/types.h>
 #include <time.h>
@@ -16,6 +17,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -70,9 +72,76 @@ bool ofd_lock_within(int fd, off_t byte, short type, uint64_t wait_ns) {
   }
 }
 
+// Where segments live: POSIX shared memory (/dev/shm), or the directory
+// SHMKV_SEGMENT_DIR names: a tmpfs of its own that a container mounts alone
+// (a hostPath), instead of the host's whole /dev/shm or IPC namespace. The
+// directory must be this uid's, mode 0700, on a memory filesystem.
+struct SegmentPlace {
+  std::string dir;  // "" = POSIX shm
+  int dirfd = -1;
+  ~SegmentPlace() {
+    if (dirfd >= 0) close(dirfd);
+  }
+  std::string where() const { return dir.empty() ? std::string("/dev/shm") : dir; }
+  std::string display(const std::string& name) const { return where() + "/" + name; }
+  int open_file(const std::string& name, int flags, mode_t mode) const {
+    return dir.empty() ? shm_open(("/" + name).c_str(), flags, mode)
+                       : openat(dirfd, name.c_str(), flags | O_NOFOLLOW, mode);
+  }
+  int unlink_file(const std::string& name) const {
+    return dir.empty() ? shm_unlink(("/" + name).c_str()) : unlinkat(dirfd, name.c_str(), 0);
+  }
+};
+
+constexpr long kTmpfsMagic = 0x01021994;
+constexpr long kHugetlbfsMagic = 0x958458f6;
+
+Status open_place(SegmentPlace* p, std::string* err) {
+  const char* env = std::getenv("SHMKV_SEGMENT_DIR");
+  if (env == nullptr || *env == 0) return Status::kOk;
+  p->dir = env;
+  if (p->dir[0] != '/') {
+    *err = "SHMKV_SEGMENT_DIR=" + p->dir + " is not an absolute path";
+    return Status::kInvalidArgument;
+  }
+  p->dirfd = ::open(env, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (p->dirfd < 0) {
+    int e = errno;
+    *err = errno_text(("SHMKV_SEGMENT_DIR=" + p->dir + " (a directory of this uid, mode 0700, on a tmpfs)").c_str(), e);
+    return e == EACCES ? Status::kPermission : (e == ENOENT ? Status::kNotFound : Status::kSystem);
+  }
+  struct stat st;
+  struct statfs fs;
+  if (fstat(p->dirfd, &st) != 0 || fstatfs(p->dirfd, &fs) != 0) {
+    *err = errno_text(("SHMKV_SEGMENT_DIR=" + p->dir).c_str(), errno);
+    return Status::kSystem;
+  }
+  if (st.st_uid != geteuid() || (st.st_mode & 0077) != 0) {
+    char mode_s[16];
+    std::snprintf(mode_s, sizeof mode_s, "%04o", unsigned(st.st_mode & 07777));
+    *err = "SHMKV_SEGMENT_DIR=" + p->dir + " is owned by uid " + std::to_string(st.st_uid) + " with mode " + mode_s +
+           "; shmkv keeps segments only in a directory of its own uid (" + std::to_string(geteuid()) +
+           ") with mode 0700 (chown it, chmod 700 it)";
+    return Status::kPermission;
+  }
+  if (long(fs.f_type) != kTmpfsMagic && long(fs.f_type) != kHugetlbfsMagic) {
+    *err = "SHMKV_SEGMENT_DIR=" + p->dir + " is not on a memory filesystem (tmpfs): a segment there would be "
+           "written back to disk; mount a tmpfs there (Kubernetes: an emptyDir with medium Memory, or a hostPath "
+           "of a host tmpfs)";
+    return Status::kInvalidArgument;
+  }
+  return Status::kOk;
+}
+
+// The filesystem segments live on, for messages and its free space.
+std::string segments_where() {
+  const char* env = std::getenv("SHMKV_SEGMENT_DIR");
+  return env != nullptr && *env ? std::string(env) : std::string("/dev/shm");
+}
+
 uint64_t shm_free_bytes() {
   struct statvfs st;
-  if (statvfs("/dev/shm", &st) != 0) return 0;
+  if (statvfs(segments_where().c_str(), &st) != 0) return 0;
   return uint64_t(st.f_bavail) * uint64_t(st.f_frsize);
 }
 
@@ -247,7 +316,8 @@ Status Segment::compute_geometry(const SegmentConfig& cfg, Geometry* geo, std::s
 
 // All the steps of Segment::open that need the fd and the locks.
 struct SegmentOpener {
-  std::string name, path;
+  std::string name;
+  const SegmentPlace& place;
   OpenMode mode;
   const SegmentConfig& cfg;
   bool populate;
@@ -296,8 +366,8 @@ struct SegmentOpener {
       ftruncate(fd, 0);
       *err = "cannot reserve " + format_bytes(g.capacity_bytes) + " (" +
              std::to_string(g.capacity_bytes) + " bytes) for shared-memory segment '" + name +
-             "': /dev/shm has " + format_bytes(free_now) + " free (posix_fallocate: " +
-             std::strerror(rc) + "); lower the capacity or enlarge /dev/shm";
+             "': " + segments_where() + " has " + format_bytes(free_now) + " free (posix_fallocate: " +
+             std::strerror(rc) + "); lower the capacity or enlarge " + segments_where();
       return rc == ENOSPC ? Status::kNoSpace : Status::kSystem;
     }
     Status s = map(g.capacity_bytes);
@@ -398,32 +468,33 @@ struct SegmentOpener {
     for (int attempt = 0;; ++attempt) {
       bool created = false;
       if (mode != OpenMode::kAttach) {
-        fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        fd = place.open_file(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
         if (fd >= 0) {
           created = true;
           fchmod(fd, 0600);  // whatever the umask did
         } else if (errno != EEXIST) {
-          *err = errno_text(("shm_open(" + path + ")").c_str(), errno);
-          return errno == EACCES ? Status::kPermission : Status::kSystem;
+          int e = errno;
+          *err = errno_text(("creating segment " + place.display(name)).c_str(), e);
+          return e == EACCES ? Status::kPermission : Status::kSystem;
         }
       }
       if (!created) {
-        fd = shm_open(path.c_str(), O_RDWR | O_CLOEXEC, 0);
+        fd = place.open_file(name, O_RDWR | O_CLOEXEC, 0);
         if (fd < 0) {
           int e = errno;
           if (e == ENOENT && mode != OpenMode::kAttach && attempt < 8) continue;  // raced unlink
           if (e == ENOENT) {
-            *err = "no shmkv segment named '" + name + "' (/dev/shm/" + name + ")";
+            *err = "no shmkv segment named '" + name + "' (" + place.display(name) + ")";
             return Status::kNotFound;
           }
-          *err = errno_text(("cannot open shared-memory segment /dev/shm/" + name).c_str(), e);
-          return e == EACCES ? Status::kPermission : Status::kSystem;
+          *err = errno_text(("cannot open shared-memory segment " + place.display(name)).c_str(), e);
+          return (e == EACCES || e == ELOOP) ? Status::kPermission : Status::kSystem;
         }
         struct stat st;
-        if (fstat(fd, &st) == 0 && (st.st_uid != geteuid() || (st.st_mode & 0077) != 0)) {
+        if (fstat(fd, &st) == 0 && (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 0077) != 0)) {
           char mode_s[16];
           std::snprintf(mode_s, sizeof mode_s, "%04o", unsigned(st.st_mode & 07777));
-          *err = "segment /dev/shm/" + name + " is owned by uid " + std::to_string(st.st_uid) +
+          *err = "segment " + place.display(name) + " is owned by uid " + std::to_string(st.st_uid) +
                  " with mode " + mode_s + "; shmkv only uses segments owned by its own uid (" +
                  std::to_string(geteuid()) + ") with mode 0600";
           return Status::kPermission;
@@ -433,8 +504,8 @@ struct SegmentOpener {
         if (errno == ETIMEDOUT) {
           char waited[32];
           std::snprintf(waited, sizeof waited, "%.1f", double(cfg.init_wait_ns) / 1e9);
-          *err = "another process has been initialising segment /dev/shm/" + name + " for over " + waited +
-                 " s (still creating a large segment, or stopped while doing so: `fuser -v /dev/shm/" + name +
+          *err = "another process has been initialising segment " + place.display(name) + " for over " + waited +
+                 " s (still creating a large segment, or stopped while doing so: `fuser -v " + place.display(name) +
                  "` names it); try again, or stop it";
           return Status::kTimedOut;
         }
@@ -490,7 +561,7 @@ struct SegmentOpener {
         }
       }
       if (s != Status::kOk) {
-        if (created) shm_unlink(path.c_str());
+        if (created) place.unlink_file(name);
         return s;  // destructor closes fd: our locks go with it
       }
       ofd_lock(fd, kInitByte, F_UNLCK, false);
@@ -517,7 +588,10 @@ Status Segment::open(const std::string& name, OpenMode mode, const SegmentConfig
            "': use 1-200 characters from [A-Za-z0-9._-], not starting with '.'";
     return Status::kInvalidArgument;
   }
-  SegmentOpener op{name, "/" + name, mode, cfg, populate, err};
+  SegmentPlace place;
+  Status ps = open_place(&place, err);
+  if (ps != Status::kOk) return ps;
+  SegmentOpener op{name, place, mode, cfg, populate, err};
   return op.run(out);
 }
 
@@ -526,13 +600,16 @@ Status Segment::unlink(const std::string& name, std::string* err) {
     *err = "invalid cache name '" + name + "'";
     return Status::kInvalidArgument;
   }
-  if (shm_unlink(("/" + name).c_str()) != 0) {
+  SegmentPlace place;
+  Status ps = open_place(&place, err);
+  if (ps != Status::kOk) return ps;
+  if (place.unlink_file(name) != 0) {
     int e = errno;
     if (e == ENOENT) {
       *err = "no shmkv segment named '" + name + "'";
       return Status::kNotFound;
     }
-    *err = errno_text(("shm_unlink(/" + name + ")").c_str(), e);
+    *err = errno_text(("unlinking " + place.display(name)).c_str(), e);
     return e == EACCES ? Status::kPermission : Status::kSystem;
   }
   return Status::kOk;
@@ -575,7 +652,7 @@ Status Segment::reserve_more(uint64_t max_bytes, bool map_pages, uint64_t* reser
   if (rc != 0) {
     header()->counters.reserve_errors.fetch_add(1, std::memory_order_relaxed);
     *err = "cannot reserve " + format_bytes(len) + " more of segment '" + name_ + "' (" + format_bytes(from) +
-           " of its " + format_bytes(geo_.arena_bytes) + " arena reserved; /dev/shm has " +
+           " of its " + format_bytes(geo_.arena_bytes) + " arena reserved; " + segments_where() + " has " +
            format_bytes(shm_free_bytes()) + " free; posix_fallocate: " + std::strerror(rc) +
            "): the cache works with the part reserved";
     return rc == ENOSPC ? Status::kNoSpace : Status::kSystem;

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmkv.errors import ConfigError
-from shmkv.names import CODEC_SETTINGS, LOSSY_FORMS
+from shmkv.names import CODEC_SETTINGS, LOSSY_FORMS, segments_dir
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
                "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
@@ -97,11 +97,12 @@ def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 def default_capacity() -> int:
     """The capacity of a segment created with no explicit `capacity`: a
-    quarter of /dev/shm's size (not of what is free in it, which the segment
-    itself changes), between 256 MiB and 16 GiB, in whole MiB. Used only when
-    no segment of the name exists: then the existing one's size wins."""
+    quarter of the size of /dev/shm (or of SHMKV_SEGMENT_DIR: segments_dir),
+    not of what is free in it, which the segment itself changes; between
+    256 MiB and 16 GiB, in whole MiB. Used only when no segment of the name
+    exists: then the existing one's size wins."""
     try:
-        st = os.statvfs("/dev/shm")
+        st = os.statvfs(segments_dir())
         total = st.f_blocks * st.f_frsize
     except OSError:
         total = 4 << 30

@@ -94,9 +94,9 @@ def daemon(tmp_path) -> Iterator:
     """daemon(cache, *args) -> a started DaemonProcess (stopped after the test)."""
     made: list[DaemonProcess] = []
 
-    def start(cache: str, *args: str, ready: bool = True, pid_namespace: bool = False) -> DaemonProcess:
-        d = DaemonProcess(cache, *args, log_path=str(tmp_path / f"daemon-{len(made)}.log"),
-                          pid_namespace=pid_namespace)
+    def start(cache: str, *args: str, ready: bool = True, **container) -> DaemonProcess:
+        """`container`: pid_namespace, private_shm, env (DaemonProcess)."""
+        d = DaemonProcess(cache, *args, log_path=str(tmp_path / f"daemon-{len(made)}.log"), **container)
         made.append(d)
         if ready:
             d.wait_ready()

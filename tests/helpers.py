@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import pytest
 import xxhash
 
+from shmkv.bench.engines import container_argv
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def cuda_missing() -> str | None:
@@ -95,14 +97,16 @@ def fresh_cache_name() -> Iterator[str]:
 class Child:
     """A Python child process running `code`; it talks through stdout lines."""
 
-    def __init__(self, code: str, *, pid_namespace: bool = False, env: dict[str, str] | None = None) -> None:
+    def __init__(self, code: str, *, pid_namespace: bool = False, private_shm: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         """`pid_namespace`: in a PID namespace of its own, as in a container
         (`unshare --pid --fork --mount-proc`: its own /proc; /dev/shm and the
-        files stay shared; it dies with the unshare process, which `proc` is)."""
+        files stay shared; it dies with the unshare process, which `proc` is).
+        `private_shm`: and a /dev/shm of its own (a container without
+        --ipc=host), so only what the environment names is shared."""
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
-        ns = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] if pid_namespace else []
         self.proc = subprocess.Popen(
-            [*ns, sys.executable, "-c", textwrap.dedent(code)],
+            [*container_argv(pid_namespace, private_shm), sys.executable, "-c", textwrap.dedent(code)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=env, cwd=REPO,
         )
@@ -126,15 +130,16 @@ class Child:
 class DaemonProcess:
     """`scripts/start_shm_daemon.sh ARGS` in the foreground; `url` once it serves."""
 
-    def __init__(self, cache: str, *args: str, log_path: str, pid_namespace: bool = False) -> None:
+    def __init__(self, cache: str, *args: str, log_path: str, pid_namespace: bool = False,
+                 private_shm: bool = False, env: dict[str, str] | None = None) -> None:
         self.cache = cache
         self.log_path = log_path
         self.log = open(log_path, "ab")
-        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PYTHON=sys.executable)
-        ns = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] if pid_namespace else []
+        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "PYTHON": sys.executable, **(env or {})}
         self.proc = subprocess.Popen(
-            [*ns, "bash", os.path.join(REPO, "scripts", "start_shm_daemon.sh"), "--cache", cache, *args],
+            [*container_argv(pid_namespace, private_shm), "bash", os.path.join(REPO, "scripts", "start_shm_daemon.sh"),
+             "--cache", cache, *args],
             stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO)
         self.url = ""
 

@@ -36,8 +36,23 @@ class EngineSpec:
     # process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a start costs one Python with vLLM
     # imported instead of three. False: vLLM's default process split, as users run it.
     in_process: bool = False
-    # in a PID namespace of its own, as a container runs it (unshare --pid --fork --mount-proc: root)
+    # in a PID namespace of its own, as a container runs it (unshare --pid --fork --mount-proc: root),
+    # and with private_shm a /dev/shm of its own (container_argv)
     pid_namespace: bool = False
+    private_shm: bool = False
+
+
+def container_argv(pid_namespace: bool, private_shm: bool = False) -> list[str]:
+    """The command prefix that runs a command as a container would (root:
+    unshare): a PID namespace and /proc of its own, dying with the unshare
+    process; with `private_shm`, a /dev/shm of its own too (a container
+    without --ipc=host: only what SHMKV_SEGMENT_DIR names is shared)."""
+    if not pid_namespace:
+        return []
+    ns = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    if private_shm:
+        return [*ns, "sh", "-c", 'mount -t tmpfs -o size=2g,mode=1777 container-shm /dev/shm && exec "$@"', "sh"]
+    return ns
 
 
 class EngineProcess:
@@ -65,7 +80,7 @@ class EngineProcess:
 
             self.proc: Any = fork_engine(json.dumps(asdict(spec)), env, self._log.fileno())
         else:
-            ns = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] if spec.pid_namespace else []
+            ns = container_argv(spec.pid_namespace, spec.private_shm)
             self.proc = subprocess.Popen(
                 [*ns, sys.executable, "-m", "shmkv.bench.engines", json.dumps(asdict(spec))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,

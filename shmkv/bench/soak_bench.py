@@ -139,7 +139,9 @@ def audit(store) -> dict:  # noqa: ANN001 - a shmkv.Store
 class _Worker:
     def __init__(self, cache: str, seed: int, tally: dict, lock: threading.Lock, *, pid_namespace: bool) -> None:
         # NOTE: in a PID namespace of its own (a container's), unshare's child dies with unshare
-        ns = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] if pid_namespace else []
+        from shmkv.bench.engines import container_argv
+
+        ns = container_argv(pid_namespace)
         self.proc = subprocess.Popen([*ns, sys.executable, "-m", "shmkv.bench.soak_bench", "--worker", cache,
                                       str(seed)], stdout=subprocess.PIPE, text=True)
         self.ops = self.stale = 0

@@ -21,6 +21,7 @@ from typing import Any
 
 from shmkv import _C
 from shmkv.errors import SegmentNotFoundError, ShmkvError
+from shmkv.names import segments_dir
 from shmkv.store import Store, default_cache_name
 
 
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 snap = collect(args.cache, args.disk_dir)
             except SegmentNotFoundError:
-                print(f"shmkv: no cache named '{args.cache}' (looked for /dev/shm/{args.cache}).\n"
+                print(f"shmkv: no cache named '{args.cache}' (looked for {segments_dir()}/{args.cache}).\n"
                       "Start one with `shmkv daemon` (scripts/start_shm_daemon.sh in a checkout), or start vLLM with "
                       "the shmkv connector (the first process creates it); pick another name with --cache NAME.",
                       file=sys.stderr)
