@@ -45,7 +45,7 @@ def test_a_segment_lives_in_the_directory_and_nowhere_else(segment_dir, cache_na
 
 
 @pytest.mark.parametrize("bad", ["group-readable", "not-tmpfs", "relative", "missing"])
-def test_a_directory_that_is_not_safe_memory_is_refused_naming_it(tmp_path, monkeypatch, cache_name, bad):
+def test_a_directory_that_is_not_safe_memory_is_refused_naming_it(cache_name, tmp_path, monkeypatch, bad):
     d = tmp_path / "d"
     d.mkdir(mode=0o700)
     if bad == "group-readable":
