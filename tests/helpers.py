@@ -94,6 +94,22 @@ def fresh_cache_name() -> Iterator[str]:
         if entry.name.startswith(name + "."):
             rt.unlink(entry.name)
 
+def lock_holder_code(cache_name: str) -> str:
+    """A child's code: its forked grandchild takes the segment's table lock and
+    holds it for ever; the child says "held" and waits for it."""
+    return f"""
+import os
+from shmkv import Store
+s = Store.attach({cache_name!r}, populate=False)
+r, w = os.pipe()
+if os.fork() == 0:
+    s.table.debug_die_holding_lock(w, False)  # takes the lock, says 'L', waits forever
+os.read(r, 1)
+print("held", flush=True)
+os.wait()
+"""
+
+
 class Child:
     """A Python child process running `code`; it talks through stdout lines."""
 

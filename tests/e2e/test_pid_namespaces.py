@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import key, payload_for, wait_until
+from helpers import key, lock_holder_code, payload_for, wait_until
 
 from shmkv import PutResult, Store
 from shmkv.store import Role
@@ -98,17 +98,6 @@ def test_a_holder_killed_in_another_namespace_is_reclaimed_from_this_one(segment
     assert segment.put(key(2), payload_for(key(2), 4096)) is PutResult.OK, "the dead write's key is free again"
 
 
-LOCK_HOLDER = """
-import os
-from shmkv import Store
-s = Store.attach({name!r}, populate=False)
-r, w = os.pipe()
-if os.fork() == 0:
-    s.table.debug_die_holding_lock(w, False)  # takes the lock, says 'L', waits forever
-os.read(r, 1)
-print("held", flush=True)
-os.wait()
-"""
 
 
 LOCK_CHECKER = """
@@ -134,7 +123,7 @@ def test_a_stopped_lock_holder_in_another_namespace_is_waited_for_not_called_bro
     store = Store.create(cache_name, 8 << 20, populate=False, lock_timeout_s=0.2)
     try:
         store.put(key(0), payload_for(key(0), 4096))
-        a = in_namespace(child, LOCK_HOLDER.format(name=cache_name))
+        a = in_namespace(child, lock_holder_code(cache_name))
         a.expect("held")
         b = in_namespace(child, LOCK_CHECKER.format(name=cache_name))
         assert b.expect("get") == "get True", "a miss while the lock is held"

@@ -12,7 +12,7 @@ import os
 import signal
 
 import pytest
-from helpers import key, payload_for
+from helpers import key, lock_holder_code, payload_for
 
 from shmkv import _C, PutResult, Store
 from shmkv.config import load_config
@@ -22,17 +22,6 @@ from shmkv.tiers import TierChain
 
 BOUND = 0.2
 
-HOLDER = """
-import os, sys
-from shmkv import Store
-s = Store.attach(sys.argv[1], populate=False)
-r, w = os.pipe()
-if os.fork() == 0:
-    s.table.debug_die_holding_lock(w, False)  # takes the lock, says 'L', waits forever
-os.read(r, 1)
-print("held", flush=True)
-os.wait()
-"""
 
 
 @pytest.fixture
@@ -43,7 +32,7 @@ def stopped_holder(cache_name, child):
     lease = store.acquire(key(0))
     r = store.reserve(key(1), 4096)
     r.view()[:] = payload_for(key(1), 4096)
-    c = child(HOLDER.replace("sys.argv[1]", repr(cache_name)))
+    c = child(lock_holder_code(cache_name))
     c.expect("held")
     pid, held = store.lock_holder()
     assert pid not in (0, os.getpid(), c.proc.pid), "the forked grandchild holds it"
