@@ -271,7 +271,7 @@ class ChunkTable {
   pid_t pid_ = 0;
   uint64_t fork_generation_seen_ = ~0ull;
   pid_t registered_pid_ = 0;
-  uint32_t my_slot_ = 0xffffffffu;  // this process's slot once registered
+  uint32_t my_slot_ = kNone;        // this process's slot once registered
   uint32_t my_pid_ns_ = 0;          // inode of this process's PID namespace
   uint64_t renewed_generation_ = 0;  // the fork generation whose description is our own
   std::mutex events_mu_;

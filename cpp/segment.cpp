@@ -96,15 +96,20 @@ struct SegmentPlace {
 constexpr long kTmpfsMagic = 0x01021994;
 constexpr long kHugetlbfsMagic = 0x958458f6;
 
-Status open_place(SegmentPlace* p, std::string* err) {
+// SHMKV_SEGMENT_DIR, or "" when unset (POSIX shm).
+std::string segment_dir_env() {
   const char* env = std::getenv("SHMKV_SEGMENT_DIR");
-  if (env == nullptr || *env == 0) return Status::kOk;
-  p->dir = env;
+  return env != nullptr ? std::string(env) : std::string();
+}
+
+Status open_place(SegmentPlace* p, std::string* err) {
+  p->dir = segment_dir_env();
+  if (p->dir.empty()) return Status::kOk;
   if (p->dir[0] != '/') {
     *err = "SHMKV_SEGMENT_DIR=" + p->dir + " is not an absolute path";
     return Status::kInvalidArgument;
   }
-  p->dirfd = ::open(env, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  p->dirfd = ::open(p->dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (p->dirfd < 0) {
     int e = errno;
     *err = errno_text(("SHMKV_SEGMENT_DIR=" + p->dir + " (a directory of this uid, mode 0700, on a tmpfs)").c_str(), e);
@@ -135,8 +140,8 @@ Status open_place(SegmentPlace* p, std::string* err) {
 
 // The filesystem segments live on, for messages and its free space.
 std::string segments_where() {
-  const char* env = std::getenv("SHMKV_SEGMENT_DIR");
-  return env != nullptr && *env ? std::string(env) : std::string("/dev/shm");
+  std::string dir = segment_dir_env();
+  return dir.empty() ? std::string("/dev/shm") : dir;
 }
 
 uint64_t shm_free_bytes() {

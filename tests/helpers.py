@@ -94,6 +94,12 @@ def fresh_cache_name() -> Iterator[str]:
         if entry.name.startswith(name + "."):
             rt.unlink(entry.name)
 
+def helpers_env(**extra: str) -> dict[str, str]:
+    """A child's environment in which `from helpers import ...` works (with `extra`)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    return {"PYTHONPATH": os.pathsep.join([tests, REPO, os.environ.get("PYTHONPATH", "")]), **extra}
+
+
 def lock_holder_code(cache_name: str) -> str:
     """A child's code: its forked grandchild takes the segment's table lock and
     holds it for ever; the child says "held" and waits for it."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import key, lock_holder_code, payload_for, wait_until
+from helpers import helpers_env, key, lock_holder_code, payload_for, wait_until
 
 from shmkv import PutResult, Store
 from shmkv.store import Role
@@ -51,14 +51,9 @@ print("attached", s.stats()["processes_attached"], flush=True)
 """
 
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def in_namespace(child, code: str):
     """A child in a PID namespace of its own (helpers importable)."""
-    repo = os.path.dirname(TESTS)
-    return child(code, pid_namespace=True,
-                 env={"PYTHONPATH": os.pathsep.join([TESTS, repo, os.environ.get("PYTHONPATH", "")])})
+    return child(code, pid_namespace=True, env=helpers_env())
 
 
 @pytest.fixture

@@ -11,15 +11,12 @@ import re
 import subprocess
 
 import pytest
-from helpers import key, payload_for, wait_until
+from helpers import helpers_env, key, payload_for, wait_until
 
 from shmkv import PutResult, Store
 from shmkv.errors import InvalidArgumentError, PermissionDeniedError, SegmentNotFoundError
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs and namespaces need root, as in CI")
-
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture
 def segment_dir(tmp_path, monkeypatch):
@@ -97,8 +94,7 @@ def test_containers_sharing_only_the_segment_directory_share_the_cache(segment_d
     """Two containers, each with its own PID namespace and its own /dev/shm:
     B reads what the host stored, A's live lease is never reclaimed by B,
     and once A is killed its lease is reclaimed."""
-    env = {"SHMKV_SEGMENT_DIR": segment_dir,
-           "PYTHONPATH": os.pathsep.join([TESTS, os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = helpers_env(SHMKV_SEGMENT_DIR=segment_dir)
     with Store.create(cache_name, 16 << 20, populate=False) as s:
         assert s.put(key(1), payload_for(key(1), 1 << 20)) is PutResult.OK
         a = child(HOLDER.format(name=cache_name), pid_namespace=True, private_shm=True, env=env)

@@ -314,9 +314,7 @@ class DiskTier:
             return True  # renamed into place meanwhile, or not ours to open: left alone
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        except OSError:
+        except OSError:  # held (BlockingIOError), or not ours to judge
             return True
         finally:
             os.close(fd)
