@@ -157,6 +157,8 @@ void ChunkTable::do_register_self_locked() {
   p[free_slot].start_time = proc_start_time(me);
   p[free_slot].attached_unix_ns = now_unix_ns();
   p[free_slot].pid_ns = my_pid_ns_;
+  uint32_t id = ++h()->next_holder;
+  p[free_slot].holder = id != 0 ? id : ++h()->next_holder;
   p[free_slot].pid.store(me, std::memory_order_release);
   my_slot_ = free_slot;
   registered_pid_ = me;
@@ -169,8 +171,11 @@ void ChunkTable::detach_process() {
   ProcSlot* p = procs();
   for (uint32_t i = 0; i < geo().max_procs; ++i)
     if (p[i].pid.load(std::memory_order_relaxed) == me && p[i].pid_ns == my_pid_ns_) {
-      p[i].pid.store(0, std::memory_order_release);
       seg_->release_slot(i);
+      // another Store of this process still holds the byte through its own description:
+      // the slot, and the holder id its leases and writes carry, stay
+      if (seg_->slot_held(i) != 0) continue;
+      p[i].pid.store(0, std::memory_order_release);
     }
   my_slot_ = kNone;
   registered_pid_ = 0;
@@ -224,7 +229,7 @@ Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t nee
       return Status::kExists;
     }
     // WRITING: by a live process -> busy; by a dead one -> reclaim and go on.
-    if (holder_alive(ex.owner_pid)) {
+    if (holder_alive(ex.owner_pid, ex.owner_holder)) {
       c().put_busy.fetch_add(1, std::memory_order_relaxed);
       return Status::kBusy;
     }
@@ -274,6 +279,7 @@ Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t nee
   en.last_use = ++hd->use_clock;
   en.generation += 1;
   en.owner_pid = self_pid();
+  en.owner_holder = self_holder();
   en.pin_count = 0;
   en.flags = flags;  // a re-stored key starts unspilled
   en.ns = ns;

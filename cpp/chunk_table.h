@@ -228,8 +228,12 @@ class ChunkTable {
   void do_register_self_locked();
   // liveness (process_liveness.cpp): a slot's process holds its byte, or is us
   bool slot_alive(uint32_t slot);
-  // a lease's, write's or the lock's holder, by the slots of its pid (doubt: alive)
-  bool holder_alive(pid_t pid);
+  // a lease's or write's holder: by its slot's holder id when it has one (a slot no longer
+  // carrying that id: its process exited); else, and for the lock's holder, by the slots of
+  // its pid (doubt: alive)
+  bool holder_alive(pid_t pid, uint32_t holder = 0);
+  // this process's holder id (0: it has no slot); valid under the lock, once registered
+  uint32_t self_holder() const;
   // some attached process runs in another PID namespace (or ours is unknown)
   bool mixed_namespaces();
 

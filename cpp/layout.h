@@ -42,7 +42,7 @@
 namespace shmkv {
 
 constexpr uint64_t kMagic = 0x31564b4d48535f5fULL;  // "__SHMKV1" little-endian
-constexpr uint32_t kFormatVersion = 7;  // 7: process slots held by OFD locks (any PID namespace)
+constexpr uint32_t kFormatVersion = 8;  // 8: holders named by their slot's holder id, not by pid
 constexpr uint32_t kNone = 0xffffffffu;       // null record index
 constexpr uint32_t kIndexEmpty = 0xffffffffu;  // index slot never used
 constexpr uint32_t kIndexTomb = 0xfffffffeu;   // index slot whose entry left
@@ -69,7 +69,7 @@ struct Entry {
   uint64_t last_use;             // Header::use_clock tick of last use (LRU rebuild)
   std::atomic<uint32_t> state;   // EntryState; the commit point of every change
   uint32_t generation;           // bumped each time the record is reused
-  int32_t owner_pid;             // writer while WRITING
+  int32_t owner_pid;             // writer while WRITING (its own namespace's pid: messages)
   uint32_t pin_count;            // persistent pins (authoritative)
   uint32_t flags;                // kFlag* below (authoritative, single store)
   // derived:
@@ -77,7 +77,7 @@ struct Entry {
   uint32_t lru_prev;             // LRU list of evictable entries (READY, unleased,
   uint32_t lru_next;             // unpinned); also free-record list via lru_next
   uint32_t tokens;               // prompt tokens the chunk holds, as its writer said (0: not given)
-  uint32_t reserved;
+  uint32_t owner_holder;         // writer's ProcSlot::holder while WRITING (0: it had no slot)
   Key ns;                        // namespace digest given at reserve (tiers, clear)
 };
 
@@ -88,26 +88,32 @@ constexpr uint32_t kFlagCompressed = 2;  // the payload is a chunk file (shmkv/d
 
 enum LeaseState : uint32_t { kLeaseFree = 0, kLeaseHeld = 1 };
 
-// One read lease. 24 bytes.
+// One read lease. 32 bytes.
 struct Lease {
   std::atomic<uint32_t> state;   // LeaseState; commit point
   uint32_t generation;           // bumped on every grant, validates handles
   uint32_t entry;                // entry index
   uint32_t entry_generation;     // entry generation at grant time
-  int32_t pid;                   // holder
+  int32_t pid;                   // holder, in its own PID namespace (messages; the fallback below)
   uint32_t next_free;            // derived free list
+  uint32_t holder;               // holder's ProcSlot::holder (0: it had no slot: judged by pid)
+  uint32_t reserved;
 };
 
 // A process attached to the segment. Its liveness is the OFD lock its own
 // open file description holds on the slot's byte of the segment file
 // (Segment::hold_slot), which the kernel drops when the process dies, in
-// whatever PID namespace the checker runs; pid and start time name it in
-// messages and in its own namespace.
+// whatever PID namespace the checker runs. Leases and writes name their
+// holder by the slot's holder id, unique to this claim of the slot (pids of
+// different PID namespaces collide: every container's first process is 1);
+// pid and start time name it in messages.
 struct ProcSlot {
   std::atomic<int32_t> pid;      // 0 = free slot; in the process's own PID namespace
   uint32_t pid_ns;               // inode of its PID namespace (/proc/self/ns/pid); 0 = unknown
   uint64_t start_time;           // /proc/<pid>/stat starttime: detects pid reuse
   uint64_t attached_unix_ns;
+  uint32_t holder;               // this claim's id (Header::next_holder), never 0 while the slot is taken
+  uint32_t reserved;
 };
 
 struct Extent {
@@ -209,7 +215,7 @@ struct alignas(64) Header {
   uint64_t layout_fingerprint;   // build fingerprint + geometry
   Geometry geo;
   int32_t creator_pid;
-  uint32_t reserved0;
+  uint32_t next_holder;          // the last holder id given to a process slot (under lock; skips 0)
   uint64_t created_unix_ns;
   std::atomic<uint64_t> epoch;   // bumped by every segment reset
   // Bytes from the arena's start whose pages are reserved in /dev/shm
@@ -240,7 +246,8 @@ struct alignas(64) Header {
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "need lock-free atomics");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free atomics");
 static_assert(sizeof(Entry) == 104, "Entry layout changed: bump kFormatVersion");
-static_assert(sizeof(Lease) == 24, "Lease layout changed: bump kFormatVersion");
+static_assert(sizeof(Lease) == 32, "Lease layout changed: bump kFormatVersion");
+static_assert(sizeof(ProcSlot) == 32, "ProcSlot layout changed: bump kFormatVersion");
 
 // FNV-1a over the things that must be identical for two builds to share a
 // segment. Computed at compile time from this header.

@@ -3,8 +3,11 @@
 // process holds a shared OFD lock on its slot's byte of the segment file
 // (Segment::hold_slot) through a description of its own; the kernel drops it
 // when the process dies, in any PID namespace, so a slot is alive while its
-// byte is held. A holder is named by its pid (in its own namespace): it lives
-// while any slot of that pid does. Doubt means alive: a pid with no slot is
+// byte is held. A lease or a write names its holder by the holder id of the
+// slot it held (ProcSlot::holder, new for each claim of a slot): it lives while
+// a slot carries that id and is held. Pids are only for what has no slot (the
+// process table was full) and for the table lock's holder: such a holder lives
+// while any slot of its pid does; doubt means alive, and a pid with no slot is
 // judged by /proc only where every attached process shares our namespace.
 #include "chunk_table.h"
 #include "table_internal.h"
@@ -72,9 +75,18 @@ bool ChunkTable::mixed_namespaces() {
   return false;
 }
 
-bool ChunkTable::holder_alive(pid_t pid) {
-  if (pid <= 0) return false;
+uint32_t ChunkTable::self_holder() const {
+  return my_slot_ == kNone ? 0 : procs()[my_slot_].holder;
+}
+
+bool ChunkTable::holder_alive(pid_t pid, uint32_t holder) {
   const ProcSlot* p = procs();
+  if (holder != 0) {
+    for (uint32_t i = 0; i < geo().max_procs; ++i)
+      if (p[i].pid.load(std::memory_order_relaxed) != 0 && p[i].holder == holder) return slot_alive(i);
+    return false;  // no slot carries it any more: released when its process exited
+  }
+  if (pid <= 0) return false;
   bool found = false;
   for (uint32_t i = 0; i < geo().max_procs; ++i) {
     if (p[i].pid.load(std::memory_order_relaxed) != pid) continue;

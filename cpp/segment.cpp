@@ -91,7 +91,22 @@ struct SegmentPlace {
   int unlink_file(const std::string& name) const {
     return dir.empty() ? shm_unlink(("/" + name).c_str()) : unlinkat(dirfd, name.c_str(), 0);
   }
+  // The segment's owner and mode, without following a link; false if it cannot be read.
+  bool stat_file(const std::string& name, struct stat* st) const {
+    return dir.empty() ? lstat(display(name).c_str(), st) == 0 : fstatat(dirfd, name.c_str(), st, AT_SYMLINK_NOFOLLOW) == 0;
+  }
 };
+
+// The one line for a segment (or segment directory) another uid owns: who owns
+// it, who we are, and that every process sharing a cache runs as one uid.
+std::string foreign_owner_text(const std::string& what, const struct stat& st) {
+  char mode_s[16];
+  std::snprintf(mode_s, sizeof mode_s, "%04o", unsigned(st.st_mode & 07777));
+  std::string owner = std::to_string(st.st_uid), me = std::to_string(geteuid());
+  return what + " is owned by uid " + owner + " with mode " + mode_s + " and this process runs as uid " + me +
+         ": every process sharing a cache, in every container, runs as the uid that owns it (docker run --user " +
+         owner + ", Kubernetes runAsUser: " + owner + ")";
+}
 
 constexpr long kTmpfsMagic = 0x01021994;
 constexpr long kHugetlbfsMagic = 0x958458f6;
@@ -112,6 +127,11 @@ Status open_place(SegmentPlace* p, std::string* err) {
   p->dirfd = ::open(p->dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (p->dirfd < 0) {
     int e = errno;
+    struct stat st;
+    if (e == EACCES && lstat(p->dir.c_str(), &st) == 0 && st.st_uid != geteuid()) {
+      *err = foreign_owner_text("SHMKV_SEGMENT_DIR=" + p->dir, st);
+      return Status::kPermission;
+    }
     *err = errno_text(("SHMKV_SEGMENT_DIR=" + p->dir + " (a directory of this uid, mode 0700, on a tmpfs)").c_str(), e);
     return e == EACCES ? Status::kPermission : (e == ENOENT ? Status::kNotFound : Status::kSystem);
   }
@@ -491,6 +511,11 @@ struct SegmentOpener {
           if (e == ENOENT) {
             *err = "no shmkv segment named '" + name + "' (" + place.display(name) + ")";
             return Status::kNotFound;
+          }
+          struct stat st;
+          if (e == EACCES && place.stat_file(name, &st) && st.st_uid != geteuid()) {
+            *err = foreign_owner_text("segment " + place.display(name), st);
+            return Status::kPermission;
           }
           *err = errno_text(("cannot open shared-memory segment " + place.display(name)).c_str(), e);
           return (e == EACCES || e == ELOOP) ? Status::kPermission : Status::kSystem;

@@ -64,6 +64,7 @@ Status ChunkTable::do_grant_lease_locked(uint32_t e, LeaseHandle* out) {
   ls.entry = e;
   ls.entry_generation = en.generation;
   ls.pid = self_pid();
+  ls.holder = self_holder();
   ls.next_free = kNone;
   ls.state.store(kLeaseHeld, std::memory_order_release);  // commit point
   hd->leases_held += 1;
@@ -112,14 +113,17 @@ ReclaimResult ChunkTable::do_reclaim_locked(bool full_scan) {
   ReclaimResult r;
   const Geometry& g = geo();
   ProcSlot* p = procs();
-  // Each pid's verdict from the slots as they are now (any held slot of the pid: alive), taken
-  // before the dead slots are freed, so the holders of a freed slot are judged by it
+  // Each holder id's and each pid's verdict from the slots as they are now (any held slot of
+  // the pid: alive), taken before the dead slots are freed, so the holders of a freed slot
+  // are judged by it
+  std::unordered_map<uint32_t, bool> holders;
   std::unordered_map<pid_t, bool> known;
   std::vector<uint32_t> dead;
   for (uint32_t i = 0; i < g.max_procs; ++i) {
     int32_t pid = p[i].pid.load(std::memory_order_relaxed);
     if (pid == 0) continue;
     bool alive = slot_alive(i);
+    holders[p[i].holder] = alive;
     known[pid] |= alive;
     if (!alive) dead.push_back(i);
   }
@@ -127,7 +131,11 @@ ReclaimResult ChunkTable::do_reclaim_locked(bool full_scan) {
     p[i].pid.store(0, std::memory_order_release);
     r.procs += 1;
   }
-  auto alive = [&](pid_t pid) {
+  auto alive = [&](pid_t pid, uint32_t holder) {
+    if (holder != 0) {
+      auto h = holders.find(holder);
+      return h != holders.end() && h->second;  // no slot carries it: its process exited
+    }
     auto it = known.find(pid);
     if (it != known.end()) return it->second;
     bool a = holder_alive(pid);  // no slot: judged by /proc where that can be trusted
@@ -139,14 +147,14 @@ ReclaimResult ChunkTable::do_reclaim_locked(bool full_scan) {
   Lease* ls = leases();
   for (uint32_t l = 0; l < g.max_leases; ++l) {
     if (ls[l].state.load(std::memory_order_relaxed) != kLeaseHeld) continue;
-    if (alive(ls[l].pid)) continue;
+    if (alive(ls[l].pid, ls[l].holder)) continue;
     do_drop_lease_locked(l);
     r.leases += 1;
   }
   Entry* ent = entries();
   for (uint32_t e = 0; e < g.max_entries; ++e) {
     if (ent[e].state.load(std::memory_order_relaxed) != kEntryWriting) continue;
-    if (alive(ent[e].owner_pid)) continue;
+    if (alive(ent[e].owner_pid, ent[e].owner_holder)) continue;
     do_index_remove_locked(e);
     do_free_entry_locked(e);
     r.writes += 1;

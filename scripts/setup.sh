@@ -19,7 +19,8 @@ fi
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
 pipi "scikit-build-core>=0.10" "pybind11==3.1.0" "pybind11-stubgen==3.0.0" numpy xxhash zstandard PyYAML \
-     safetensors prometheus_client "redis>=5" pytest "pytest-xdist>=3.5" hypothesis
+     safetensors prometheus_client "redis>=5" pytest "pytest-xdist>=3.5" hypothesis \
+     "kubernetes-validate>=1.31" "check-jsonschema>=0.29"
 
 # The remote tier's tests and benchmark run a real redis-server (Debian's package).
 if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then

@@ -311,7 +311,7 @@ COUNTERS: tuple = (('lookups', 'Keys looked up in the shared tier', 'counter', '
 ERROR_CODES: frozenset
 FLAG_COMPRESSED: int = 2
 FLAG_SPILLED: int = 1
-FORMAT_VERSION: int = 7
+FORMAT_VERSION: int = 8
 LAYOUT_OFFSETS: dict = {'lock': 192, 'lock_holder_pid': 232, 'lru_head': 256, 'lru_tail': 260, 'free_entry_head': 264, 'free_lease_head': 268, 'num_extents': 272, 'evictable_bytes': 304, 'geo_max_entries': 72, 'header_bytes': 832, 'entry_bytes': 104, 'entry_offset': 16}
 METRIC_FAMILIES: dict = {'hits': 'Chunks found per tier (shm: lookups that hit; disk, remote: chunks promoted into memory)', 'misses': 'Lookups that ended a cached prefix in the tier', 'puts': 'Chunks written to the tier (shm: committed; disk: spilled; remote: written)', 'hit_tokens': 'Prompt tokens vLLM got from shmkv, by the tier their chunks were found in', 'put_tokens': 'Prompt tokens written to the tier (shm: committed; disk: spilled; remote: written)', 'put_bytes': 'Bytes written to the tier (disk: raw; remote: encoded)', 'put_errors': 'Writes to the tier that failed (disk full, I/O error, remote down or timed out)', 'damaged': 'Damaged chunks found in the tier and removed'}
 __version__: str = '0.1.0'

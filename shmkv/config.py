@@ -28,8 +28,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 <
 
 
 MAX_SIZE = 1 << 62
-# SHMKV_* variables that are not settings (shmkv.paths reads it)
-ENV_NOT_SETTINGS = frozenset({"SHMKV_RUNTIME_DIR"})
+# SHMKV_* variables that are not settings: directories (shmkv.paths reads the runtime one, the core the segments' one)
+ENV_NOT_SETTINGS = frozenset({"SHMKV_RUNTIME_DIR", "SHMKV_SEGMENT_DIR"})
 
 
 def parse_size(key: str, value: Any) -> int:

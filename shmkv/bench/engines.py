@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,19 +42,46 @@ class EngineSpec:
     # and with private_shm a /dev/shm of its own (container_argv)
     pid_namespace: bool = False
     private_shm: bool = False
+    binds: list[list[str]] = field(default_factory=list)  # [host path, container path] volumes (container_argv)
 
 
-def container_argv(pid_namespace: bool, private_shm: bool = False) -> list[str]:
+def container_argv(pid_namespace: bool, private_shm: bool = False, binds: Sequence[Sequence[str]] = (),
+                   read_only_root: bool = False) -> list[str]:
     """The command prefix that runs a command as a container would (root:
-    unshare): a PID namespace and /proc of its own, dying with the unshare
-    process; with `private_shm`, a /dev/shm of its own too (a container
-    without --ipc=host: only what SHMKV_SEGMENT_DIR names is shared)."""
+    unshare): a PID namespace, a mount namespace and /proc of its own, dying
+    with the unshare process; with `private_shm`, a /dev/shm of its own too (a
+    container without --ipc=host: only what SHMKV_SEGMENT_DIR names is
+    shared); `binds`: (host path, container path) volumes bind-mounted in it
+    (the container path must exist); `read_only_root`: the rest of the file
+    system read-only (Kubernetes' readOnlyRootFilesystem, Compose's read_only)."""
     if not pid_namespace:
+        if private_shm or binds or read_only_root:
+            raise ValueError("private_shm, binds and read_only_root need pid_namespace (a container)")
         return []
     ns = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
-    if private_shm:
-        return [*ns, "sh", "-c", 'mount -t tmpfs -o size=2g,mode=1777 container-shm /dev/shm && exec "$@"', "sh"]
-    return ns
+    steps = ["mount -t tmpfs -o size=2g,mode=1777 container-shm /dev/shm"] if private_shm else []
+    steps += [f"mount --bind {shlex.quote(host)} {shlex.quote(inside)}" for host, inside in binds]
+    if read_only_root:  # after the binds: a bind of a read-only mount's subtree would be read-only too
+        steps.append("mount -o remount,bind,ro /")  # this namespace's view only; the volumes stay writable
+    if not steps:
+        return ns
+    return [*ns, "sh", "-c", " && ".join(steps) + ' && exec "$@"', "sh"]
+
+
+def signal_container(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to what runs in a container_argv container: unshare's child
+    (unshare ignores SIGTERM and SIGINT while it waits for that child). A
+    process not yet started there, or gone, is left alone."""
+    pid = proc.pid
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            pid = int(f.read().split()[0])
+    except (OSError, IndexError, ValueError):
+        return
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 class EngineProcess:
@@ -80,7 +109,7 @@ class EngineProcess:
 
             self.proc: Any = fork_engine(json.dumps(asdict(spec)), env, self._log.fileno())
         else:
-            ns = container_argv(spec.pid_namespace, spec.private_shm)
+            ns = container_argv(spec.pid_namespace, spec.private_shm, spec.binds)
             self.proc = subprocess.Popen(
                 [*ns, sys.executable, "-m", "shmkv.bench.engines", json.dumps(asdict(spec))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,

@@ -15,6 +15,10 @@ replacement. Then, with every worker gone, the segment is audited.
                    workers still alive whose write or lease was reclaimed under
                    them: a liveness mistake (--pid-namespaces: each worker in a
                    PID namespace of its own, as containers run)
+  daemon_maintained  with --daemon: a shmkv daemon (in a PID namespace of
+                   its own with --pid-namespaces) held the maintainer role for
+                   the whole run, reclaiming dead processes' leases and writes
+                   every pass (50 ms) while the workers run
   consistency_ok   the table's own consistency check passes
   bytes_ok         bytes_used equals the sum of the live entries' allocations
   pins_left        pins held by killed workers (pins belong to no process by
@@ -37,6 +41,8 @@ import threading
 import time
 
 import xxhash
+
+from shmkv.bench.engines import container_argv, signal_container
 
 KEYSPACE = 3000
 
@@ -139,8 +145,6 @@ def audit(store) -> dict:  # noqa: ANN001 - a shmkv.Store
 class _Worker:
     def __init__(self, cache: str, seed: int, tally: dict, lock: threading.Lock, *, pid_namespace: bool) -> None:
         # NOTE: in a PID namespace of its own (a container's), unshare's child dies with unshare
-        from shmkv.bench.engines import container_argv
-
         ns = container_argv(pid_namespace)
         self.proc = subprocess.Popen([*ns, sys.executable, "-m", "shmkv.bench.soak_bench", "--worker", cache,
                                       str(seed)], stdout=subprocess.PIPE, text=True)
@@ -158,13 +162,7 @@ class _Worker:
             return
         # NOTE: the worker is its namespace's init, which ignores SIGTERM until it has a handler
         self.ready.wait(60)
-        try:
-            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-                children = [int(p) for p in f.read().split()]
-        except OSError:
-            children = []
-        for pid in children:
-            os.kill(pid, signal.SIGTERM)
+        signal_container(self.proc, signal.SIGTERM)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -186,6 +184,33 @@ class _Worker:
         self.ready.set()
 
 
+def _start_daemon(cache: str, pid_namespace: bool) -> subprocess.Popen:
+    """`shmkv daemon` for the soak's segment (controller on a port of its
+    own), returned once it serves."""
+    proc = subprocess.Popen([*container_argv(pid_namespace), sys.executable, "-m", "shmkv.daemon", "--cache", cache,
+                             "--listen", "127.0.0.1:0", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "shmkv daemon ready" not in line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the soak's daemon did not start: {line!r}")
+    return proc
+
+
+def _stop_daemon(proc: subprocess.Popen, pid_namespace: bool) -> None:
+    if pid_namespace:
+        signal_container(proc, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def run(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="python -m shmkv.bench soak")
     ap.add_argument("--seconds", type=float, default=60.0)
@@ -195,9 +220,12 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--pid-namespaces", action="store_true",
                     help="each worker in a PID namespace of its own, as containers run (unshare; needs root)")
+    ap.add_argument("--daemon", action="store_true",
+                    help="a shmkv daemon maintains the segment meanwhile (in a PID namespace of its own with "
+                         "--pid-namespaces): its maintainer reclaims dead processes' holders every pass")
     a = ap.parse_args(argv)
 
-    from shmkv import Store
+    from shmkv.store import Role, Store
 
     cache = f"shmkv-soak-{os.getpid()}"
     store = Store.create(cache, a.capacity_mib << 20, populate=False, max_entries=1024)
@@ -205,10 +233,12 @@ def run(argv: list[str]) -> dict:
     tally = {"ops": 0, "corrupt_reads": 0, "live_holders_reclaimed": 0}
     lock = threading.Lock()
     seeds = iter(range(a.seed * 1_000_000, 1 << 62))
+    daemon = _start_daemon(cache, a.pid_namespaces) if a.daemon else None
     workers = [_Worker(cache, next(seeds), tally, lock, pid_namespace=a.pid_namespaces) for _ in range(a.workers)]
     for w in workers:
         w.ready.wait(60)
     kills = 0
+    daemon_maintained = None
     t_end = time.monotonic() + a.seconds
     try:
         while time.monotonic() < t_end:
@@ -220,15 +250,22 @@ def run(argv: list[str]) -> dict:
             victim.reader.join(10)
             kills += 1
             workers[i] = _Worker(cache, next(seeds), tally, lock, pid_namespace=a.pid_namespaces)
+        if daemon is not None:  # still the maintainer, and alive, at the end of the chaos
+            daemon_maintained = daemon.poll() is None and store.role_held_elsewhere(Role.MAINTAINER)
         for w in workers:
             w.terminate()
         for w in workers:
             w.proc.wait(60)
             w.reader.join(10)
+        if daemon is not None:
+            _stop_daemon(daemon, a.pid_namespaces)
+            daemon = None
         result = {"seconds": a.seconds, "workers": a.workers, "pid_namespaces": a.pid_namespaces,
+                  "daemon": a.daemon, "daemon_maintained": daemon_maintained,
                   "ops": tally["ops"], "kills": kills, "corrupt_reads": tally["corrupt_reads"],
                   "live_holders_reclaimed": tally["live_holders_reclaimed"], **audit(store)}
         result["ok"] = (result["corrupt_reads"] == 0 and result["corrupt_entries"] == 0
+                        and daemon_maintained is not False
                         and result["live_holders_reclaimed"] == 0
                         and result["leaked_leases"] == 0 and result["leaked_writes"] == 0
                         and result["consistency_ok"] and result["bytes_ok"] and kills > 0 and result["ops"] > 0)
@@ -238,6 +275,9 @@ def run(argv: list[str]) -> dict:
             if w.proc.poll() is None:
                 w.proc.kill()
                 w.proc.wait()
+        if daemon is not None:
+            daemon.kill()
+            daemon.wait()
         store.close()
         Store.unlink(cache)
 
@@ -246,6 +286,9 @@ def report(r: dict) -> None:
     where = " in PID namespaces of their own" if r["pid_namespaces"] else ""
     print(f"soak {r['seconds']:.0f} s, {r['workers']} workers{where}: {r['ops']} ops, {r['kills']} kill -9's "
           f"({r['lock_recoveries']} while holding the table lock)")
+    if r["daemon"]:
+        print(f"  a daemon{where and ' (its own PID namespace)'} maintained the segment meanwhile: "
+              f"{'yes' if r['daemon_maintained'] else 'NO'}")
     print(f"  writes or leases of live workers reclaimed under them: {r['live_holders_reclaimed']}")
     print(f"  corrupt reads {r['corrupt_reads']}, corrupt chunks at the end {r['corrupt_entries']}")
     print(f"  leaked leases {r['leaked_leases']}, leaked writes {r['leaked_writes']} (reclaimed during the run: "

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 import threading
 
 import pytest
@@ -130,3 +131,43 @@ def test_a_disk_directory_of_another_user_is_refused(sticky_tmp):
     assert r.returncode == 0, r.stderr
     with pytest.raises(PermissionError, match="owned by uid 65534"):
         DiskTier(target, capacity_bytes=1 << 20)
+
+
+ATTACH = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])  # the repository (nobody's Python does not run our editable install's finder)
+from shmkv import Store
+from shmkv.errors import ShmkvError
+try:
+    Store.attach(sys.argv[1], populate=False)
+    print(json.dumps({"attached": True}))
+except ShmkvError as e:
+    print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+"""
+
+
+@pytest.mark.parametrize("place", ["dev-shm", "segment-dir"])
+def test_a_container_of_another_uid_is_told_which_uid_owns_the_cache(cache_name, sticky_tmp, monkeypatch, place):
+    """Containers of different uids do not share a cache: the one that
+    attaches with another uid gets one line naming the owner's uid, its own,
+    and the fix (run it as the owner's uid)."""
+    what = f"segment /dev/shm/{cache_name}"
+    if place == "segment-dir":
+        d = os.path.join(sticky_tmp, "segments")  # nobody may reach the directory, not enter it
+        os.mkdir(d, 0o700)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "shmkv-segments", d], check=True)
+        monkeypatch.setenv("SHMKV_SEGMENT_DIR", d)
+        what = f"SHMKV_SEGMENT_DIR={d}"
+    try:
+        with Store.create(cache_name, 8 << 20, populate=False):
+            r = as_nobody(ATTACH, cache_name, REPO)
+    finally:
+        if place == "segment-dir":
+            subprocess.run(["umount", "-l", d], check=False)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got.get("error") == "PermissionDeniedError", got
+    assert got["message"] == (
+        f"{what} is owned by uid 0 with mode 0{'700' if place == 'segment-dir' else '600'} and this process runs as "
+        "uid 65534: every process sharing a cache, in every container, runs as the uid that owns it "
+        "(docker run --user 0, Kubernetes runAsUser: 0)"), got

@@ -93,6 +93,56 @@ def test_a_holder_killed_in_another_namespace_is_reclaimed_from_this_one(segment
     assert segment.put(key(2), payload_for(key(2), 4096)) is PutResult.OK, "the dead write's key is free again"
 
 
+IDLE = """
+import os, sys
+from shmkv import Store
+s = Store.attach({name!r}, populate=False)
+print("pid", os.getpid(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_killed_holder_is_reclaimed_while_another_namespace_runs_a_process_of_its_pid(segment, cache_name, child):
+    """Every container's first process is pid 1 in its namespace: a killed
+    container's lease and write are reclaimed although a live process of
+    another namespace (a daemon, another engine) carries the same pid."""
+    a = in_namespace(child, HOLDER.format(name=cache_name))
+    a.expect("held")
+    b = in_namespace(child, IDLE.format(name=cache_name))
+    assert b.expect("pid") == "pid 1", "both are their namespace's first process"
+    a.kill9()
+    wait_until(lambda: segment.stats()["processes_attached"] == 2, "the killed namespace's holder exited")
+    got = segment.reclaim()
+    assert (got["leases"], got["writes"]) == (1, 1), "not kept alive by the other namespace's pid 1"
+    assert segment.check_consistency() == []
+    b.proc.stdin.write("go\n")
+    b.proc.stdin.flush()
+    b.finish()
+
+
+TWO_STORES = """
+import sys
+from helpers import key
+from shmkv import Store
+first = Store.attach({name!r}, populate=False)
+second = Store.attach({name!r}, populate=False)
+lease = second.acquire(key(1))
+first.close()  # the process stays attached through the second store
+print("closed one", flush=True)
+sys.stdin.readline()  # another namespace reclaims meanwhile
+print("lease", lease.release(), flush=True)
+"""
+
+
+def test_a_process_that_closes_one_of_two_stores_keeps_the_other_stores_lease(segment, cache_name, child):
+    a = in_namespace(child, TWO_STORES.format(name=cache_name))
+    a.expect("closed one")
+    assert segment.reclaim()["leases"] == 0, "the holder lives: its other store still holds its slot"
+    a.proc.stdin.write("go\n")
+    a.proc.stdin.flush()
+    assert a.expect("lease") == "lease True"
+    a.finish()
+    wait_until(lambda: segment.stats()["processes_attached"] == 1, "the child detached")
 
 
 LOCK_CHECKER = """

@@ -20,9 +20,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("namespaces", [
     pytest.param([], id="one-pid-namespace"),
-    # as containers run: each of 3 workers in a PID namespace of its own, the audit in the host's
-    pytest.param(["--workers", "3", "--pid-namespaces"], id="a-pid-namespace-each", marks=pytest.mark.skipif(
-        os.geteuid() != 0, reason="PID namespaces need root (unshare), as in CI")),
+    # as containers run: each of 3 workers and the daemon (its maintainer reclaims every 50 ms) in a PID
+    # namespace of its own, the audit in the host's
+    pytest.param(["--workers", "3", "--pid-namespaces", "--daemon"], id="a-pid-namespace-each",
+                 marks=pytest.mark.skipif(os.geteuid() != 0, reason="PID namespaces need root (unshare), as in CI")),
 ])
 def test_bounded_soak(namespaces):
     r = subprocess.run([sys.executable, "-m", "shmkv.bench", "soak", "--seconds", "20", "--json", *namespaces],
@@ -34,6 +35,7 @@ def test_bounded_soak(namespaces):
     assert res["leaked_leases"] == 0 and res["leaked_writes"] == 0, res
     assert res["live_holders_reclaimed"] == 0, res
     assert res["consistency_ok"] and res["bytes_ok"] and res["ok"], res
+    assert res["daemon_maintained"] is (True if "--daemon" in namespaces else None), res
 
 
 def test_audit_catches_what_it_looks_for(cache_name, child):

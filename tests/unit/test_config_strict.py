@@ -65,7 +65,7 @@ def test_a_nul_in_listen_is_a_config_error():
 
 def test_a_misspelled_variable_is_named_once(caplog, monkeypatch):
     monkeypatch.setattr(config_module, "_warned_env", set())
-    env = {"SHMKV_CAPACTY": "8GiB", "SHMKV_CACHE_NAME": "x", "SHMKV_RUNTIME_DIR": "/tmp"}
+    env = {"SHMKV_CAPACTY": "8GiB", "SHMKV_CACHE_NAME": "x", "SHMKV_RUNTIME_DIR": "/tmp", "SHMKV_SEGMENT_DIR": "/run/x"}
     with caplog.at_level(logging.WARNING, logger="shmkv.config"):
         load_config({}, env=env)
         load_config({}, env=env)

@@ -1,0 +1,258 @@
+"""The deployment recipes in deploy/ (Kubernetes: the daemon's DaemonSet and a
+vLLM Deployment; Docker Compose) are valid and grant what README says: each
+container has its own PID namespace and /dev/shm and shares two host
+directories only, the segments' tmpfs and the state directory (runtime
+directory and disk tier), as one uid.
+
+Validity comes from the schemas users' tools apply: Kubernetes' own
+(kubernetes-validate bundles them) and the Compose specification's
+(check-jsonschema bundles it); each is shown able to fail on a broken copy.
+Then the Compose recipe runs here: its daemon and two vLLM engines, each a
+container (`unshare`: PID and mount namespaces, a private /dev/shm, the
+daemon's root read-only) with the recipe's volumes at the recipe's paths and
+the recipe's environment, the daemon's command and health check as written;
+engine 2 loads what engine 1 stored. The harness runs as the test's uid (the
+recipe's uid 1000 has no Python here) and shrinks the capacity to 256 MiB
+(SHMKV_CAPACITY, which a variable may set over the file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+from typing import Any
+
+import pytest
+import yaml
+from helpers import E2E_TOKENS, REPO, check_loaded_bytes_equal_stored, random_prompt
+
+from shmkv import Store
+from shmkv.bench.engines import container_argv, signal_container
+
+DEPLOY = os.path.join(REPO, "deploy")
+COMPOSE = os.path.join(DEPLOY, "compose.yaml")
+KUBERNETES = [os.path.join(DEPLOY, "kubernetes", f) for f in ("shmkv-daemonset.yaml", "vllm-deployment.yaml")]
+SHARED = {"/run/shmkv", "/var/lib/shmkv"}  # the host directories the recipes share, and nothing else
+
+
+def k8s_docs() -> list[dict[str, Any]]:
+    docs = []
+    for path in KUBERNETES:
+        with open(path) as f:
+            docs += [d for d in yaml.safe_load_all(f) if d]
+    return docs
+
+
+def compose() -> dict[str, Any]:
+    with open(COMPOSE) as f:
+        return yaml.safe_load(f)
+
+
+def pod_specs() -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in k8s_docs()
+            if d["kind"] in ("DaemonSet", "Deployment")}
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def kv_transfer_config(argv: list[str]) -> dict[str, Any]:
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+# ------------------------------------------------------------- validity ---
+def test_the_kubernetes_manifests_pass_kubernetes_schemas():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the test extra installs it")
+    from kubernetes_validate.utils import latest_version
+
+    docs = k8s_docs()
+    assert {d["kind"] for d in docs} == {"Namespace", "ConfigMap", "DaemonSet", "Deployment"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, latest_version(), strict=True)
+    daemonset = next(d for d in docs if d["kind"] == "DaemonSet")
+    container = daemonset["spec"]["template"]["spec"]["containers"][0]
+    container["volumeMount"] = container.pop("volumeMounts")  # a misspelt field, as a hand edit makes
+    with pytest.raises(kubernetes_validate.ValidationError, match="volumeMount"):
+        kubernetes_validate.validate(daemonset, latest_version(), strict=True)
+
+
+def check_compose(path: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("check-jsonschema") or pytest.skip("check-jsonschema: the test extra installs it")
+    return subprocess.run([exe, "--builtin-schema", "vendor.compose-spec", path], capture_output=True, text=True)
+
+
+def test_the_compose_file_passes_the_compose_specification(tmp_path):
+    r = check_compose(COMPOSE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    broken = compose()
+    broken["services"]["vllm-a"]["volumes"] = "/run/shmkv:/run/shmkv"  # a string where a list belongs
+    (tmp_path / "compose.yaml").write_text(yaml.safe_dump(broken))
+    r = check_compose(str(tmp_path / "compose.yaml"))
+    assert r.returncode != 0 and "volumes" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------ the grant ---
+def test_every_container_shares_two_host_directories_and_nothing_else():
+    for name, pod in pod_specs().items():
+        for field in ("hostIPC", "hostPID", "hostNetwork", "shareProcessNamespace"):
+            assert not pod.get(field), (name, field)
+        host = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+        assert host == SHARED, (name, host)
+        (container,) = pod["containers"]
+        assert not container.get("securityContext", {}).get("privileged"), name
+        assert container["securityContext"]["capabilities"]["drop"] == ["ALL"], name
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for m in container["volumeMounts"]:
+            v = volumes[m["name"]]
+            if "hostPath" in v:
+                assert m["mountPath"] == v["hostPath"]["path"], (name, m)  # the host's paths, inside too
+            elif m["mountPath"] == "/dev/shm":
+                assert v["emptyDir"]["medium"] == "Memory", (name, v)  # vLLM's own shared memory, private
+    for name, svc in compose()["services"].items():
+        for field in ("ipc", "pid", "network_mode", "privileged", "cap_add", "devices"):
+            assert field not in svc, (name, field)
+        binds = [v.split(":") for v in svc["volumes"]]
+        host = {h for h, *_ in binds if h.startswith("/")}
+        assert host == SHARED, (name, host)
+        assert all(inside == h for h, inside, *_ in binds if h.startswith("/")), (name, binds)
+        assert svc["cap_drop"] == ["ALL"], name
+
+
+def test_the_recipes_agree_on_the_uid_the_settings_and_the_commands():
+    pods, services = pod_specs(), compose()["services"]
+    envs = [env_of(p["containers"][0]) for p in pods.values()] + [s["environment"] for s in services.values()]
+    assert all(e == envs[0] for e in envs), envs
+    env = envs[0]
+    assert env["SHMKV_SEGMENT_DIR"] in SHARED
+    assert os.path.dirname(env["SHMKV_RUNTIME_DIR"]) in SHARED
+    uids = {p["securityContext"]["runAsUser"] for p in pods.values()} | {
+        int(s["user"].split(":")[0]) for s in services.values()}
+    assert len(uids) == 1, uids
+    (uid,) = uids
+    with open(os.path.join(DEPLOY, "host", "run-shmkv.mount")) as f:
+        mount = f.read()
+    assert re.search(rf"^Where={env['SHMKV_SEGMENT_DIR']}$", mount, re.M)
+    assert re.search(rf"^Options=.*\bmode=0700,uid={uid},gid={uid}\b", mount, re.M), "the segments' tmpfs is the uid's"
+    with open(os.path.join(DEPLOY, "host", "shmkv-tmpfiles.conf")) as f:
+        assert re.search(rf"^d {os.path.dirname(env['SHMKV_RUNTIME_DIR'])} 0700 {uid} {uid} -$", f.read(), re.M)
+    # one settings file: the ConfigMap carries config/shmkv.yaml's text
+    with open(os.path.join(DEPLOY, "config", "shmkv.yaml")) as f:
+        text = f.read()
+    (config_map,) = [d for d in k8s_docs() if d["kind"] == "ConfigMap"]
+    assert config_map["data"]["shmkv.yaml"] == text
+    settings = yaml.safe_load(text)
+    shared_state = os.path.dirname(env["SHMKV_RUNTIME_DIR"])
+    assert settings["disk_dir"].startswith(shared_state + "/")
+    assert settings["listen"].startswith("unix:" + env["SHMKV_RUNTIME_DIR"] + "/")
+    # the daemon's command, and each engine's connector
+    daemon = pods["shmkv-daemon"]["containers"][0]
+    assert daemon["command"] == services["shmkv-daemon"]["entrypoint"]
+    assert daemon["securityContext"]["readOnlyRootFilesystem"] and services["shmkv-daemon"]["read_only"]
+    assert daemon["livenessProbe"]["exec"]["command"] == services["shmkv-daemon"]["healthcheck"]["test"][1:]
+    engines = [pods["vllm"]["containers"][0]["args"]]
+    engines += [s["command"] for n, s in services.items() if n != "shmkv-daemon"]
+    assert [kv_transfer_config(a) for a in engines] == [{"kv_connector": "ShmKVConnector", "kv_role": "kv_both"}] * 3
+
+
+# ------------------------------------------------- the recipe, running ---
+ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="containers (unshare) and mounts need root, as in CI")
+
+
+@pytest.fixture
+def host(tmp_path):
+    """The host side of the Compose recipe: a tmpfs for the segments and a
+    state directory (in tmp_path: what host/ makes at /run/shmkv and
+    /var/lib/shmkv), the config directory, and each container path that
+    does not exist here made as an empty mount point (removed after).
+    Yields {container path: host path}."""
+    segments, state = tmp_path / "run-shmkv", tmp_path / "var-lib-shmkv"
+    segments.mkdir(mode=0o700)
+    state.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m,mode=0700", "shmkv-segments", str(segments)],
+                   check=True)
+    binds: dict[str, str] = {}
+    for volume in compose()["x-shmkv-container"]["volumes"]:
+        source, inside = volume.split(":")[:2]
+        binds[inside] = {"/run/shmkv": str(segments), "/var/lib/shmkv": str(state)}.get(
+            source, os.path.normpath(os.path.join(DEPLOY, source)))
+    made = [p for p in binds if not os.path.exists(p)]
+    for p in made:
+        os.makedirs(p)
+    try:
+        yield binds
+    finally:
+        subprocess.run(["umount", "-l", str(segments)], check=False)
+        for p in reversed(made):
+            os.rmdir(p)
+
+
+def container_env(service: dict[str, Any]) -> dict[str, str]:
+    """The service's environment, with the capacity this host can spare."""
+    return {**service["environment"], "SHMKV_CAPACITY": "256MiB"}
+
+
+def process_env(service: dict[str, Any]) -> dict[str, str]:
+    """What a process started here needs besides: this interpreter's environment and the repository."""
+    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            **container_env(service)}
+
+
+@ROOT
+@pytest.mark.slow
+def test_the_compose_recipe_runs_two_engines_sharing_the_cache(host, start_engine, reference, tmp_path,
+                                                               monkeypatch):
+    services = compose()["services"]
+    binds = [[h, inside] for inside, h in host.items()]
+    svc = services["shmkv-daemon"]
+    log = open(tmp_path / "daemon.log", "ab")
+    daemon = subprocess.Popen(
+        [*container_argv(True, private_shm=True, binds=binds, read_only_root=svc["read_only"]), *svc["entrypoint"]],
+        stdout=subprocess.PIPE, stderr=log, text=True, env=process_env(svc), cwd="/")
+    try:
+        line = daemon.stdout.readline()
+        assert "shmkv daemon ready" in line, open(tmp_path / "daemon.log").read()
+        health = subprocess.run([*container_argv(True, private_shm=True, binds=binds), *svc["healthcheck"]["test"][1:]],
+                                capture_output=True, text=True, env=process_env(svc), cwd="/", timeout=60)
+        assert health.returncode == 0, health.stderr
+        answer = json.loads(health.stdout)
+        assert answer["status"] == "ok" and answer["maintainer"], answer
+
+        prompt = random_prompt(3000, seed=43)
+        digests = str(tmp_path / "digests.txt")
+        engines = {}
+        for name in ("vllm-a", "vllm-b"):
+            e = services[name]
+            extra = kv_transfer_config(e["command"]).get("kv_connector_extra_config", {})
+            engines[name] = start_engine(f"recipe-{name}", module_path=None, pid_namespace=True, private_shm=True,
+                                         binds=binds, env=container_env(e) | {"SHMKV_DEBUG_DIGEST_FILE": digests},
+                                         shmkv=extra)
+        first = engines["vllm-a"].generate([prompt])
+        assert first["num_cached_tokens"] == [0] and first["outputs"][0] == reference.output(prompt, 0)
+        r = engines["vllm-b"].generate([prompt])
+        assert r["num_cached_tokens"] == [2944], "11 chunks and the 128-token tail piece, from the other container"
+        assert len(r["outputs"][0]) == E2E_TOKENS and r["outputs"][0] == reference.output(prompt, 2944)
+        assert check_loaded_bytes_equal_stored(digests) == 12
+
+        settings = yaml.safe_load(open(os.path.join(DEPLOY, "config", "shmkv.yaml")))
+        segments = host[services["vllm-a"]["environment"]["SHMKV_SEGMENT_DIR"]]
+        assert os.listdir(segments) == [settings["cache_name"]], "the one segment, in the shared tmpfs"
+        monkeypatch.setenv("SHMKV_SEGMENT_DIR", segments)
+        with Store.attach(settings["cache_name"], populate=False) as s:
+            st = s.stats()
+        assert st["leases_reclaimed"] == 0 and st["writes_reclaimed"] == 0, st
+        state = host[os.path.dirname(services["vllm-a"]["environment"]["SHMKV_RUNTIME_DIR"])]
+        assert os.path.isdir(os.path.join(state, "disk", settings["cache_name"])), "the disk tier, in the state dir"
+    finally:
+        signal_container(daemon, signal.SIGTERM)  # what `docker compose down` sends the entrypoint
+        try:
+            daemon.wait(timeout=60)
+        finally:
+            if daemon.poll() is None:
+                daemon.kill()
+                daemon.wait()
+            log.close()
+    assert daemon.returncode == 0, open(tmp_path / "daemon.log").read()
