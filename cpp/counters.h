@@ -163,6 +163,11 @@ inline constexpr CounterInfo kCounters[] = {
     {"remote_errors", &Counters::remote_errors, "counter", "remote", true, "Remote calls that failed or timed out"},
     {"remote_damaged", &Counters::remote_damaged, "counter", "remote", true,
      "Remote values rejected by the chunk checks", "damaged"},
+    {"remote_foreign", &Counters::remote_foreign, "counter", "remote", true,
+     "Remote values signed with another remote_secret_file (misses here, left for the hosts that hold it)",
+     "foreign"},
+    {"remote_expired", &Counters::remote_expired, "counter", "remote", true,
+     "Remote values past the expiry their writer signed (remote_ttl), removed", "expired"},
 };
 
 }  // namespace shmkv

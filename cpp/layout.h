@@ -197,7 +197,9 @@ struct Counters {
   std::atomic<uint64_t> put_unreserved;   // FULL only because the arena was still being reserved
   std::atomic<uint64_t> reserve_errors;   // background reservations that failed (/dev/shm full)
   std::atomic<uint64_t> liveness_unshared;  // forked processes left on their parent's description (no /proc)
-  std::atomic<uint64_t> reserved_counters[5];
+  std::atomic<uint64_t> remote_foreign;     // remote values signed with another secret (left in place)
+  std::atomic<uint64_t> remote_expired;     // remote values past the expiry their writer signed
+  std::atomic<uint64_t> reserved_counters[3];
   // gauges (maintained under the lock, rebuilt on recovery)
   std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries
   std::atomic<uint64_t> entries;          // non-FREE entries

@@ -224,8 +224,11 @@ def _parse_seconds(key: str, value: Any) -> float:
 
 
 def parse_listen(value: str) -> tuple[str, str, int]:
-    """("unix", path, 0) or ("tcp", host, port) of a controller address; the
-    host must be a loopback address (the controller has no authentication)."""
+    """("unix", path, 0) or ("tcp", address, port) of a controller address;
+    the host must be a loopback address. A name (localhost) comes back as the
+    one address both the daemon binds and clients connect to: its first IPv4
+    address, else its first address (a client that tried ::1 first while the
+    daemon bound 127.0.0.1 could reach whoever listens on [::1]:PORT)."""
     import ipaddress
     import socket
 
@@ -242,13 +245,15 @@ def parse_listen(value: str) -> tuple[str, str, int]:
     if not sep or not port_s.isdigit() or not 0 <= int(port_s) <= 65535 or not host:
         raise ConfigError(f"listen={value!r}: expected HOST:PORT (loopback) or unix:/absolute/path")
     try:
-        addrs = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(host, None)}
+        addrs = [ipaddress.ip_address(a[4][0].split("%")[0])
+                 for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)]
     except (OSError, ValueError) as e:
         raise ConfigError(f"listen={value!r}: cannot resolve {host!r}: {e}") from e
-    if not all(a.is_loopback for a in addrs):
+    if not addrs or not all(a.is_loopback for a in addrs):
         raise ConfigError(f"listen={value!r}: the controller listens on loopback only (127.0.0.1, ::1, "
                           "localhost) or on a unix socket; it has no authentication")
-    return "tcp", host, int(port_s)
+    chosen = next((a for a in addrs if a.version == 4), addrs[0])
+    return "tcp", str(chosen), int(port_s)
 
 
 def _parse_listen(key: str, value: Any) -> str:
@@ -262,11 +267,20 @@ def _parse_uids(key: str, value: Any) -> tuple[int, ...]:
     return tuple(_parse_int(key, x.strip() if isinstance(x, str) else x, 0, (1 << 32) - 2) for x in items)
 
 
+# a query parameter whose name holds one of these carries a credential (redis-py: password,
+# ssl_password, ssl_keyfile_password; and any token, secret or key a client may take)
+_SECRET_PARAMS = ("pass", "pwd", "secret", "token", "auth", "cred", "key")
+
+
 def redact_url(url: str) -> str:
     """A URL without any credential, for logs and answers: the password of
-    its userinfo and the value of a `password` query parameter become ***."""
+    its userinfo and the value of every query parameter whose name speaks of
+    a credential (`password`, `ssl_password`, `ssl_keyfile_password`, a
+    token, a secret, a key) become ***."""
     from urllib.parse import parse_qsl, urlencode, urlsplit
 
+    if "," in url:  # a cluster's seed list: each URL on its own
+        return ",".join(redact_url(u) for u in url.split(","))
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -279,7 +293,7 @@ def redact_url(url: str) -> str:
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if k.lower() in ("password", "pass", "pwd") else v) for k, v in pairs],
+        query = urlencode([(k, "***" if any(w in k.lower() for w in _SECRET_PARAMS) else v) for k, v in pairs],
                           safe="*")
     return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
             + (f"#{parts.fragment}" if parts.fragment else ""))

@@ -199,7 +199,8 @@ def read_secret_file(path: str, what: str, *, fix: str, root_ok: bool = False) -
     that nobody else can read or write. Raises PermissionDeniedError naming
     the file, its owner and mode and `fix`; FileNotFoundError when missing."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO planted at the path must not hang the open (fstat then refuses it)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise PermissionDeniedError(f"{what} {path}: a symbolic link; {fix}") from None
@@ -213,6 +214,29 @@ def read_secret_file(path: str, what: str, *, fix: str, root_ok: bool = False) -
         return os.read(fd, 4096).strip()
     finally:
         os.close(fd)
+
+
+def open_private_log(path: str, what: str) -> int:
+    """An fd appending to the log file `path`: created 0600 if missing;
+    otherwise it must be a regular file of ours that group and others cannot
+    write (whoever owns it, or can write it, would read what we log and forge
+    lines in it). Never follows a link, never blocks on a FIFO. Raises
+    PermissionDeniedError naming the file, its owner and mode."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                     0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PermissionDeniedError(f"{what} {path}: a symbolic link; give a file of ours") from None
+        if e.errno == errno.ENXIO:
+            raise PermissionDeniedError(f"{what} {path}: a FIFO, not a regular file; give a file of ours") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o022:
+        os.close(fd)
+        raise PermissionDeniedError(f"{what} {path}: {_describe(st)}; it must be a regular file of ours "
+                                    f"(uid {os.geteuid()}) that nobody else can write; remove it or give another")
+    return fd
 
 
 def check_trusted_dir(path: str) -> str:

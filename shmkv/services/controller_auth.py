@@ -14,10 +14,14 @@ request passes before its body is read:
     one of `controller_allow_uids`; no token is needed there.
 
 The token lives in a 0600 file: `controller_token_file`, or
-<runtime dir>/<cache name>.controller-token. The daemon creates it at its
-first start and reuses it afterwards, so clients keep working across
-restarts; clients (shmkv.services.controller_client) read it the same way.
-Both refuse a token file that someone else could have written or read.
+<runtime dir>/<cache name>.controller-token. The daemon writes a new one at
+every start, once it holds the daemon role (a token captured from an earlier
+run, or sent to a squatter while the daemon was down, is worth nothing
+after a restart), replacing the file by a rename, never writing through
+whatever is at the path. Clients (shmkv.services.controller_client) read it
+at each use. Both refuse a token file that someone else could have written
+or read, and a path that is not a regular file (a FIFO is never opened
+blocking).
 """
 
 from __future__ import annotations
@@ -61,19 +65,46 @@ def read_token(cfg: ShmkvConfig) -> str:
     return token.decode("ascii", "replace")
 
 
-def load_or_create_token(cfg: ShmkvConfig) -> str:
-    """The daemon's token: the existing file's, or a new one written 0600."""
+def check_token_place(cfg: ShmkvConfig) -> None:
+    """Before a daemon starts anything: what is at the token path, if
+    anything, must be a token file of ours that nobody else can read or write
+    (PermissionDeniedError naming it otherwise)."""
     path = token_path(cfg)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        return read_token(cfg)
+        read_secret_file(path, "controller token file",
+                         fix=f"remove it (the daemon writes a new one at each start) or `chmod 600 {path}`")
+    except FileNotFoundError:
+        pass
+
+
+def rotate_token(cfg: ShmkvConfig) -> str:
+    """A new token for this daemon's run: written 0600 to a file of its own
+    beside the token path, then renamed over it (a link or anything else
+    planted at the path is replaced, not written through)."""
+    path = token_path(cfg)
+    directory, name = os.path.split(path)
+    token = secrets.token_urlsafe(32)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.new")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:  # left by a process of our pid that died mid-rotation
+        os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)
-        token = secrets.token_urlsafe(32)
         os.write(fd, (token + "\n").encode())
-    finally:
         os.close(fd)
+        fd = -1
+        os.rename(tmp, path)
+    except OSError as e:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise PermissionDeniedError(f"controller token file {path}: cannot write a new token there "
+                                    f"({e.strerror}); use a controller_token_file in a directory of yours") from None
     return token
 
 
@@ -86,10 +117,44 @@ def peer_uid(sock: socket.socket) -> int | None:
     return struct.unpack("3i", creds)[1]
 
 
+_NETLINK_SOCK_DIAG, _SOCK_DIAG_BY_FAMILY, _NLMSG_ERROR = 4, 20, 2
+_NLM_F_REQUEST = 1
+_INET_DIAG_NOCOOKIE = 0xFFFFFFFF
+
+
+def _diag_uid(family: int, local: tuple, remote: tuple) -> int | None:
+    """The uid of the TCP socket whose own address is `local` and whose
+    peer is `remote`, asked of the kernel by exactly that 4-tuple (netlink
+    sock_diag: one answer, whatever the number of sockets on the host)."""
+    def addr16(host: str) -> bytes:
+        return socket.inet_pton(family, host).ljust(16, b"\0")
+
+    sockid = (struct.pack("!HH", local[1], remote[1]) + addr16(local[0]) + addr16(remote[0])
+              + struct.pack("=III", 0, _INET_DIAG_NOCOOKIE, _INET_DIAG_NOCOOKIE))
+    req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sockid
+    msg = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0) + req
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(1.0)
+        nl.sendto(msg, (0, 0))
+        data = nl.recv(65536)
+    length, kind = struct.unpack_from("=IH", data, 0)
+    if kind == _NLMSG_ERROR or kind != _SOCK_DIAG_BY_FAMILY or length < 16 + 72:
+        return None
+    # inet_diag_msg: family, state, timer, retrans (4 bytes), sockid (48), expires, rqueue, wqueue, uid, inode
+    return struct.unpack_from("=I", data, 16 + 4 + 48 + 12)[0]
+
+
 def tcp_peer_uid(sock: socket.socket) -> int | None:
-    """The uid owning the other end of a loopback TCP connection (from
-    /proc/net/tcp{,6}: the socket whose local address is our peer's), or
+    """The uid owning the other end of a loopback TCP connection (the socket
+    whose own address is our peer's and whose peer is us): the daemon asks it
+    of a client, a client of the daemon before it sends the token. From
+    netlink sock_diag by the exact 4-tuple, else from /proc/net/tcp{,6};
     None when it cannot be told."""
+    try:
+        peer, local = sock.getpeername(), sock.getsockname()
+        return _diag_uid(sock.family, peer, local)
+    except (OSError, ValueError, struct.error):
+        pass
     try:
         peer, local = sock.getpeername(), sock.getsockname()
         v6 = sock.family == socket.AF_INET6
@@ -148,8 +213,11 @@ class Gate:
         """Ours or root's: clients that can hold the token (other uids cannot read its file)."""
         return uid in (os.geteuid(), 0)
 
-    def check(self, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, str] | None:
-        """None when the request may run; else (status, message) to refuse it with."""
+    def check(self, path: str, headers: list[tuple[bytes, bytes]], method: str = "GET") -> tuple[int, str] | None:
+        """None when the request may run; else (status, message) to refuse it
+        with. A request that needs no token (an open path) takes no body: it
+        is refused from its head, so nobody unauthenticated costs more than
+        a head (no body is read, buffered or waited for)."""
         if self.kind != "tcp":
             return None  # a unix socket's peer is checked when it connects
         values: dict[bytes, list[bytes]] = {}
@@ -163,6 +231,9 @@ class Gate:
             return 403, "cross-origin requests are refused"
         path = path.rstrip("/") or "/"
         if path in OPEN_PATHS or (self.open_metrics and path == "/metrics"):
+            framed = any(int(v) > 0 if v.strip().isdigit() else True for v in values.get(b"content-length", []))
+            if method not in ("GET", "HEAD") or framed or b"transfer-encoding" in values:
+                return 405, f"{path} takes GET without a body"
             return None
         auth = values.get(b"authorization", [b""])
         scheme, _, given = auth[0].decode("latin-1").partition(" ")

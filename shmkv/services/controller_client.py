@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import socket
 import sys
 from typing import Any
 
 from shmkv.config import ShmkvConfig, load_config, parse_listen
-from shmkv.errors import ShmkvError
-from shmkv.services.controller_auth import read_token
+from shmkv.errors import PermissionDeniedError, ShmkvError
+from shmkv.services.controller_auth import peer_uid, read_token, tcp_peer_uid
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -50,10 +51,36 @@ def url_of(cfg: ShmkvConfig) -> str:
     return f"http://{'[' + where + ']' if ':' in where else where}:{port}"
 
 
+def check_server(conn: http.client.HTTPConnection, url: str) -> None:
+    """The process that answers at `url` is of our uid or root's, or
+    PermissionDeniedError: nothing (the token least of all) goes to another
+    user's listener, whether it took the port while the daemon was down or
+    planted a socket at its path. TCP: the uid of the socket at the other end
+    (netlink sock_diag); a unix socket: its peer's credentials (SO_PEERCRED)."""
+    me = os.geteuid()
+    if url.startswith("unix:"):
+        uid, how = peer_uid(conn.sock), "the process at the other end of"
+    else:
+        uid, how = tcp_peer_uid(conn.sock), "the socket listening at"
+    if uid is None:
+        raise PermissionDeniedError(f"cannot tell who owns {how} {url}: not sending it the controller token")
+    if uid not in (me, 0):
+        raise PermissionDeniedError(f"{how} {url} belongs to uid {uid}, not to us (uid {me}) or root: another "
+                                    "user's listener, not our daemon; not sending it the controller token")
+
+
 def request(url: str, token: str | None, method: str, path: str, body: Any = None, *,
             timeout: float = 60.0) -> tuple[int, Any]:
-    """One request; (status, the JSON answer, or the text of a non-JSON one)."""
+    """One request; (status, the JSON answer, or the text of a non-JSON one).
+    With a token, the server is checked first (check_server)."""
     conn = connect(url, timeout)
+    if token or url.startswith("unix:"):
+        try:
+            conn.connect()
+            check_server(conn, url)
+        except BaseException:
+            conn.close()
+            raise
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
     if data is not None:

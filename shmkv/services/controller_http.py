@@ -17,8 +17,13 @@ Invariants:
     holds no slot for long); at MAX_CONNECTIONS open connections a new one
     closes the oldest that has no request running (an idle or half-sent
     one), so clients that hold connections cannot lock /health out; another
-    uid (a TCP peer's, from /proc/net/tcp) holds at most MAX_FOREIGN_CONNECTIONS
-    and gets FOREIGN_HEAD_TIMEOUT_S for each request head;
+    uid (a TCP peer's, from netlink sock_diag) holds at most
+    MAX_FOREIGN_CONNECTIONS, other uids together leave RESERVED_CONNECTIONS
+    free, and each gets FOREIGN_HEAD_TIMEOUT_S for each request head; at the
+    cap, a connection of ours or root's closes another uid's oldest, busy or
+    not, and anyone else is answered 503;
+  * a request that needs no token (/health) takes no body: refused from its
+    head, so nobody unauthenticated makes the server read or buffer a body;
   * /health is answered on the event loop itself, never behind busy workers;
   * endpoints run in a thread pool, so a long /flush does not stop /health;
     stop() lets the requests in flight finish for up to IO_TIMEOUT_S.
@@ -65,6 +70,7 @@ IO_TIMEOUT_S = 10.0  # for a request head, and for a whole body
 FOREIGN_HEAD_TIMEOUT_S = 2.0  # for each request head of another uid's connection (it cannot hold the token)
 MAX_CONNECTIONS = 256
 MAX_FOREIGN_CONNECTIONS = 16  # per other uid: one neighbour cannot fill the connection cap
+RESERVED_CONNECTIONS = 64  # of the cap, never given to other uids (many uids together cannot fill it either)
 BACKLOG = 128
 
 
@@ -169,7 +175,7 @@ class _BodyLimits:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        refused = self.gate.check(scope["path"], scope["headers"]) if self.gate is not None else None
+        refused = self.gate.check(scope["path"], scope["headers"], scope["method"]) if self.gate is not None else None
         if refused is not None:
             return await self._refuse(send, *refused)
         declared = [v for k, v in scope["headers"] if k == b"content-length"]
@@ -237,6 +243,7 @@ class _HeadDeadline(H11Protocol):
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
         self.peer: int | None = None
+        self.trusted = True  # a client that can hold the token: ours, root's, or a unix peer let in
         self.head_timeout_s = IO_TIMEOUT_S
         if self.gate is not None and self.gate.kind == "unix":
             uid = peer_uid(sock)
@@ -248,25 +255,36 @@ class _HeadDeadline(H11Protocol):
                 return
         elif self.gate is not None:
             self.peer = tcp_peer_uid(sock)
-            if not Gate.trusted_uid(self.peer):
+            self.trusted = Gate.trusted_uid(self.peer)
+            if not self.trusted:
                 self.head_timeout_s = min(FOREIGN_HEAD_TIMEOUT_S, IO_TIMEOUT_S)
                 mine = [p for p in self.live if p.peer == self.peer]
                 if len(mine) >= MAX_FOREIGN_CONNECTIONS and not self._make_room(mine):
                     return
-        if len(self.live) >= self.cap and not self._make_room(list(self.live)):
-            return
+                foreign = [p for p in self.live if not p.trusted]
+                if len(foreign) >= self.cap - min(RESERVED_CONNECTIONS, self.cap // 2) and not self._make_room(foreign):
+                    return
+        if len(self.live) >= self.cap:
+            # the owner always gets in: at the cap, its connection closes another uid's oldest, busy or not
+            foreign = [p for p in self.live if not p.trusted] if self.trusted else []
+            if not self._make_room(list(self.live), evict_busy=foreign):
+                return
         self.live[self] = None
         self._arm()
 
-    def _make_room(self, among: list[_HeadDeadline]) -> bool:
-        """Close the oldest of `among` that runs no request; with none, refuse this connection (503)."""
-        idle = next((p for p in among if p._idle()), None)
-        if idle is None:
+    def _make_room(self, among: list[_HeadDeadline], evict_busy: list[_HeadDeadline] | None = None) -> bool:
+        """Close the oldest of `among` that runs no request, else the oldest
+        of `evict_busy`; with neither, refuse this connection with a 503."""
+        victim = next((p for p in among if p._idle()), None) or next(iter(evict_busy or ()), None)
+        if victim is None:
             self.controller.count(503)
+            out = b'{"error": "the controller is at its connection limit; try again"}\n'
+            self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: " + str(len(out)).encode() + b"\r\nConnection: close\r\n\r\n" + out)
             self.transport.close()
             return False
-        idle.transport.close()
-        self.live.pop(idle, None)
+        victim.transport.close()
+        self.live.pop(victim, None)
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -313,7 +331,8 @@ class ControllerServer:
         """`token`: the bearer token TCP clients must send (None: no gate, for
         in-process tests of the transport alone)."""
         self.controller = controller
-        self.sock, self.url = _bind(listen)
+        allow = tuple(controller.cfg.controller_allow_uids) if token is not None else ()
+        self.sock, self.url = _bind(listen, allow)
         gate = Gate.for_listener(controller.cfg, self.url, token) if token is not None else None
         cap = _connection_cap()
         protocol = type("ControllerProtocol", (_HeadDeadline,),
@@ -337,8 +356,13 @@ class ControllerServer:
                 os.unlink(self.url[5:])
 
 
-def _bind(listen: str) -> tuple[socket.socket, str]:
-    """A listening socket for `listen` and the URL it answers on."""
+def _bind(listen: str, allow_uids: tuple[int, ...] = ()) -> tuple[socket.socket, str]:
+    """A listening socket for `listen` and the URL it answers on. A unix
+    socket is 0600, or 0666 when `allow_uids` names other uids (connecting
+    needs write permission on the file; each connection's uid is then checked
+    against ours, root's and those, SO_PEERCRED, before anything is read).
+    Those uids must be able to reach the socket's directory: the operator's
+    choice of directory is the other half of the grant."""
     kind, where, port = parse_listen(listen)
     if kind == "unix":
         parent = os.path.dirname(where) or "."
@@ -359,7 +383,10 @@ def _bind(listen: str) -> tuple[socket.socket, str]:
             raise
         finally:
             os.umask(old)
-        os.chmod(where, 0o600)
+        os.chmod(where, 0o666 if allow_uids else 0o600)
+        if allow_uids:
+            log.info("shmkv: controller socket %s open to uids %s besides ours and root (controller_allow_uids; "
+                     "every connection's uid is checked)", where, ",".join(map(str, allow_uids)))
         sock.listen(BACKLOG)
         return sock, f"unix:{where}"
     family = socket.AF_INET6 if ":" in where else socket.AF_INET

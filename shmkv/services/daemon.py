@@ -32,9 +32,9 @@ import time
 
 from shmkv.config import ShmkvConfig, load_config
 from shmkv.errors import ShmkvError
-from shmkv.paths import daemon_lock, runtime_dir
+from shmkv.paths import daemon_lock, open_private_log, runtime_dir
 from shmkv.services.controller import Controller
-from shmkv.services.controller_auth import load_or_create_token, token_path
+from shmkv.services.controller_auth import check_token_place, rotate_token, token_path
 from shmkv.services.controller_http import ControllerServer
 from shmkv.services.maintainer import MaintainerRole
 from shmkv.store import OpenOutcome, Role, Store, open_store
@@ -66,7 +66,7 @@ class Daemon:
         """Everything up to serving; raises on what stops the daemon from
         starting, and then leaves no segment behind that this start created."""
         cfg = self.cfg
-        token = load_or_create_token(cfg)  # before the segment: a bad token file refuses the start
+        check_token_place(cfg)  # before the segment: a bad token file refuses the start
         self.store = open_store(cfg)
         try:
             # NOTE: the runtime directory's lock sees daemons of this host namespace; the segment's
@@ -75,6 +75,7 @@ class Daemon:
                 raise AlreadyServedError(f"another shmkv daemon already serves segment '{cfg.cache_name}' (from "
                                          "another container or PID namespace: its runtime directory is not "
                                          "this one); stop it first")
+            token = rotate_token(cfg)  # only the daemon that serves replaces it
             self.chain = open_tiers(cfg, self.store)
             self.role = MaintainerRole(cfg, self.chain, standby_s=0.2, yield_to_daemon=False)
             self.role.start()
@@ -157,7 +158,7 @@ def _background(argv: list[str], cfg: ShmkvConfig, log_file: str | None) -> int:
     """Start the daemon detached, wait until it serves (or fails), report."""
     args = [a for a in argv if a != "--background"]
     if log_file:
-        fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = open_private_log(log_file, "--log-file")
     else:
         rt = runtime_dir()
         log_file = rt.join(f"{cfg.cache_name}.daemon.log")
@@ -193,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shmkv daemon: {e}", file=sys.stderr)
         return EXIT_CONFIG
     if args.background:
-        return _background(argv, cfg, args.log_file)
+        try:
+            return _background(argv, cfg, args.log_file)
+        except (ShmkvError, OSError) as e:
+            print(f"shmkv daemon: cannot start for cache '{cfg.cache_name}': {e}", file=sys.stderr)
+            return EXIT_CANNOT_SERVE
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     try:

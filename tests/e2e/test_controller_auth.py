@@ -1,8 +1,8 @@
 """Who may use the controller: on TCP every endpoint but /health needs the
 daemon's token, a foreign Host or Origin is refused whatever the token, and
 nothing a refused request asks for happens; the token file is the daemon's
-own (0600, kept across restarts, refused when others could write or read
-it); a unix socket checks its peer's uid; and clients that hold connections
+own (0600, new at every start, refused when others could write or read it
+or when it is not a regular file); a unix socket checks its peer's uid; and clients that hold connections
 open or half-sent cannot keep /health from answering."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import json
 import os
 import socket
 import stat
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -19,7 +21,7 @@ from helpers import AS_ANOTHER_USER, CONTROLLER_TOKENS, as_nobody, http, payload
 from shmkv.config import load_config
 from shmkv.errors import PermissionDeniedError
 from shmkv.services.controller_auth import read_token, token_path
-from shmkv.services.daemon import Daemon
+from shmkv.services.daemon import EXIT_CANNOT_SERVE, AlreadyServedError, Daemon
 
 NS = b"N" * 16
 
@@ -100,7 +102,9 @@ def test_local_origin_and_the_token_work(served):
     assert st == 200 and body["removed"]["shm"] == 4
 
 
-def test_the_token_file_is_private_and_kept_across_restarts(cache_name):
+def test_the_token_file_is_private_and_new_at_every_start(cache_name):
+    """A token captured in one run (sent to a squatter while the daemon was
+    down, read from a command line) opens nothing after a restart."""
     cfg = config(cache_name)
     d, t = start(cfg)
     first = d.token
@@ -111,12 +115,37 @@ def test_the_token_file_is_private_and_kept_across_restarts(cache_name):
     stop(d, t)
     d, t = start(cfg)
     try:
-        assert d.token == first, "clients keep working after a restart"
+        assert d.token != first and read_token(cfg) == d.token, "a new token, in the file clients read"
+        old = {"Authorization": f"Bearer {first}"}
+        assert http(d.url, "GET", "/stats", headers=old, token=False)[0] == 401, "the last run's token is refused"
         assert http(d.url, "GET", "/stats")[0] == 200
     finally:
         stop(d, t)
-    log_text = open(path).read()
-    assert first in log_text  # the file holds it; the log never does (below)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".new")] == [], "no rotation left behind"
+
+
+def test_a_second_daemon_that_cannot_serve_leaves_the_token_of_the_first(cache_name):
+    cfg = config(cache_name)
+    d, t = start(cfg)
+    try:
+        other = Daemon(cfg)  # as from another container: the runtime lock is not shared, the segment's role is
+        with pytest.raises(AlreadyServedError):
+            other.start()
+        assert read_token(cfg) == d.token and http(d.url, "GET", "/stats")[0] == 200
+    finally:
+        stop(d, t)
+
+
+def test_a_fifo_at_the_token_path_is_refused_at_once_and_no_segment_is_left(cache_name, tmp_path):
+    path = tmp_path / "token"
+    os.mkfifo(path, 0o600)
+    r = subprocess.run([sys.executable, "-m", "shmkv.daemon", "--cache", cache_name, "--listen", "127.0.0.1:0"],
+                       env={**os.environ, "SHMKV_CONTROLLER_TOKEN_FILE": str(path), "SHMKV_CAPACITY": "8MiB"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == EXIT_CANNOT_SERVE, (r.returncode, r.stderr)
+    assert f"controller token file {path}" in r.stderr and "regular file" in r.stderr, r.stderr
+    assert not os.path.exists(f"/dev/shm/{cache_name}"), "refused before the segment exists"
 
 
 def test_the_token_is_never_logged(cache_name, caplog):
@@ -221,7 +250,11 @@ def test_a_unix_socket_checks_its_peers_uid(cache_name, sticky_tmp, allowed):
     sock = os.path.join(sticky_tmp, "ctl.sock")
     d, t = start(config(cache_name, listen=f"unix:{sock}", controller_allow_uids="65534" if allowed else ""))
     try:
-        os.chmod(sock, 0o666)  # as if its directory and mode let anyone in: the peer check still holds
+        # allowed uids can connect by the daemon's own choice of mode (0666, every peer's uid checked);
+        # otherwise it is 0600, and opened by hand here the peer check still holds
+        assert stat.S_IMODE(os.stat(sock).st_mode) == (0o666 if allowed else 0o600)
+        if not allowed:
+            os.chmod(sock, 0o666)
         r = as_nobody(UNIX_CLIENT, sock)
         assert r.returncode == 0, r.stderr
         reply = json.loads(r.stdout)["reply"]
@@ -269,3 +302,144 @@ def test_another_uid_holds_few_connections_for_a_short_time(served):
     assert got["open"] <= 16, got  # MAX_FOREIGN_CONNECTIONS
     assert got["all_closed"], got  # each within the 2 s head deadline of another uid
     assert http(served.url, "GET", "/health")[0] == 200
+
+
+# ------------------------------------------- the client checks the server --
+SQUATTER = r"""
+import socket, sys
+family = socket.AF_UNIX if sys.argv[1].startswith("/") else (socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET)
+srv = socket.socket(family)
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(sys.argv[1] if family == socket.AF_UNIX else (sys.argv[1], int(sys.argv[2])))
+srv.listen(4)
+print("listening", flush=True)
+srv.settimeout(30)
+got = b""
+try:
+    c, _ = srv.accept()
+    c.settimeout(3)
+    try:
+        while chunk := c.recv(4096):
+            got += chunk
+            if b"\r\n\r\n" in got:
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n"
+                          b'{"forged": true}'[:15])
+                break
+    except OSError:
+        pass
+except OSError:
+    pass
+print("got", got.hex(), flush=True)
+"""
+
+
+def squatter(*where: str) -> subprocess.Popen:
+    """Another uid (nobody) listening where our daemon would; it prints what it received."""
+    from helpers import NOBODY, SETPRIV
+
+    p = subprocess.Popen([SETPRIV, *NOBODY, sys.executable, "-c", SQUATTER, *where], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd="/")
+    assert p.stdout.readline().strip() == "listening", p.stderr.read()
+    return p
+
+
+def ctl(cfg_file: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shmkv.cli", "ctl", "--config", cfg_file,
+                           "GET", "/stats"], capture_output=True, text=True, timeout=60)
+
+
+def ctl_config(tmp_path, cache_name, listen: str) -> str:
+    """A client's settings, with a token file of ours (as a daemon of an earlier run left it)."""
+    token = tmp_path / "token"
+    token.write_text("T" * 43 + "\n")
+    os.chmod(token, 0o600)
+    path = tmp_path / "ctl.yaml"
+    path.write_text(f"cache_name: {cache_name}\nlisten: {listen}\ncontroller_token_file: {token}\n")
+    return str(path)
+
+
+@AS_ANOTHER_USER
+def test_the_token_is_not_sent_to_another_users_listener_on_the_daemons_port(cache_name, tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sq = squatter("127.0.0.1", str(port))  # the daemon is down; another uid took its port
+    r = ctl(ctl_config(tmp_path, cache_name, f"127.0.0.1:{port}"))
+    sq.kill()
+    got = sq.communicate()[0]
+    assert r.returncode == 2 and "belongs to uid 65534" in r.stderr, (r.returncode, r.stdout, r.stderr)
+    assert "forged" not in r.stdout and b"Bearer".hex() not in got and (b"T" * 8).hex() not in got, got
+
+
+@AS_ANOTHER_USER
+def test_localhost_reaches_the_address_the_daemon_bound_not_another_users_ipv6_listener(cache_name, tmp_path):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    d, t = start(config(cache_name, listen="localhost:0"))
+    try:
+        port = d.url.rsplit(":", 1)[1]
+        assert d.url == f"http://127.0.0.1:{port}", "localhost is bound as its IPv4 address"
+        sq = squatter("::1", port)
+        cfg_file = tmp_path / "ctl.yaml"
+        cfg_file.write_text(f"cache_name: {cache_name}\nlisten: localhost:{port}\n")
+        r = ctl(str(cfg_file))
+        sq.kill()
+        got = sq.communicate()[0]
+        assert r.returncode == 0 and "processes_attached" in r.stdout, (r.returncode, r.stderr)
+        assert got.strip() in ("", "got"), f"nothing went to [::1]: {got}"  # killed while it waited, or empty
+    finally:
+        stop(d, t)
+
+
+@AS_ANOTHER_USER
+def test_a_unix_socket_planted_by_another_user_gets_nothing(cache_name, tmp_path, sticky_tmp):
+    path = os.path.join(sticky_tmp, "ctl.sock")
+    sq = squatter(path)
+    r = ctl(ctl_config(tmp_path, cache_name, f"unix:{path}"))
+    sq.kill()
+    sq.communicate()
+    assert r.returncode == 2 and "belongs to uid 65534" in r.stderr, (r.returncode, r.stdout, r.stderr)
+    assert "forged" not in r.stdout
+
+
+# --------------------------------------------- bodies nobody authenticated --
+FLOOD = r"""
+import json, socket, sys
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+conns = []
+for _ in range(n):
+    s = socket.create_connection((host, port), timeout=5)
+    # an open path, a body declared 16 MiB long and trickled: the server must not wait for it
+    s.sendall(f"POST /health HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: 16777216\r\n\r\n".encode() + b"x")
+    conns.append(s)
+answers = []
+for s in conns:
+    s.settimeout(5)
+    try:
+        answers.append(s.recv(64).decode(errors="replace").split("\r\n")[0])
+    except OSError as e:
+        answers.append(type(e).__name__)
+print(json.dumps(answers))
+"""
+
+
+@AS_ANOTHER_USER
+def test_bodies_nobody_authenticated_are_refused_from_their_heads(served):
+    """Four other uids (what one user's subuid range gives) each send 16
+    requests to the open path with a large body they never finish: each is
+    refused from its head (no body read, buffered or waited for), and the
+    owner's /stats and /health answer meanwhile."""
+    from helpers import SETPRIV
+
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    floods = [subprocess.Popen([SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c",
+                                FLOOD, host, port, "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd="/") for uid in range(200001, 200005)]
+    try:
+        assert http(served.url, "GET", "/health")[0] == 200
+        assert http(served.url, "GET", "/stats")[0] == 200
+    finally:
+        outs = [f.communicate(timeout=60) for f in floods]
+    for out, err in outs:
+        answers = json.loads(out or "null")
+        assert answers == ["HTTP/1.1 405 Method Not Allowed"] * 16, (answers, err)

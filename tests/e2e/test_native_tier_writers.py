@@ -1,7 +1,8 @@
 """A chunk another process is writing into the shared segment right now:
 the native tier's lookup answers RETRY (vLLM asks again next step) instead
 of MISS, HIT once the writer commits, and MISS once a writer has held it
-past WRITING_RETRY_S (a frozen or killed writer never stalls a request)."""
+past WRITING_RETRY_S (a frozen or killed writer never stalls a request); a
+store of a chunk another engine is writing is not reported stored."""
 
 from __future__ import annotations
 
@@ -47,5 +48,20 @@ def test_a_writer_that_never_commits_turns_into_a_miss(engine, cache_name, monke
         monkeypatch.setattr(native_tier, "WRITING_RETRY_S", 0.0)  # as if WRITING_RETRY_S had passed
         assert engine.tier.lookup(k, engine.ctx) is LookupResult.MISS
         r.abort()
+    finally:
+        writer.close()
+
+
+def test_a_store_of_a_chunk_another_engine_is_writing_is_not_reported_stored(engine, cache_name):
+    """BUSY is not stored: the other engine's write may still be aborted,
+    and vLLM must not count on a chunk the segment does not hold."""
+    (k,) = engine.keys(1, seed=3)
+    writer = Store.attach(cache_name)
+    try:
+        r = writer.reserve(engine.tier.key_of(k), engine.tier.chunk_bytes, namespace=engine.tier.root)
+        engine.store([k])
+        assert (engine.tier.counters["not_stored"], engine.tier.counters["already_held"]) == (1, 0)
+        r.abort()  # the other engine's write never lands
+        assert engine.tier.lookup(k, engine.ctx) is LookupResult.MISS
     finally:
         writer.close()

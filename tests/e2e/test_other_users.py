@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -21,7 +22,7 @@ from shmkv import Store
 from shmkv.config import load_config
 from shmkv.errors import PermissionDeniedError
 from shmkv.paths import runtime_dir
-from shmkv.services.daemon import Daemon
+from shmkv.services.daemon import EXIT_CANNOT_SERVE, Daemon
 from shmkv.tiers.disk.tier import DiskTier
 
 pytestmark = AS_ANOTHER_USER
@@ -171,3 +172,20 @@ def test_a_container_of_another_uid_is_told_which_uid_owns_the_cache(cache_name,
         f"{what} is owned by uid 0 with mode 0{'700' if place == 'segment-dir' else '600'} and this process runs as "
         "uid 65534: every process sharing a cache, in every container, runs as the uid that owns it "
         "(docker run --user 0, Kubernetes runAsUser: 0)"), got
+
+
+def test_a_log_file_planted_by_another_user_is_refused(cache_name, sticky_tmp):
+    """--log-file in a shared sticky directory, made first by another user
+    as her 0666 file: the daemon refuses it rather than write its log (paths,
+    settings) where she reads it and forges lines."""
+    planted = os.path.join(sticky_tmp, "shmkv.log")
+    r = as_nobody("import os, sys; fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY, 0o666); os.fchmod(fd, 0o666)",
+                  planted)
+    assert r.returncode == 0, r.stderr
+    daemon = subprocess.run([sys.executable, "-m", "shmkv.daemon", "--cache", cache_name, "--capacity", "8MiB",
+                             "--listen", "127.0.0.1:0", "--background", "--log-file", planted],
+                            capture_output=True, text=True, timeout=120)
+    assert daemon.returncode == EXIT_CANNOT_SERVE, (daemon.returncode, daemon.stdout, daemon.stderr)
+    assert f"--log-file {planted}: owned by uid 65534" in daemon.stderr, daemon.stderr
+    assert os.path.getsize(planted) == 0, "nothing written to her file"
+    assert not os.path.exists(f"/dev/shm/{cache_name}"), "refused before anything started"

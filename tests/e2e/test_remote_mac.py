@@ -1,13 +1,19 @@
 """With a shared secret (`remote_secret_file`) every remote chunk carries an
-HMAC of it: hosts holding the secret share chunks; a value planted by anyone
-else (no MAC, a wrong one, another key's) is a miss, counted and unlinked; hosts
-with and without the secret never see each other's chunks. Without a secret
-the start-up log says that anyone who can write to the remote can plant KV."""
+HMAC of it and the id of the key that signed it: hosts holding the secret
+share chunks; a value of our key id whose MAC fails (a wrong MAC, another
+key's value moved) is a miss, counted and unlinked; a value signed with
+another secret (or with no head at all) is a miss, counted, and left for the
+hosts that hold that secret, and a host whose secret differs says so once at
+start; a value written back after the expiry its writer signed is a miss and
+removed; hosts with and without the secret never see each other's chunks.
+Without a secret the start-up log says that anyone who can write to the
+remote can plant KV."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 from helpers import key, payload_for
@@ -17,8 +23,9 @@ from shmkv.config import load_config
 from shmkv.errors import ConfigError, PermissionDeniedError
 from shmkv.tiers import TierChain, open_tiers
 from shmkv.tiers import format as fmt
+from shmkv.tiers.remote import tier as remote_tier
 from shmkv.tiers.remote.client import read_secret
-from shmkv.tiers.remote.tier import MAC_BYTES, chunk_key
+from shmkv.tiers.remote.tier import KEY_ID_BYTES, MAC_BYTES, SIGNED_HEAD, chunk_key, key_id
 
 NS = b"N" * 16
 SIZE = 16 * 1024
@@ -29,16 +36,19 @@ def store(small_store):
     return small_store
 
 
-def secret_file(tmp_path, name="secret", data=b"0123456789abcdef0123456789abcdef", mode=0o600):
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def secret_file(tmp_path, name="secret", data=SECRET, mode=0o600):
     p = tmp_path / name
     p.write_bytes(data)
     os.chmod(p, mode)
     return str(p)
 
 
-def chain(store, url, secret=""):
+def chain(store, url, secret="", **settings):
     return open_tiers(load_config({"cache_name": store.name, "remote_url": url, "remote_secret_file": secret,
-                                   "remote_timeout": 5}, env={}), store)
+                                   "remote_timeout": 5, **settings}, env={}), store)
 
 
 def stored(store, i):
@@ -50,28 +60,75 @@ def test_hosts_with_the_secret_share_chunks(store, redis_server, tmp_path):
     stored(store, 1)
     assert c.remote.write(key(1), NS, payload_for(key(1), SIZE))
     raw = redis_server.client().get(chunk_key(key(1), NS, authenticated=True))
-    assert raw is not None and raw[MAC_BYTES:MAC_BYTES + 8] == fmt.MAGIC, "the MAC, then the chunk"
+    assert raw is not None and raw[:KEY_ID_BYTES] == key_id(SECRET), "the id of the key that signed it"
+    assert raw[SIGNED_HEAD:SIGNED_HEAD + 8] == fmt.MAGIC, "the key id, the expiry, the MAC, then the chunk"
     assert not redis_server.client().exists(chunk_key(key(1), NS)), "not under the unauthenticated name"
     assert c.remote.fetch(key(1), NS) == (payload_for(key(1), SIZE), NS)
     c.close()
 
 
-@pytest.mark.parametrize("forge", ["no_mac", "wrong_mac", "moved"])
-def test_a_planted_chunk_is_a_counted_miss_and_unlinked(store, redis_server, tmp_path, forge):
+@pytest.mark.parametrize("forge", ["wrong_mac", "moved"])
+def test_a_value_of_our_key_whose_mac_fails_is_a_counted_miss_and_unlinked(store, redis_server, tmp_path, forge):
     c = chain(store, redis_server.url, secret_file(tmp_path))
     client = redis_server.client()
     victim = chunk_key(key(2), NS, authenticated=True)
     good = fmt.encode(key(2), NS, payload_for(key(2), SIZE))
-    if forge == "no_mac":
-        client.set(victim, good)
-    elif forge == "wrong_mac":
-        client.set(victim, b"\0" * MAC_BYTES + good)
+    if forge == "wrong_mac":
+        client.set(victim, key_id(SECRET) + bytes(8) + b"\0" * MAC_BYTES + good)
     else:  # a genuine value of another key, copied under this key's name
         assert c.remote.write(key(3), NS, payload_for(key(2), SIZE))
         client.set(victim, client.get(chunk_key(key(3), NS, authenticated=True)))
     assert c.remote.contains([key(2)], [NS]) == [True]
     assert c.promote([key(2)], [NS]) == 0
     assert store.stats()["remote_damaged"] == 1 and not client.exists(victim)
+    c.close()
+
+
+def test_a_value_without_our_key_id_is_a_miss_left_in_place(store, redis_server, tmp_path):
+    c = chain(store, redis_server.url, secret_file(tmp_path))
+    client = redis_server.client()
+    victim = chunk_key(key(2), NS, authenticated=True)
+    client.set(victim, fmt.encode(key(2), NS, payload_for(key(2), SIZE)))  # no head: not ours to judge
+    assert c.promote([key(2)], [NS]) == 0
+    assert (store.stats()["remote_foreign"], store.stats()["remote_damaged"]) == (1, 0) and client.exists(victim)
+    c.close()
+
+
+def test_a_host_with_another_secret_leaves_every_chunk_of_the_others(store, redis_server, tmp_path, caplog):
+    """A stale secret mid-rotation, or a typo: host B misses A's chunks and
+    removes none of them, and says so once at start and once on a chunk."""
+    a = chain(store, redis_server.url, secret_file(tmp_path))
+    for i in range(5):
+        assert a.remote.write(key(10 + i), NS, payload_for(key(10 + i), SIZE))
+    client = redis_server.client()
+    before = sorted(client.keys(b"shmkv:v1:s:*"))
+    with caplog.at_level(logging.WARNING, logger="shmkv.remote"):
+        b = chain(store, redis_server.url, secret_file(tmp_path, "other", b"another secret, 32 bytes long..."))
+        assert [b.remote.fetch(key(10 + i), NS) for i in range(5)] == [None] * 5
+    assert sorted(client.keys(b"shmkv:v1:s:*")) == before and len(before) == 5, "every chunk of A is still there"
+    assert store.stats()["remote_foreign"] == 5 and store.stats()["remote_damaged"] == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("sign with another remote_secret_file" in w for w in warnings) == 1, warnings
+    assert sum("signed with another remote_secret_file" in w for w in warnings) == 1, warnings
+    assert all(SECRET.decode() not in w for w in warnings)
+    assert a.promote([key(10)], [NS]) == 1, "A still reads its own"
+    a.close()
+    b.close()
+
+
+def test_a_value_written_back_after_its_signed_expiry_is_a_miss(store, redis_server, tmp_path, monkeypatch):
+    """A value captured while it lived (remote_ttl) and written back later,
+    without its TTL, does not come back."""
+    c = chain(store, redis_server.url, secret_file(tmp_path), remote_ttl=60)
+    client = redis_server.client()
+    assert c.remote.write(key(7), NS, payload_for(key(7), SIZE))
+    rkey = chunk_key(key(7), NS, authenticated=True)
+    captured = client.get(rkey)
+    client.set(rkey, captured)  # written back with no TTL
+    now = time.time()
+    monkeypatch.setattr(remote_tier, "_now", lambda: now + 120)  # two minutes on: past the signed expiry
+    assert c.remote.fetch(key(7), NS) is None
+    assert store.stats()["remote_expired"] == 1 and not client.exists(rkey)
     c.close()
 
 

@@ -7,7 +7,9 @@ killed outright, as `vllm serve` does with its default --shutdown-timeout 0."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 
 import pytest
 from helpers import random_prompt
@@ -21,6 +23,25 @@ P = random_prompt(3000, seed=11)
 ERROR_LINE = re.compile(r"Traceback|AttributeError| ERROR |\bError\b.*shutdown", re.IGNORECASE)
 
 
+@pytest.fixture
+def env(cache_name, tmp_path, monkeypatch):
+    """The test's own segment, every other setting the default. As root (CI),
+    in a 2 GiB tmpfs of its own (SHMKV_SEGMENT_DIR): the default capacity is
+    then a quarter of that (512 MiB), still computed as for /dev/shm, and the
+    populated segment does not take a quarter of the host's memory while
+    other tests' engines run."""
+    env = {"SHMKV_CACHE_NAME": cache_name}
+    if os.geteuid() == 0:
+        d = tmp_path / "segments"
+        d.mkdir(mode=0o700)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g,mode=0700", "shmkv-segments", str(d)], check=True)
+        monkeypatch.setenv("SHMKV_SEGMENT_DIR", str(d))
+        env["SHMKV_SEGMENT_DIR"] = str(d)
+    yield env
+    if "SHMKV_SEGMENT_DIR" in env:
+        subprocess.run(["umount", "-l", env["SHMKV_SEGMENT_DIR"]], check=False)
+
+
 def _second_engine_hits(label, cache_name, start_engine, reference, env) -> None:
     b = start_engine(label, shmkv={}, env=env)
     r = b.generate([P])
@@ -30,8 +51,7 @@ def _second_engine_hits(label, cache_name, start_engine, reference, env) -> None
     assert st["capacity_bytes"] == default_capacity() and st["segment_resets"] == 0
 
 
-def test_default_settings_survive_a_restart(cache_name, start_engine, reference):
-    env = {"SHMKV_CACHE_NAME": cache_name}  # the test's own segment; every other setting is the default
+def test_default_settings_survive_a_restart(cache_name, start_engine, reference, env):
     # vLLM's own process split: EngineCore's teardown (and its 5 s limit) is what this checks
     a = start_engine("defaults-a", shmkv={}, env=env, in_process=False)
     first = a.generate([P])
@@ -49,8 +69,7 @@ def test_default_settings_survive_a_restart(cache_name, start_engine, reference)
     _second_engine_hits("defaults-b", cache_name, start_engine, reference, env)
 
 
-def test_a_killed_engine_leaves_its_chunks(cache_name, start_engine, reference):
-    env = {"SHMKV_CACHE_NAME": cache_name}
+def test_a_killed_engine_leaves_its_chunks(cache_name, start_engine, reference, env):
     a = start_engine("killed-a", shmkv={}, env=env)  # one process: SIGKILL ends engine and EngineCore at once
     assert a.generate([P])["num_cached_tokens"] == [0]
     a.kill()

@@ -80,6 +80,7 @@ from shmkv.integration.vllm.engine_inputs import (
     max_chunk_bytes,
     namespace_for,
     stores_on_rank,
+    weights_field,
 )
 from shmkv.integration.vllm.kv_events import event_groups_of
 from shmkv.integration.vllm.metadata import ShmKVMetadata, ShmKVWorkerReport
@@ -217,8 +218,9 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
             from shmkv.integration.vllm.scheduler import SchedulerSide
 
             tp = vllm_config.parallel_config.tensor_parallel_size
+            weights = weights_field(vllm_config)  # read once: a few KiB of each weight file
             namespaces = [dataclasses.replace(n, extra=n.extra + groups_field(groups) + drafter_field(vllm_config))
-                          for n in (namespace_for(vllm_config, self.cfg, r) for r in range(tp))]
+                          for n in (namespace_for(vllm_config, self.cfg, r, weights) for r in range(tp))]
             self._sched = SchedulerSide(vllm_config, self.cfg, self.store, namespaces, groups,
                                         loads=ktc.is_kv_consumer, stores=ktc.is_kv_producer, ktc=ktc,
                                         max_chunk_bytes=max_chunk_bytes(kv_cache_config, self.cfg.chunk_size),

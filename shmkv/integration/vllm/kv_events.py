@@ -27,7 +27,11 @@ has announced its removal.
 Invariants: an event is emitted only from facts of the segment (presence
 checks), never from plans alone; the per-step work is bounded
 (CHECK_KEYS_PER_STEP presence checks, a removal sweep only when the
-segment's removal counter moved).
+segment's removal counter moved); so is what waits: at most MAX_PENDING
+chunks (the oldest dropped first, counted). Nothing blocks the head: each
+step checks the chunks planned in the last RECENT_STEPS steps first (a store
+that lands is announced within a step or two whatever else waits), then a
+window of the older ones that moves on every step.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ log = logging.getLogger("shmkv.connector")
 
 CHECK_KEYS_PER_STEP = 1024  # keys whose presence one take_events() call may check
 PENDING_STEPS = 10_000  # steps after which a chunk never seen in the segment stops being watched
+MAX_PENDING = 4096  # chunks watched at most (each store ships at most its step's chunks)
+RECENT_STEPS = 2  # chunks planned this recently are checked before any older one
 OWNERSHIP = "shmkv"
 
 
@@ -98,7 +104,8 @@ class SharedTierEvents:
         self._sweep: list[bytes] = []
         self._removal_mark = store.removal_count()
         self._step = 0
-        self.counters = {"stored_events": 0, "removed_events": 0, "unseen_stores": 0}
+        self._cursor = 0  # where the window over older pending chunks starts next
+        self.counters = {"stored_events": 0, "removed_events": 0, "unseen_stores": 0, "pending_dropped": 0}
 
     def stores_planned(self, request: Any, units: Iterable[tuple[Unit, list[tuple[int, int, int]]]]) -> None:
         """Units of `request` whose store items this step ships, each with
@@ -128,6 +135,10 @@ class SharedTierEvents:
                 self._pending.append(_Chunk(keys=tuple(u.keys), parts=parts, lora_id=getattr(lora, "adapter_id", None),
                                             lora_name=getattr(lora, "name", None),
                                             session_id=getattr(request, "session_id", None), since=self._step))
+        if len(self._pending) > MAX_PENDING:  # the oldest have had the longest to land
+            over = len(self._pending) - MAX_PENDING
+            del self._pending[:over]
+            self.counters["pending_dropped"] += over
 
     def take_events(self) -> list[Any]:
         from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
@@ -148,24 +159,43 @@ class SharedTierEvents:
                                         group_idx=p.group, locality="LOCAL", ownership=OWNERSHIP))
         return out
 
+    def _batch(self) -> list[int]:
+        """Indices into _pending to check this step: the recent chunks first,
+        then a window over the older ones that moves on each step."""
+        n = len(self._pending)
+        room = max(1, CHECK_KEYS_PER_STEP // max(1, len(self._pending[0].keys)))
+        if n <= room:
+            return list(range(n))
+        older = n
+        while older > 0 and self._step - self._pending[older - 1].since <= RECENT_STEPS:
+            older -= 1
+        recent = list(range(max(older, n - room), n))
+        take = min(older, room - len(recent))
+        start = self._cursor % older if older else 0
+        window = [(start + j) % older for j in range(take)]
+        self._cursor = start + take
+        return sorted(set(window) | set(recent))
+
     def _stored_now(self) -> list[_Chunk]:
         if not self._pending:
             return []
-        batch = self._pending[:max(1, CHECK_KEYS_PER_STEP // max(1, len(self._pending[0].keys)))]
+        idx = self._batch()
+        batch = [self._pending[j] for j in idx]
         present = self.store.presence([k for c in batch for k in c.keys])
-        done, keep, i = [], [], 0
-        for c in batch:
+        done, drop, i = [], set(), 0
+        for j, c in zip(idx, batch):
             flags = present[i:i + len(c.keys)]
             i += len(c.keys)
             if all(p is Presence.READY for p in flags):
+                drop.add(j)
                 if c.keys[0] not in self._announced:
                     self._announced[c.keys[0]] = c
                     done.append(c)
-            elif self._step - c.since < PENDING_STEPS:
-                keep.append(c)
-            else:
+            elif self._step - c.since >= PENDING_STEPS:
+                drop.add(j)
                 self.counters["unseen_stores"] += 1
-        self._pending = keep + self._pending[len(batch):]
+        if drop:
+            self._pending = [c for j, c in enumerate(self._pending) if j not in drop]
         self.counters["stored_events"] += len(done)
         return done
 

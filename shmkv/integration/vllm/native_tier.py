@@ -73,8 +73,9 @@ COUNTER_METRICS = {
     "promotions": "Chunks found in shmkv's disk or remote tier and promoted into the shared segment.",
     "promotion_failures": "Promotions from shmkv's disk or remote tier that failed (the lookup then missed).",
     "stored": "Chunks this engine copied into the shared segment.",
-    "already_held": "Chunks this engine offered that the segment already held (or another engine was writing).",
-    "not_stored": "Chunks the shared segment refused (full of pinned or leased chunks, lock timeout).",
+    "already_held": "Chunks this engine offered that the segment already held, committed.",
+    "not_stored": "Chunks the shared segment refused (full of pinned or leased chunks, lock timeout, or another "
+                  "engine still writing the chunk: vLLM is told they were not stored, and may offer them again).",
     "loaded": "Chunks copied from the shared segment into this engine's CPU tier.",
     "load_failed": "Chunks a load job could not copy (evicted meanwhile, another layout, reclaimed).",
     "removed": "Chunks reported removed from the host tier (KV events).",
@@ -264,9 +265,11 @@ class ShmkvSecondaryTier(SecondaryTierManager):
                 job.ok_keys.append(ok)
                 job.nbytes += n
                 self.chain.write_through(k, self.root, self.tokens_per_chunk)
-            elif r in (PutResult.EXISTS, PutResult.BUSY):  # BUSY: another engine is writing the same bytes
+            elif r is PutResult.EXISTS:
                 self.counters["already_held"] += 1
                 job.ok_keys.append(ok)
+            # NOTE: BUSY (another engine writing the chunk, or the table lock timed out) is not
+            # stored: that write may still be aborted, and vLLM would count on a chunk that is not there
             else:
                 self.counters["not_stored"] += 1
                 job.failed += 1

@@ -2,9 +2,13 @@
 
     shmkv:v1:c:<namespace root hex>:<chunk key hex>   a chunk, in the disk tier's
                                                       checked, compressed format
-    shmkv:v1:a:<namespace root hex>:<chunk key hex>   the same with a shared secret:
+    shmkv:v1:s:<namespace root hex>:<chunk key hex>   the same with a shared secret:
+                                                      key id (8 bytes), expiry (8),
                                                       HMAC-SHA256(secret, key name +
-                                                      chunk) (32 bytes), then the chunk
+                                                      key id + expiry + chunk) (32),
+                                                      then the chunk
+    shmkv:v1:m:key-id                                 the key id of the first host's
+                                                      secret (the probe at start)
     shmkv:v1:m:lru / :sizes / :bytes                  byte-budget bookkeeping
                                                       (only with a budget)
 
@@ -28,10 +32,17 @@ backoff that doubles from 0.25 s to 30 s and resets on the first success.
 Trust: without a secret, anyone who can write to the Redis can plant chunks
 (the checksum is not a MAC): give shmkv a private instance or ACL user, and
 rediss:// across hosts. With `remote_secret_file` every chunk carries a MAC
-of the secret; one without a valid MAC is a miss, a `remote_damaged` count
-and an UNLINK. Hosts with and without the secret use separate key names, so
-neither ever reads (or removes) the other's chunks. Needs a single
-Redis/Valkey (the budget script touches several keys).
+of the secret and the id of the key that signed it (a digest of the secret):
+a value under another key id (a host with another secret: mid-rotation, a
+typo) is a miss and a `remote_foreign` count, and is left in place for the
+hosts that hold that secret; only a value of our key id whose MAC fails is
+damage (a miss, `remote_damaged`, an UNLINK). At start the tier compares its
+key id with the one the first host recorded (shmkv:v1:m:key-id) and logs one
+WARNING when they differ. With `remote_ttl` the writer signs the value's
+expiry: written back after it, it is a miss (`remote_expired`) and removed.
+Hosts with and without the secret use separate key names, so neither ever
+reads (or removes) the other's chunks. Needs a single Redis/Valkey (the
+budget script touches several keys).
 """
 
 from __future__ import annotations
@@ -90,11 +101,24 @@ return dropped
 
 
 MAC_BYTES = 32
+KEY_ID_BYTES = 8
+SIGNED_HEAD = KEY_ID_BYTES + 8 + MAC_BYTES  # key id, expiry (unix seconds, 0: none), MAC
+_KEY_ID_KEY = PREFIX + b"m:key-id"
+
+
+def _now() -> float:
+    """Wall-clock seconds: what signed expiries are compared with (hosts' clocks agree to NTP's precision)."""
+    return time.time()
+
+
+def key_id(secret: bytes) -> bytes:
+    """Which secret signed a value: a digest of it that reveals nothing of it."""
+    return hashlib.sha256(b"shmkv remote key id\0" + secret).digest()[:KEY_ID_BYTES]
 
 
 def chunk_key(key: bytes, namespace: bytes, authenticated: bool = False) -> bytes:
     """The Redis key of a chunk (module doc); `authenticated`: of a tier with a secret."""
-    return PREFIX + (b"a:" if authenticated else b"c:") + namespace.hex().encode() + b":" + key.hex().encode()
+    return PREFIX + (b"s:" if authenticated else b"c:") + namespace.hex().encode() + b":" + key.hex().encode()
 
 
 class RemoteTier:
@@ -128,6 +152,10 @@ class RemoteTier:
                               "`maxmemory-policy allkeys-lru` (README: the remote tier)")
         self._put_script = self._client.register_script(_PUT_WITH_BUDGET)
         self._backoff = Backoff()
+        self._key_id = key_id(secret) if secret is not None else b""
+        self._foreign_logged = False
+        if secret is not None:
+            self._probe_key_id()
         self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
         self._max_queue = max_queue
         self._cv = threading.Condition()
@@ -201,7 +229,7 @@ class RemoteTier:
         try:
             chunk = data if self._secret is None else self._authentic(rkey, data)
             if chunk is None:
-                raise fmt.DamagedChunk("no valid MAC of our secret: not written by a host that holds it")
+                return None  # another secret's, or past its expiry: counted and logged there
             got = fmt.decode_into(chunk, key, alloc, namespace=namespace, lossy_ok=True,  # see DiskTier.fetch_into
                                   max_raw=max_raw or fmt.MAX_RAW)
         except fmt.DamagedChunk as e:
@@ -247,7 +275,9 @@ class RemoteTier:
         chunk's encoding, for the codec choice."""
         rkey = self._rkey(key, namespace)
         if self._secret is not None:
-            data = self._mac(rkey, data) + bytes(data)
+            expires = int(_now()) + self.ttl_s if self.ttl_s else 0
+            head = self._key_id + expires.to_bytes(8, "big")
+            data = head + self._mac(rkey, head, data) + bytes(data)
         t0 = time.perf_counter()
         if self.capacity:
             ok, _ = self._call("put", lambda: self._put_script(
@@ -280,7 +310,7 @@ class RemoteTier:
 
     def clear(self, namespace: bytes | None = None) -> int:
         """Remove every shmkv chunk (or one namespace's) from the remote; how many."""
-        pattern = PREFIX + b"[ac]:" + (namespace.hex().encode() if namespace else b"*") + b":*"  # both key spaces
+        pattern = PREFIX + b"[cs]:" + (namespace.hex().encode() if namespace else b"*") + b":*"  # both key spaces
 
         def run() -> int:
             n, cursor = 0, 0
@@ -394,17 +424,50 @@ class RemoteTier:
     def _rkey(self, key: bytes, namespace: bytes) -> bytes:
         return chunk_key(key, namespace, self._secret is not None)
 
-    def _mac(self, rkey: bytes, data: bytes | memoryview) -> bytes:
+    def _mac(self, rkey: bytes, head: bytes, data: bytes | memoryview) -> bytes:
         h = hmac.new(self._secret or b"", rkey, hashlib.sha256)
+        h.update(head)
         h.update(data)
         return h.digest()
 
     def _authentic(self, rkey: bytes, value: bytes) -> memoryview | None:
-        """The chunk of a value under a secret, or None when its MAC is not ours."""
-        if len(value) < MAC_BYTES:
+        """The chunk of a signed value; None (counted) when another key
+        signed it, or when it is past the expiry its writer signed (then
+        removed). A value of our key whose MAC fails raises DamagedChunk."""
+        if len(value) < SIGNED_HEAD:
+            raise fmt.DamagedChunk("shorter than a signed value's head")
+        head, mac = value[:KEY_ID_BYTES + 8], value[KEY_ID_BYTES + 8:SIGNED_HEAD]
+        chunk = memoryview(value)[SIGNED_HEAD:]
+        if head[:KEY_ID_BYTES] != self._key_id:
+            self._count("remote_foreign", 1)
+            if not self._foreign_logged:
+                self._foreign_logged = True
+                log.warning("shmkv: remote chunk %s is signed with another remote_secret_file (key id %s; ours %s): "
+                            "a miss here, left for the hosts that hold it; give every host the same secret",
+                            rkey.decode(), head[:KEY_ID_BYTES].hex(), self._key_id.hex())
             return None
-        chunk = memoryview(value)[MAC_BYTES:]
-        return chunk if hmac.compare_digest(value[:MAC_BYTES], self._mac(rkey, chunk)) else None
+        if not hmac.compare_digest(mac, self._mac(rkey, head, chunk)):
+            raise fmt.DamagedChunk("its MAC of our secret does not match: changed after it was written")
+        expires = int.from_bytes(head[KEY_ID_BYTES:], "big")
+        if expires and _now() > expires:
+            self._count("remote_expired", 1)
+            self._call("unlink", lambda: self._client.unlink(rkey))
+            return None
+        return chunk
+
+    def _probe_key_id(self) -> None:
+        """One WARNING at start when the first host of this remote signed with
+        another secret (its key id is recorded once, SET NX)."""
+        def run() -> bytes | None:
+            self._client.set(_KEY_ID_KEY, self._key_id, nx=True)
+            return self._client.get(_KEY_ID_KEY)
+
+        ok, theirs = self._call("probe", run)
+        if ok and isinstance(theirs, bytes) and theirs != self._key_id:
+            log.warning("shmkv: remote tier %s: the hosts that wrote there first sign with another "
+                        "remote_secret_file (key id %s; ours %s): their chunks are misses here and ours there, "
+                        "and neither removes the other's; give every host the same secret", self.display_url,
+                        theirs.hex(), self._key_id.hex())
 
     def _encoded(self, key: bytes, ns: bytes) -> tuple[bytes, tuple[str, int, float] | None] | None:
         """The chunk's encoded bytes from the source, in the codec this tier picks now."""
