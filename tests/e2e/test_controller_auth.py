@@ -343,8 +343,10 @@ def squatter(*where: str) -> subprocess.Popen:
     return p
 
 
-def ctl(cfg_file: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shmkv.cli", "ctl", "--config", cfg_file,
+def ctl(cfg_file: str, hosts: str | None = None) -> subprocess.CompletedProcess:
+    """`shmkv ctl GET /stats`; `hosts`: an /etc/hosts of its own (a mount namespace) for its name lookups."""
+    prefix = ["unshare", "--mount", "sh", "-c", f'mount --bind {hosts} /etc/hosts && exec "$@"', "sh"] if hosts else []
+    return subprocess.run([*prefix, sys.executable, "-m", "shmkv.cli", "ctl", "--config", cfg_file,
                            "GET", "/stats"], capture_output=True, text=True, timeout=60)
 
 
@@ -382,7 +384,9 @@ def test_localhost_reaches_the_address_the_daemon_bound_not_another_users_ipv6_l
         sq = squatter("::1", port)
         cfg_file = tmp_path / "ctl.yaml"
         cfg_file.write_text(f"cache_name: {cache_name}\nlisten: localhost:{port}\n")
-        r = ctl(str(cfg_file))
+        hosts = tmp_path / "hosts"  # Debian's stock /etc/hosts: localhost is ::1 too, and tried first
+        hosts.write_text("::1 localhost ip6-localhost ip6-loopback\n127.0.0.1 localhost\n")
+        r = ctl(str(cfg_file), hosts=str(hosts))
         sq.kill()
         got = sq.communicate()[0]
         assert r.returncode == 0 and "processes_attached" in r.stdout, (r.returncode, r.stderr)
