@@ -85,8 +85,14 @@ void ChunkTable::do_rebuild_locked(const char* why) {
   }
   // Doomed entries nobody reads any more are freed. A key present twice (only
   // possible if a death interrupted a reserve) keeps its READY record; the
-  // other is dropped (its writer's commit then answers STALE).
+  // other is dropped (its writer's commit then answers STALE). Two READY
+  // records of one key no writer ever makes: neither can be told the genuine
+  // one, so neither is kept (a miss, never a forged record served).
   std::map<std::pair<uint64_t, uint64_t>, uint32_t> by_key;
+  std::map<std::pair<uint64_t, uint64_t>, uint32_t> ready_count;
+  for (uint32_t e : live)
+    if (ent[e].state.load(std::memory_order_relaxed) == kEntryReady) ready_count[{ent[e].key.lo, ent[e].key.hi}] += 1;
+  uint64_t twins = 0;
   std::vector<uint32_t> kept;
   for (int pass = 0; pass < 3; ++pass) {
     for (uint32_t e : live) {
@@ -99,7 +105,12 @@ void ChunkTable::do_rebuild_locked(const char* why) {
       }
       if ((pass == 1 && st != kEntryReady) || (pass == 2 && st != kEntryWriting) || pass == 0)
         continue;
-      if (by_key.emplace(std::make_pair(en.key.lo, en.key.hi), e).second) {
+      bool twin = st == kEntryReady && ready_count[{en.key.lo, en.key.hi}] > 1;
+      if (twin) {
+        twins += 1;
+        by_key.emplace(std::make_pair(en.key.lo, en.key.hi), e);  // a WRITING record of it is dropped too
+      }
+      if (!twin && by_key.emplace(std::make_pair(en.key.lo, en.key.hi), e).second) {
         kept.push_back(e);
       } else if (en.refcount > 0) {
         en.state.store(kEntryDoomed, std::memory_order_release);
@@ -108,6 +119,10 @@ void ChunkTable::do_rebuild_locked(const char* why) {
         en.state.store(kEntryFree, std::memory_order_release);
       }
     }
+  }
+  if (twins != 0) {
+    log_event("dropped " + std::to_string(twins) + " committed records of keys that were held twice (no writer "
+              "makes that: neither copy can be trusted); those chunks are misses now", true);
   }
   std::sort(kept.begin(), kept.end(),
             [&](uint32_t a, uint32_t b) { return ent[a].offset < ent[b].offset; });

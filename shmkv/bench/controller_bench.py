@@ -5,6 +5,12 @@
   idle_health_ms    p50 / p99 / max of GET /health while --idle connections
                     are held open and silent
   all_answered      every request got a 200
+  attack            with --attack-uids N (root, setpriv): N other uids (as one
+                    user's subuid range gives) each keep 16 connections sending
+                    bodies nobody authenticated (a declared 16 MiB, trickled) for
+                    --attack-seconds, reconnecting as they are closed; meanwhile
+                    the owner's GET /stats and /health latency (ms), and the
+                    daemon's RSS growth (MiB, peak over before)
 
 The daemon is `python -m shmkv.daemon` with a private cache name, started and
 stopped by the benchmark (its segment is unlinked afterwards).
@@ -40,11 +46,79 @@ def _request(url: str, token: str, method: str, path: str, body: bytes | None) -
     return status, time.perf_counter() - t0
 
 
+ATTACKER = r"""
+import socket, sys, time
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+head = f"POST /health HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: 16777216\r\n\r\n".encode()
+conns, opened, end = [], 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    while len(conns) < 16:
+        try:
+            s = socket.create_connection((host, port), timeout=2)
+            s.sendall(head)
+            s.setblocking(False)
+            conns.append(s)
+            opened += 1
+        except OSError:
+            break
+    for s in list(conns):
+        try:
+            s.send(b"x")
+            if s.recv(1, socket.MSG_PEEK) == b"":
+                raise OSError
+        except BlockingIOError:
+            pass
+        except OSError:
+            conns.remove(s)
+            s.close()
+    time.sleep(0.2)
+print(opened)
+"""
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _attack(url: str, token: str, pid: int, uids: int, seconds: float) -> dict:
+    """Other uids' unauthenticated bodies against the owner's requests (module doc)."""
+    import shutil
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        raise SystemExit("--attack-uids needs root and setpriv (other uids)")
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    before = peak = _rss_mib(pid)
+    attackers = [subprocess.Popen([setpriv, f"--reuid={u}", f"--regid={u}", "--clear-groups", sys.executable, "-c",
+                                   ATTACKER, host, port, str(seconds)], stdout=subprocess.PIPE, text=True, cwd="/")
+                 for u in range(300001, 300001 + uids)]
+    stats, health = [], []
+    end = time.monotonic() + seconds
+    time.sleep(min(1.0, seconds / 4))  # the attack under way first (pacing of the benchmark itself)
+    while time.monotonic() < end - 0.5:
+        stats.append(_request(url, token, "GET", "/stats", None))
+        health.append(_request(url, token, "GET", "/health", None))
+        peak = max(peak, _rss_mib(pid))
+        time.sleep(0.1)
+    opened = sum(int((a.communicate(timeout=seconds + 30)[0] or "0").strip() or 0) for a in attackers)
+    return {"uids": uids, "seconds": seconds, "attacker_connections": opened,
+            "owner_stats_ms": _percentiles([t for _, t in stats]),
+            "owner_health_ms": _percentiles([t for _, t in health]),
+            "owner_all_answered": all(st == 200 for st, _ in stats + health),
+            "daemon_rss_growth_mib": round(peak - before, 1)}
+
+
 def run(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="python -m shmkv.bench controller")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=20, help="requests per client")
     ap.add_argument("--idle", type=int, default=200, help="silent connections held open")
+    ap.add_argument("--attack-uids", type=int, default=0, help="other uids sending unauthenticated bodies (root)")
+    ap.add_argument("--attack-seconds", type=float, default=20.0)
     args = ap.parse_args(argv)
 
     cache = f"shmkv-bench-ctl-{uuid.uuid4().hex[:8]}"
@@ -74,7 +148,9 @@ def run(argv: list[str]) -> dict:
         finally:
             for s in idle:
                 s.close()
+        attack = _attack(url, token, proc.pid, args.attack_uids, args.attack_seconds) if args.attack_uids else None
         return {
+            "attack": attack,
             "clients": args.clients, "requests": len(results), "idle_connections": args.idle,
             "concurrent_lookup_ms": _percentiles([t for _, t in results]),
             "idle_health_ms": _percentiles([t for _, t in health]),
@@ -94,3 +170,10 @@ def report(r: dict) -> None:
     print(f"/health with {r['idle_connections']} idle connections open: p50 {h['p50']} ms, p99 {h['p99']} ms, "
           f"max {h['max']} ms")
     print(f"all answered: {r['all_answered']}")
+    a = r.get("attack")
+    if a:
+        print(f"attack: {a['uids']} other uids, {a['attacker_connections']} connections with unauthenticated bodies "
+              f"in {a['seconds']:g} s; owner /stats p50 {a['owner_stats_ms']['p50']} ms, p99 "
+              f"{a['owner_stats_ms']['p99']} ms, max {a['owner_stats_ms']['max']} ms; /health max "
+              f"{a['owner_health_ms']['max']} ms; all answered: {a['owner_all_answered']}; daemon RSS "
+              f"+{a['daemon_rss_growth_mib']} MiB")

@@ -474,7 +474,9 @@ class Controller:
             root, chunk_size, block_size, dtype = nso.root_key(), nso.chunk_size, nso.block_size or None, nso.dtype
         else:
             raise RequestError(f"namespace: expected a 32-hex string or an object, got {type(value).__name__}")
-        chunk_size = _int_in("chunk_size", chunk_size, 1, 1 << 16)
+        # the config's own bounds, wherever chunk_size came from (a namespace object, the registry): a
+        # 1-token chunk would make a request hash and look up one key per token
+        chunk_size = _int_in("chunk_size", chunk_size, 16, 1 << 16)
         if block_size is not None:
             block_size = _int_in("block_size", block_size, 1, chunk_size)
             if chunk_size % block_size:

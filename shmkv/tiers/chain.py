@@ -162,6 +162,9 @@ class TierChain:
         self.max_raw = min(store.max_payload_bytes, max_chunk_bytes or store.max_payload_bytes)
         self.shared = SharedTier(store)
         self.lower: list[Tier] = [t for t in lower if t is not None]
+        for t in self.lower:  # direct reads of a tier (fetch, read) are bounded as the chain's are
+            if hasattr(t, "max_raw"):
+                t.max_raw = self.max_raw
         self.threads = max(1, threads)
         self.write_through_on = write_through
         self._pool: ThreadPoolExecutor | None = None

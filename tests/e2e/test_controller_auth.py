@@ -201,6 +201,10 @@ def test_health_answers_while_300_partial_requests_are_held(served):
 def test_lookup_obeys_the_configs_chunk_size_bounds(served):
     st, body = http(served.url, "POST", "/lookup", {"tokens": [1] * 64, "namespace": NS.hex(), "chunk_size": 1})
     assert st == 400 and "chunk_size" in body["error"]
+    fields = {"model_id": "m", "dtype": "bfloat16", "num_layers": 2, "num_kv_heads": 2, "head_size": 64,
+              "chunk_size": 1, "payload": "tokens"}  # inside a namespace object too
+    st, body = http(served.url, "POST", "/lookup", {"tokens": [1] * 64, "namespace": fields})
+    assert st == 400 and "chunk_size" in body["error"], body
 
 
 # ------------------------------------------------------------ other users --

@@ -138,3 +138,21 @@ def test_a_failing_tier_is_a_miss_not_an_error(cache_name):
     assert st["promote_errors"] == 1 and st["ready_entries"] == 0 and st["bytes_used"] == 0
     assert store.check_consistency() == []
     store.close()
+
+
+def test_a_direct_read_of_a_chain_tier_is_bounded_by_the_segment(cache_name, tmp_path):
+    """DiskTier.read called directly (an operator's tool, a test) on a tier the
+    chain built holds the chain's bound, not the format's 16 GiB: a chunk
+    declaring more than the segment's largest payload is refused unread."""
+    from shmkv.config import load_config
+    from shmkv.tiers import open_tiers
+
+    with Store.create(cache_name, 64 << 20, populate=False) as store:  # its largest payload: 16 MiB
+        chain = open_tiers(load_config({"cache_name": cache_name, "disk_dir": str(tmp_path)}, env={}), store)
+        try:
+            k = key(("direct", 1))
+            assert chain.disk.write_encoded(k, zstd_bomb(k, NS, raw_len=32 << 20))
+            assert chain.disk.read(k) is None
+            assert store.stats()["disk_damaged"] == 1 and not chain.disk.contains([k])[0]
+        finally:
+            chain.close()

@@ -1,6 +1,8 @@
 """Two records under one key (written into the segment by a buggy or hostile
-process of our uid): adopting the stale segment keeps one of them, indexed
-once, and a live segment's consistency check names the other."""
+process of our uid): adopting the stale segment keeps neither (no writer
+makes two committed records of a key, so neither can be trusted: a miss,
+never a forged record served), and says so; a live segment's consistency
+check names the duplicate."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import mmap
 from shmkv import Store
 from shmkv.store import OpenOutcome
 
-A, B = bytes(range(16)), bytes(range(100, 116))
+A, B, C = bytes(range(16)), bytes(range(100, 116)), bytes(range(200, 216))
 
 
 def rename_record(cache_name: str, old: bytes, new: bytes) -> None:
@@ -20,19 +22,22 @@ def rename_record(cache_name: str, old: bytes, new: bytes) -> None:
         m[i:i + 16] = new
 
 
-def test_adoption_keeps_one_record_per_key(cache_name):
+def test_adoption_keeps_no_record_of_a_key_held_twice(cache_name, caplog):
     s = Store.create(cache_name, 8 << 20, populate=False)
     s.put(A, b"\x01" * 4096)
     s.put(B, b"\x02" * 4096)
+    s.put(C, b"\x03" * 4096)
     s.close()
     rename_record(cache_name, B, A)
-    s = Store.attach(cache_name, populate=False)
+    with caplog.at_level("WARNING"):
+        s = Store.attach(cache_name, populate=False)
     try:
         assert s.outcome is OpenOutcome.ADOPTED_STALE
         st = s.stats()
-        assert st["entries"] == 1 and st["ready_entries"] == 1
-        assert s.get(A) in (b"\x01" * 4096, b"\x02" * 4096) and s.get(B) is None
+        assert st["entries"] == 1 and st["ready_entries"] == 1, "only the key held once"
+        assert s.get(A) is None and s.get(B) is None and s.get(C) == b"\x03" * 4096
         assert s.check_consistency() == []
+        assert any("held twice" in r.getMessage() for r in caplog.records), caplog.text
     finally:
         s.close()
 

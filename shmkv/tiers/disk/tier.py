@@ -62,7 +62,7 @@ class DiskTier:
     """The disk tier (a shmkv.tiers.Tier): one file per chunk."""
 
     name = DISK
-
+    max_raw = fmt.MAX_RAW  # largest raw chunk a read accepts; a tier chain sets its segment's
     def __init__(self, directory: str, *, capacity_bytes: int, level: int = 1, element_size: int = 2,
                  codec: str = AUTO, counter: Callable[[str, int], None] | None = None) -> None:
         self._d = open_private_dir(directory)
@@ -192,7 +192,7 @@ class DiskTier:
             # NOTE: lossy_ok: a lossy chunk is keyed by shmkv.keys.lossy_key, so moving it between
             # tiers under its own key never hands it to an exact request
             got = fmt.decode_into(data, key, alloc, decompressor=self._dctx(), lossy_ok=True,
-                                  max_raw=max_raw or fmt.MAX_RAW)
+                                  max_raw=max_raw or self.max_raw)
         except fmt.DamagedChunk as e:
             self._damaged(_name(key), key, e.reason)
             return None

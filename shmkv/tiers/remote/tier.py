@@ -125,7 +125,7 @@ class RemoteTier:
     """The remote tier (a shmkv.tiers.Tier) on Redis / Valkey."""
 
     name = REMOTE
-
+    max_raw = fmt.MAX_RAW  # largest raw chunk a read accepts; a tier chain sets its segment's
     def __init__(self, url: str, *, timeout_s: float = 0.5, ttl_s: int = 0, capacity_bytes: int = 0,
                  counter: Callable[[str, int], None] | None = None, element_size: int = 2, level: int = 1,
                  max_queue: int = 1024, codec: str = AUTO, source: Source | None = None,
@@ -231,7 +231,7 @@ class RemoteTier:
             if chunk is None:
                 return None  # another secret's, or past its expiry: counted and logged there
             got = fmt.decode_into(chunk, key, alloc, namespace=namespace, lossy_ok=True,  # see DiskTier.fetch_into
-                                  max_raw=max_raw or fmt.MAX_RAW)
+                                  max_raw=max_raw or self.max_raw)
         except fmt.DamagedChunk as e:
             log.warning("shmkv: remote chunk %s rejected (%s): removed", rkey.decode(), e.reason)
             self._count("remote_damaged", 1)
