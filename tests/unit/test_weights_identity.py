@@ -55,3 +55,19 @@ def test_a_copy_elsewhere_is_the_same_identity(tmp_path):
 def test_a_hub_model_is_named_by_its_commit(tmp_path):
     assert weights_identity("org/model", commit="0123abcd") == "hub:0123abcd"
     assert weights_identity(str(tmp_path / "nothing-here")) == ""
+
+
+def test_the_native_tier_namespace_knows_the_weights_too(tmp_path):
+    from types import SimpleNamespace
+
+    from shmkv.integration.vllm.native_tier import namespace_root
+
+    d = weights(tmp_path / "m", seed=5)
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(name=d, dtype="bfloat16"), kv_cache_layout="LBHNC", canonical_layout=False,
+        replicated_layout=False, cache=SimpleNamespace(tokens_per_hash=16, blocks_per_chunk=16), groups=[],
+        worker_kv_bytes_per_block=4096, parallel=SimpleNamespace(is_parallelism_agnostic=True))
+    before, fields = namespace_root(cfg, 1 << 16)
+    assert fields["weights"].startswith("files:")
+    weights(d, seed=6)
+    assert namespace_root(cfg, 1 << 16)[0] != before

@@ -101,6 +101,11 @@ def namespace_root(offloading_config: Any, chunk_bytes: int) -> tuple[bytes, dic
     if not par.is_parallelism_agnostic:
         fields["parallel"] = {"world_size": par.world_size, "tp": par.tp_size, "pp": par.pp_size,
                               "pcp": par.pcp_size, "dcp": par.dcp_size}
+    from shmkv.integration.vllm.engine_inputs import weights_identity
+
+    weights = weights_identity(str(c.model.name))  # a local path's weights (engine_inputs.weights_identity)
+    if weights:
+        fields["weights"] = weights
     blob = FORMAT_TAG + repr(sorted(fields.items())).encode()
     return xxhash.xxh3_128_digest(blob), fields
 
