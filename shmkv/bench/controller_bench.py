@@ -29,6 +29,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from shmkv import Store
+from shmkv.bench.engines import start_daemon
 from shmkv.config import load_config
 from shmkv.services.controller_auth import read_token
 from shmkv.services.controller_client import request
@@ -122,14 +123,8 @@ def run(argv: list[str]) -> dict:
     args = ap.parse_args(argv)
 
     cache = f"shmkv-bench-ctl-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen([sys.executable, "-m", "shmkv.daemon", "--cache", cache, "--capacity", "64MiB",
-                             "--listen", "127.0.0.1:0", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc, url = start_daemon(cache, "--capacity", "64MiB")
     try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if "ready" not in line:
-            raise RuntimeError(f"daemon did not start: {line!r}")
-        url = line.rsplit(" ", 1)[-1].strip()
         host, port_s = url.removeprefix("http://").rsplit(":", 1)
         port = int(port_s)
         token = read_token(load_config({"cache_name": cache}))

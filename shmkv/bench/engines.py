@@ -68,6 +68,21 @@ def container_argv(pid_namespace: bool, private_shm: bool = False, binds: Sequen
     return [*ns, "sh", "-c", " && ".join(steps) + ' && exec "$@"', "sh"]
 
 
+def start_daemon(cache: str, *args: str, pid_namespace: bool = False) -> tuple[subprocess.Popen, str]:
+    """`python -m shmkv.daemon` for a benchmark's segment (controller on a
+    loopback port of its own, warnings only), once it serves: (process, URL)."""
+    proc = subprocess.Popen([*container_argv(pid_namespace), sys.executable, "-m", "shmkv.daemon", "--cache", cache,
+                             "--listen", "127.0.0.1:0", "--log-level", "warning", *args],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "shmkv daemon ready" not in line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the daemon for '{cache}' did not start: {line!r}")
+    return proc, line.rsplit(" ", 1)[-1].strip()
+
+
 def signal_container(proc: subprocess.Popen, sig: int) -> None:
     """Send `sig` to what runs in a container_argv container: unshare's child
     (unshare ignores SIGTERM and SIGINT while it waits for that child). A

@@ -42,7 +42,7 @@ import time
 
 import xxhash
 
-from shmkv.bench.engines import container_argv, signal_container
+from shmkv.bench.engines import container_argv, signal_container, start_daemon
 
 KEYSPACE = 3000
 
@@ -184,21 +184,6 @@ class _Worker:
         self.ready.set()
 
 
-def _start_daemon(cache: str, pid_namespace: bool) -> subprocess.Popen:
-    """`shmkv daemon` for the soak's segment (controller on a port of its
-    own), returned once it serves."""
-    proc = subprocess.Popen([*container_argv(pid_namespace), sys.executable, "-m", "shmkv.daemon", "--cache", cache,
-                             "--listen", "127.0.0.1:0", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "shmkv daemon ready" not in line:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"the soak's daemon did not start: {line!r}")
-    return proc
-
-
 def _stop_daemon(proc: subprocess.Popen, pid_namespace: bool) -> None:
     if pid_namespace:
         signal_container(proc, signal.SIGTERM)
@@ -233,7 +218,7 @@ def run(argv: list[str]) -> dict:
     tally = {"ops": 0, "corrupt_reads": 0, "live_holders_reclaimed": 0}
     lock = threading.Lock()
     seeds = iter(range(a.seed * 1_000_000, 1 << 62))
-    daemon = _start_daemon(cache, a.pid_namespaces) if a.daemon else None
+    daemon = start_daemon(cache, pid_namespace=a.pid_namespaces)[0] if a.daemon else None
     workers = [_Worker(cache, next(seeds), tally, lock, pid_namespace=a.pid_namespaces) for _ in range(a.workers)]
     for w in workers:
         w.ready.wait(60)
