@@ -168,6 +168,9 @@ inline constexpr CounterInfo kCounters[] = {
      "foreign"},
     {"remote_expired", &Counters::remote_expired, "counter", "remote", true,
      "Remote values past the expiry their writer signed (remote_ttl), removed", "expired"},
+    {"remote_stale", &Counters::remote_stale, "counter", "remote", true,
+     "Remote values signed before a clear of their namespace or of everything (an older generation), removed",
+     "stale"},
 };
 
 }  // namespace shmkv

@@ -199,7 +199,8 @@ struct Counters {
   std::atomic<uint64_t> liveness_unshared;  // forked processes left on their parent's description (no /proc)
   std::atomic<uint64_t> remote_foreign;     // remote values signed with another secret (left in place)
   std::atomic<uint64_t> remote_expired;     // remote values past the expiry their writer signed
-  std::atomic<uint64_t> reserved_counters[3];
+  std::atomic<uint64_t> remote_stale;       // remote values signed before a clear (an older generation)
+  std::atomic<uint64_t> reserved_counters[2];
   // gauges (maintained under the lock, rebuilt on recovery)
   std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries
   std::atomic<uint64_t> entries;          // non-FREE entries

@@ -29,7 +29,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 <
 
 MAX_SIZE = 1 << 62
 # SHMKV_* variables that are not settings: directories (shmkv.paths reads the runtime one, the core the segments' one)
-ENV_NOT_SETTINGS = frozenset({"SHMKV_RUNTIME_DIR", "SHMKV_SEGMENT_DIR"})
+ENV_NOT_SETTINGS = frozenset({"SHMKV_RUNTIME_DIR", "SHMKV_SEGMENT_DIR", "SHMKV_UNTESTED_VLLM"})
 
 
 def parse_size(key: str, value: Any) -> int:

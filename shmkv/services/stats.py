@@ -152,7 +152,8 @@ def render_table(snap: dict[str, Any]) -> str:
         f"  promotions        {r['remote_hits']} ({_fmt_bytes(r['remote_get_bytes'])} fetched), misses "
         f"{r['remote_misses']}; {r['remote_hit_tokens']} tokens served to vLLM",
         f"  faults            {r['remote_errors']} failed calls, {r['remote_damaged']} damaged values rejected, "
-        f"{r['remote_foreign']} signed with another secret, {r['remote_expired']} past their signed expiry",
+        f"{r['remote_foreign']} signed with another secret, {r['remote_expired']} past their signed expiry, "
+        f"{r['remote_stale']} signed before a clear",
     ]
     return "\n".join(rows)
 

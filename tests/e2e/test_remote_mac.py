@@ -4,8 +4,9 @@ share chunks; a value of our key id whose MAC fails (a wrong MAC, another
 key's value moved) is a miss, counted and unlinked; a value signed with
 another secret (or with no head at all) is a miss, counted, and left for the
 hosts that hold that secret, and a host whose secret differs says so once at
-start; a value written back after the expiry its writer signed is a miss and
-removed; hosts with and without the secret never see each other's chunks.
+start; a value written back after the expiry its writer signed, or after a
+clear of everything or of its namespace, is a miss and removed; hosts with
+and without the secret never see each other's chunks.
 Without a secret the start-up log says that anyone who can write to the
 remote can plant KV."""
 
@@ -173,3 +174,61 @@ def test_the_chain_gives_the_remote_its_bytes_with_a_mac(store, redis_server, tm
     store.delete(key(6))
     assert c.promote([key(6)], [NS]) == 1 and store.get(key(6)) == payload_for(key(6), SIZE)
     c.close()
+
+
+def test_a_value_written_back_after_a_clear_is_a_miss(store, redis_server, tmp_path):
+    """Captured before /clear (everything) or before a namespace's clear
+    (vLLM's reset_prefix_cache), written back after it: stale, removed.
+    Chunks written after the clear are served as usual."""
+    c = chain(store, redis_server.url, secret_file(tmp_path))
+    client = redis_server.client()
+    for i, ns in ((20, NS), (21, b"M" * 16)):
+        assert c.remote.write(key(i), ns, payload_for(key(i), SIZE))
+    captured = {i: client.get(chunk_key(key(i), ns, authenticated=True)) for i, ns in ((20, NS), (21, b"M" * 16))}
+    assert c.remote.clear(NS) == 1
+    rk = chunk_key(key(20), NS, authenticated=True)
+    client.set(rk, captured[20])
+    assert c.remote.fetch(key(20), NS) is None and not client.exists(rk)
+    assert store.stats()["remote_stale"] == 1
+    assert c.remote.fetch(key(21), b"M" * 16) is not None, "another namespace's clear generation did not move"
+    assert c.remote.clear() == 1  # everything
+    rk = chunk_key(key(21), b"M" * 16, authenticated=True)
+    client.set(rk, captured[21])
+    assert c.remote.fetch(key(21), b"M" * 16) is None and store.stats()["remote_stale"] == 2
+    assert c.remote.write(key(22), NS, payload_for(key(22), SIZE))
+    assert c.remote.fetch(key(22), NS) == (payload_for(key(22), SIZE), NS)
+    assert store.stats()["remote_damaged"] == 0
+    c.close()
+
+
+def test_another_hosts_clear_is_seen_and_a_rolled_back_generation_heals(store, redis_server, tmp_path, monkeypatch,
+                                                                       caplog):
+    """Host B clears: host A, which read the generations before, misses the
+    written-back value once its view is GEN_REFRESH_S old (0 here). A
+    generation record replayed from before the clear is written back by the
+    hosts that saw the newer one (one WARNING), and the stale value stays a
+    miss there; a record without our MAC reads as no clear at all, and is
+    written back the same way."""
+    monkeypatch.setattr(remote_tier, "GEN_REFRESH_S", 0.0)
+    a = chain(store, redis_server.url, secret_file(tmp_path))
+    b = chain(store, redis_server.url, secret_file(tmp_path))
+    client = redis_server.client()
+    assert a.remote.write(key(30), NS, payload_for(key(30), SIZE))
+    rk = chunk_key(key(30), NS, authenticated=True)
+    captured, gen_key = client.get(rk), a.remote._gen_key(None)
+    old_record = client.get(gen_key)
+    assert b.remote.clear() == 1
+    client.set(rk, captured)
+    assert a.remote.fetch(key(30), NS) is None and store.stats()["remote_stale"] == 1
+    client.set(rk, captured)
+    with caplog.at_level(logging.WARNING, logger="shmkv.remote"):
+        client.set(gen_key, old_record or b"")  # replayed (or emptied): someone who can write to the Redis
+        assert a.remote.fetch(key(30), NS) is None
+    assert store.stats()["remote_stale"] == 2
+    assert sum("went back" in r.getMessage() for r in caplog.records) == 1
+    assert client.get(gen_key) != (old_record or b""), "written back"
+    client.set(gen_key, (7).to_bytes(8, "big") + b"\0" * 16)  # a generation nobody with the secret signed
+    client.set(rk, captured)
+    assert a.remote.fetch(key(30), NS) is None, "a forged record does not undo the clear"
+    a.close()
+    b.close()

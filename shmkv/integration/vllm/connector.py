@@ -85,6 +85,7 @@ from shmkv.integration.vllm.engine_inputs import (
 from shmkv.integration.vllm.kv_events import event_groups_of
 from shmkv.integration.vllm.metadata import ShmKVMetadata, ShmKVWorkerReport
 from shmkv.integration.vllm.metrics import HIT_SOURCES, ShmKVPromMetrics, ShmKVStats
+from shmkv.integration.vllm.versions import check_vllm_version
 from shmkv.integration.vllm.worker import WorkerSide
 from shmkv.store import open_store
 
@@ -178,6 +179,7 @@ def context_parallel_refusal(parallel_config: Any) -> str | None:
 class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
+        check_vllm_version()
         super().__init__(vllm_config, role, kv_cache_config)
         pp = vllm_config.parallel_config.pipeline_parallel_size
         if pp > 1:
@@ -360,6 +362,26 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._work is not None:
             self._work.register_kv_caches(kv_caches)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+ (enable_sleep_mode): yes, unregister_kv_caches drains
+        every copy before vLLM frees or remaps the KV cache."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+, before sleep mode frees the KV cache (or discards it):
+        every pending store and load is waited for, and no copy touches the
+        KV cache until restore_kv_caches. Idempotent."""
+        if self._work is not None:
+            self._work.suspend()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33+, after wake-up: copies may touch the KV cache again (its
+        addresses are the same; its contents are not: vLLM resets its prefix
+        cache, and shmkv's chunks were complete before the sleep). Idempotent."""
+        if self._work is not None:
+            self._work.resume()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

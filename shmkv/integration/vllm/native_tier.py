@@ -46,6 +46,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from shmkv.config import io_threads, load_config
 from shmkv.errors import ConfigError
+from shmkv.integration.vllm.versions import check_vllm_version
 from shmkv.store import Presence, PutResult, ReadResult, open_store
 from shmkv.tiers import open_tiers
 from shmkv.transfer.streams import CpuStream
@@ -129,6 +130,7 @@ class ShmkvSecondaryTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, locality: Any = None, **options: Any) -> None:
+        check_vllm_version()
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                          backpressure_detector=backpressure_detector)
         try:

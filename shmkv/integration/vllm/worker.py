@@ -131,6 +131,7 @@ class WorkerSide:
         self._summaries: dict[int, Any] = {}  # id(load job) -> its step's per-request summaries
         self._registered = False  # the segment is registered with CUDA for this worker
         self.writes_before_hooks = writes_before_hooks
+        self.suspended = False  # sleep mode: between unregister_kv_caches and restore_kv_caches
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self.off_reason is not None:
@@ -268,14 +269,12 @@ class WorkerSide:
         every layer now."""
         async_reqs = set(getattr(meta, "async_loads", ()))
         if self.worker is None and self.off_reason is not None:
-            for it in getattr(meta, "loads", ()):
-                if it.req_id in async_reqs:
-                    self._recv_failed.add(it.req_id)
-                else:
-                    self._load_errors.update(it.block_ids)  # never run on blocks nobody filled
-            self._recv_done |= async_reqs
+            self._refuse_loads(meta, async_reqs)
             return
         if self.worker is None or not getattr(meta, "loads", None):
+            return
+        if self._asleep("loads", len(meta.loads)):
+            self._refuse_loads(meta, async_reqs)
             return
         if self.cfg.debug_evict_before_load:  # TEST ONLY: what another engine's eviction can do
             for it in meta.loads:
@@ -294,6 +293,16 @@ class WorkerSide:
             job.wait_all()
             self.worker.counters["whole_forward_loads"] += 1
         self._loading = meta, job
+
+    def _refuse_loads(self, meta: Any, async_reqs: set[str]) -> None:
+        """This step's loads are not run: vLLM recomputes their blocks (never
+        runs on blocks nobody filled); asynchronous ones are reported failed."""
+        for it in getattr(meta, "loads", ()):
+            if it.req_id in async_reqs:
+                self._recv_failed.add(it.req_id)
+            else:
+                self._load_errors.update(it.block_ids)
+        self._recv_done |= async_reqs
 
     def wait_layer(self, layer_name: str) -> None:
         if self._loading is not None:
@@ -358,7 +367,7 @@ class WorkerSide:
                 log.info("shmkv: %d chunks of requests %s not stored: computed over a load that failed",
                          len(stores) - len(kept), sorted(bad))
                 stores = kept
-        if stores:
+        if stores and not self._asleep("stores", len(stores)):
             self.worker.submit_store(stores)
         before = self.worker.counters["stored_tokens"]
         self._poll()
@@ -415,6 +424,36 @@ class WorkerSide:
         self._poll()
         out, self._load_errors = self._load_errors, set()
         return out
+
+    def suspend(self) -> None:
+        """Sleep mode (vLLM 0.33+ unregister_kv_caches): vLLM frees or remaps
+        the KV cache next, and assumes no transfer reads or writes it. Every
+        issued load and store is waited for and completed here (the stores
+        committed, their requests reported finished by get_finished as
+        usual); until resume() no copy is issued: a step's loads are
+        recomputed and its stores dropped, counted and logged (vLLM steps
+        only after restore_kv_caches)."""
+        if self.worker is not None and not self.suspended:
+            n = len(self.worker.pending_stores())
+            self.worker.wait_loads()
+            self.worker.wait_stores()
+            self._loading = None
+            self._poll()
+            log.info("shmkv: sleep mode: %d pending stores drained; no copy touches the KV cache until wake-up", n)
+        self.suspended = True
+
+    def resume(self) -> None:
+        """Wake-up (vLLM 0.33+ restore_kv_caches)."""
+        self.suspended = False
+
+    def _asleep(self, what: str, n: int) -> bool:
+        """Whether copies must not run now (sleep mode); counted and logged."""
+        if not self.suspended or self.worker is None:
+            return False
+        self.worker.counters["copies_refused_asleep"] += n
+        log.warning("shmkv: %d %s asked for while vLLM's KV cache is unregistered (sleep mode, before "
+                    "restore_kv_caches): not run", n, what)
+        return True
 
     def _unregister(self) -> None:
         if self._registered:

@@ -4,11 +4,14 @@
                                                       checked, compressed format
     shmkv:v1:s:<namespace root hex>:<chunk key hex>   the same with a shared secret:
                                                       key id (8 bytes), expiry (8),
+                                                      clear generations (8 + 8),
                                                       HMAC-SHA256(secret, key name +
-                                                      key id + expiry + chunk) (32),
-                                                      then the chunk
+                                                      the 32 bytes before it + chunk)
+                                                      (32), then the chunk
     shmkv:v1:m:key-id                                 the key id of the first host's
                                                       secret (the probe at start)
+    shmkv:v1:m:gen:<key id hex>:<* | namespace hex>   a clear generation (of everything,
+                                                      or of one namespace) and its MAC
     shmkv:v1:m:lru / :sizes / :bytes                  byte-budget bookkeeping
                                                       (only with a budget)
 
@@ -40,6 +43,13 @@ damage (a miss, `remote_damaged`, an UNLINK). At start the tier compares its
 key id with the one the first host recorded (shmkv:v1:m:key-id) and logs one
 WARNING when they differ. With `remote_ttl` the writer signs the value's
 expiry: written back after it, it is a miss (`remote_expired`) and removed.
+A clear (`/clear`, vLLM's reset_prefix_cache) first raises a signed generation
+(of everything, or of the namespace it clears), then removes the keys; every
+value signs the two generations it was written under, so a value captured
+before the clear and written back later is a miss (`remote_stale`) and is
+removed. Each host reads the generations again at most GEN_REFRESH_S after it
+last did, and never goes back to a lower one (it writes its own back: a
+record rolled back by someone who can write to the Redis heals).
 Hosts with and without the secret use separate key names, so neither ever
 reads (or removes) the other's chunks. Needs a single Redis/Valkey (the
 budget script touches several keys).
@@ -102,8 +112,11 @@ return dropped
 
 MAC_BYTES = 32
 KEY_ID_BYTES = 8
-SIGNED_HEAD = KEY_ID_BYTES + 8 + MAC_BYTES  # key id, expiry (unix seconds, 0: none), MAC
+GEN_BYTES = 16  # the clear generations a value was written under: of everything, of its namespace
+SIGNED_HEAD = KEY_ID_BYTES + 8 + GEN_BYTES + MAC_BYTES  # key id, expiry (unix s, 0: none), generations, MAC
 _KEY_ID_KEY = PREFIX + b"m:key-id"
+GEN_REFRESH_S = 1.0  # how stale a host's view of the clear generations may be (another host's clear)
+_GEN_MAC_BYTES = 16
 
 
 def _now() -> float:
@@ -114,6 +127,10 @@ def _now() -> float:
 def key_id(secret: bytes) -> bytes:
     """Which secret signed a value: a digest of it that reveals nothing of it."""
     return hashlib.sha256(b"shmkv remote key id\0" + secret).digest()[:KEY_ID_BYTES]
+
+
+def _split_gens(gens: bytes) -> tuple[int, int]:
+    return int.from_bytes(gens[:8], "big"), int.from_bytes(gens[8:16], "big")
 
 
 def chunk_key(key: bytes, namespace: bytes, authenticated: bool = False) -> bytes:
@@ -154,6 +171,9 @@ class RemoteTier:
         self._backoff = Backoff()
         self._key_id = key_id(secret) if secret is not None else b""
         self._foreign_logged = False
+        self._gens: dict[bytes, tuple[int, float]] = {}  # generation record -> (generation, monotonic read time)
+        self._gen_lock = threading.Lock()
+        self._rollback_logged = False
         if secret is not None:
             self._probe_key_id()
         self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
@@ -227,15 +247,15 @@ class RemoteTier:
             return None
         self._count("remote_get_bytes", len(data))
         try:
-            chunk = data if self._secret is None else self._authentic(rkey, data)
+            chunk = data if self._secret is None else self._authentic(rkey, data, namespace)
             if chunk is None:
-                return None  # another secret's, or past its expiry: counted and logged there
+                return None  # another secret's, past its expiry or before a clear: counted there
             got = fmt.decode_into(chunk, key, alloc, namespace=namespace, lossy_ok=True,  # see DiskTier.fetch_into
                                   max_raw=max_raw or self.max_raw)
         except fmt.DamagedChunk as e:
             log.warning("shmkv: remote chunk %s rejected (%s): removed", rkey.decode(), e.reason)
             self._count("remote_damaged", 1)
-            self._call("unlink", lambda: self._client.unlink(rkey))
+            self._call("unlink", lambda: self._drop([rkey]))
             return None
         if got is not None and self.capacity:
             self._call("touch", lambda: self._client.zadd(_LRU, {rkey: time.time()}, xx=True))
@@ -275,8 +295,12 @@ class RemoteTier:
         chunk's encoding, for the codec choice."""
         rkey = self._rkey(key, namespace)
         if self._secret is not None:
+            gens = self._generations(namespace)
+            if gens is None:  # the remote did not answer: counted there
+                self._count("remote_put_errors", 1)
+                return False
             expires = int(_now()) + self.ttl_s if self.ttl_s else 0
-            head = self._key_id + expires.to_bytes(8, "big")
+            head = self._key_id + expires.to_bytes(8, "big") + gens
             data = head + self._mac(rkey, head, data) + bytes(data)
         t0 = time.perf_counter()
         if self.capacity:
@@ -311,6 +335,8 @@ class RemoteTier:
     def clear(self, namespace: bytes | None = None) -> int:
         """Remove every shmkv chunk (or one namespace's) from the remote; how many."""
         pattern = PREFIX + b"[cs]:" + (namespace.hex().encode() if namespace else b"*") + b":*"  # both key spaces
+        if self._secret is not None and not self._raise_generation(namespace):
+            return 0  # the remote did not answer: counted and logged there
 
         def run() -> int:
             n, cursor = 0, 0
@@ -430,13 +456,14 @@ class RemoteTier:
         h.update(data)
         return h.digest()
 
-    def _authentic(self, rkey: bytes, value: bytes) -> memoryview | None:
+    def _authentic(self, rkey: bytes, value: bytes, namespace: bytes) -> memoryview | None:
         """The chunk of a signed value; None (counted) when another key
-        signed it, or when it is past the expiry its writer signed (then
-        removed). A value of our key whose MAC fails raises DamagedChunk."""
+        signed it, when it is past the expiry its writer signed, or when it
+        was written before a clear (those two removed). A value of our key
+        whose MAC fails raises DamagedChunk."""
         if len(value) < SIGNED_HEAD:
             raise fmt.DamagedChunk("shorter than a signed value's head")
-        head, mac = value[:KEY_ID_BYTES + 8], value[KEY_ID_BYTES + 8:SIGNED_HEAD]
+        head, mac = value[:SIGNED_HEAD - MAC_BYTES], value[SIGNED_HEAD - MAC_BYTES:SIGNED_HEAD]
         chunk = memoryview(value)[SIGNED_HEAD:]
         if head[:KEY_ID_BYTES] != self._key_id:
             self._count("remote_foreign", 1)
@@ -448,12 +475,91 @@ class RemoteTier:
             return None
         if not hmac.compare_digest(mac, self._mac(rkey, head, chunk)):
             raise fmt.DamagedChunk("its MAC of our secret does not match: changed after it was written")
-        expires = int.from_bytes(head[KEY_ID_BYTES:], "big")
+        expires = int.from_bytes(head[KEY_ID_BYTES:KEY_ID_BYTES + 8], "big")
         if expires and _now() > expires:
             self._count("remote_expired", 1)
-            self._call("unlink", lambda: self._client.unlink(rkey))
+            self._call("unlink", lambda: self._drop([rkey]))
             return None
+        signed = _split_gens(head[KEY_ID_BYTES + 8:])
+        ours = self._generations(namespace)
+        if ours is not None and any(v > o for v, o in zip(signed, _split_gens(ours))):
+            ours = self._generations(namespace, fresh=True)  # another host cleared since we last looked
+        if ours is None:
+            return None  # the remote did not answer: counted there
+        if signed != _split_gens(ours):
+            if any(v < o for v, o in zip(signed, _split_gens(ours))):
+                self._count("remote_stale", 1)  # written before a clear (and written back since)
+                self._call("unlink", lambda: self._drop([rkey]))
+            return None  # (newer than the records: they were rolled back; ours are written back)
         return chunk
+
+    # ------------------------------------------------ clear generations --
+    def _gen_key(self, namespace: bytes | None) -> bytes:
+        return PREFIX + b"m:gen:" + self._key_id.hex().encode() + b":" + (namespace.hex().encode()
+                                                                         if namespace else b"*")
+
+    def _gen_value(self, gkey: bytes, gen: int) -> bytes:
+        g = gen.to_bytes(8, "big")
+        return g + hmac.new(self._secret or b"", b"shmkv gen\0" + gkey + g, hashlib.sha256).digest()[:_GEN_MAC_BYTES]
+
+    def _gen_parse(self, gkey: bytes, value: object) -> int:
+        """A record's generation; 0 when absent, or when it is not ours (its
+        MAC fails: nobody with the secret wrote it)."""
+        if not isinstance(value, bytes) or len(value) != 8 + _GEN_MAC_BYTES:
+            return 0
+        gen = int.from_bytes(value[:8], "big")
+        return gen if hmac.compare_digest(value, self._gen_value(gkey, gen)) else 0
+
+    def _generations(self, namespace: bytes, fresh: bool = False) -> bytes | None:
+        """The two generations (of everything, of `namespace`) a value is
+        signed under now, 16 bytes; None when the remote did not answer.
+        Read again at most GEN_REFRESH_S after the last read (now: `fresh`)."""
+        keys = [self._gen_key(None), self._gen_key(namespace)]
+        now = time.monotonic()
+        with self._gen_lock:
+            known = [self._gens.get(k) for k in keys]
+            if not fresh and all(k is not None and now - k[1] < GEN_REFRESH_S for k in known):
+                return b"".join(k[0].to_bytes(8, "big") for k in known)  # type: ignore[union-attr]
+        ok, values = self._call("generation", lambda: self._client.mget(keys) if not self.cluster
+                                else [self._client.get(k) for k in keys])
+        if not ok:
+            return None
+        out = []
+        for k, old, v in zip(keys, known, values):
+            gen = self._gen_parse(k, v)
+            if old is not None and gen < old[0]:
+                # NOTE: a record went back (someone who can write to the Redis replayed an old one):
+                # ours is written back, or values from before a clear would be served again
+                if not self._rollback_logged:
+                    self._rollback_logged = True
+                    log.warning("shmkv: remote tier %s: clear generation %s went back from %d to %d: "
+                                "written back", self.display_url, k.decode(), old[0], gen)
+                self._call("generation", lambda k=k, g=old[0]: self._client.set(k, self._gen_value(k, g)))
+                gen = old[0]
+            out.append(gen)
+        with self._gen_lock:
+            for k, gen in zip(keys, out):
+                self._gens[k] = (gen, now)
+        return b"".join(g.to_bytes(8, "big") for g in out)
+
+    def _raise_generation(self, namespace: bytes | None) -> bool:
+        """A clear's first step: the generation of everything (or of
+        `namespace`) goes up by one, so that values written before it are
+        stale wherever they come back from. False when the remote did not answer."""
+        k = self._gen_key(namespace)
+
+        def run() -> int:
+            with self._gen_lock:
+                seen = self._gens.get(k, (0, 0.0))[0]
+            gen = max(self._gen_parse(k, self._client.get(k)), seen) + 1
+            self._client.set(k, self._gen_value(k, gen))
+            return gen
+
+        ok, gen = self._call("clear", run)
+        if ok:
+            with self._gen_lock:
+                self._gens[k] = (int(gen), time.monotonic())  # type: ignore[call-overload]
+        return ok
 
     def _probe_key_id(self) -> None:
         """One WARNING at start when the first host of this remote signed with
