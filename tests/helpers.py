@@ -19,6 +19,7 @@ import pytest
 import xxhash
 
 from shmkv.bench.engines import container_argv
+from shmkv.bench.vllm_server import VllmServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -311,85 +312,15 @@ def check_runner(log_path: str, runner: str) -> None:
 
 
 # ----------------------------------------------------------- vllm serve ---
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServeProcess:
-    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
-    what `vllm serve` runs) on a loopback port, in its own process group."""
+class ServeProcess(VllmServer):
+    """vLLM's OpenAI server on a loopback port, token ids in and out (no
+    tokenizer), vLLM's own prefix cache off: reuse comes through shmkv."""
 
     def __init__(self, model_dir: str, kv_transfer_config: dict, log_path: str, *, timeout: float = 300,
                  env: dict[str, str] | None = None) -> None:
-        import json
-        import time
-        import urllib.request
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model = model_dir
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_SERVER_DEV_MODE="1",
-                   **(env or {}))
-        self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-             "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "4096",
-             "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0",
-             "--kv-transfer-config", json.dumps(kv_transfer_config)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        t0 = time.monotonic()
-        deadline = t0 + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); see {log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2):
-                    from shmkv.bench.engines import _note_start
-
-                    _note_start(os.path.basename(log_path), time.monotonic() - t0)
-                    return
-            except OSError:
-                time.sleep(1)
-        self.close()
-        raise TimeoutError(f"vLLM server did not answer within {timeout}s; see {log_path}")
-
-    def post(self, path: str, body: dict | None = None) -> dict:
-        import json
-        import urllib.request
-
-        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            text = r.read().decode()
-        return json.loads(text) if text.strip() else {}
-
-    def complete(self, prompt: list[int], max_tokens: int = 16) -> list[int]:
-        """Greedy completion of a prompt of token ids; the output token ids."""
-        r = self.post("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                                          "temperature": 0, "return_token_ids": True})
-        return r["choices"][0]["token_ids"]
-
-    def metric(self, sample: str) -> float:
-        """The value of one sample of /metrics (name and labels as exposed), 0 if absent."""
-        import urllib.request
-
-        with urllib.request.urlopen(self.url + "/metrics", timeout=60) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith(sample + " "):
-                    return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
-    def close(self) -> None:
-        import signal
-
-        from shmkv.bench.engine_forks import end_group
-
-        end_group(self.proc, timeout=60, first=signal.SIGTERM)
-        self.log.close()
+        super().__init__(model_dir, log_path, args=["--skip-tokenizer-init", "--max-model-len", "4096",
+                                                    "--no-enable-prefix-caching"],
+                         kv_transfer_config=kv_transfer_config, env=env, timeout=timeout)
 
 
 class NativeEngine:

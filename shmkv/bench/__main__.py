@@ -21,6 +21,7 @@ BENCHES = {
     "gpu": "shmkv.bench.gpu_bench",
     "native-tier": "shmkv.bench.native_tier",
     "fleet": "shmkv.bench.fleet_bench",
+    "serve": "shmkv.bench.serve_bench",
 }
 
 
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:
         mod.report(result)
+    if result.get("failed"):  # a benchmark's own checks (bench serve's controls) failed
+        print(f"shmkv bench {args.name}: FAILED: {result['failed']}", file=sys.stderr)
+        return 1
     return 0
 
 

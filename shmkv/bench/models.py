@@ -105,6 +105,44 @@ def write_llama(directory: str, spec: TinyLlama = TEST_MODEL) -> str:
     return directory
 
 
+def write_tokenizer(directory: str, vocab_size: int) -> str:
+    """A word-level tokenizer for a random model (for clients that count or
+    make prompts with one: `vllm bench serve`): token id i is the word
+    word(i) (i in base 62: 3 characters a token with its space, under the 5
+    a token vLLM allows a prompt's text), text is words split on whitespace,
+    no special tokens are added
+    (0, 1, 2 are `<unk>`, BOS `<s>` and EOS `</s>`, as the model's config
+    says: no word contains them). Returns the directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {word(i): i for i in range(3, vocab_size)} | {"<unk>": 0, "<s>": 1, "</s>": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "unk_token": "<unk>", "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}, f)
+    return directory
+
+
+_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def word(token_id: int) -> str:
+    """The word of a token id in write_tokenizer's vocabulary."""
+    out = ""
+    while True:
+        token_id, d = divmod(token_id, len(_DIGITS))
+        out = _DIGITS[d] + out
+        if not token_id:
+            return out
+
+
+def words(token_ids: list[int]) -> str:
+    """The text write_tokenizer's tokenizer reads back as exactly `token_ids` (ids from 3 up)."""
+    return " ".join(word(i) for i in token_ids)
+
+
 def write_llama_wide_heads(directory: str, source_dir: str, factor: int = 4) -> str:
     """The Llama checkpoint in `source_dir` with `factor` times its head size
     and the same function: each head's q/k/v rows are spread over the wider

@@ -1,0 +1,231 @@
+"""vLLM's OpenAI server (what `vllm serve` runs:
+`python -m vllm.entrypoints.openai.api_server`) on a loopback port, in its
+own process group, for the serve benchmark and the end-to-end tests; and a
+round-robin proxy in front of several, as a multi-instance host's router
+would be."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """One `vllm serve` process; `args` are its command-line options beyond
+    the model, dtype, port and seed (`kv_transfer_config`: --kv-transfer-config)."""
+
+    def __init__(self, model_dir: str, log_path: str, *, args: Sequence[str] = (),
+                 kv_transfer_config: dict | None = None, env: dict[str, str] | None = None,
+                 timeout: float = 300) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model_dir
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+               "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                "--dtype", "bfloat16", "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
+                "--seed", "0", *args]
+        if kv_transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self.log = open(log_path, "ab")
+        self.log_path = log_path
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.close()
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); see {log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    from shmkv.bench.engines import _note_start
+
+                    self.start_seconds = time.monotonic() - t0
+                    _note_start(os.path.basename(log_path), self.start_seconds)
+                    return
+            except OSError:
+                time.sleep(0.5)
+        self.close()
+        raise TimeoutError(f"vLLM server did not answer within {timeout}s; see {log_path}")
+
+    def post(self, path: str, body: dict | None = None) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            text = r.read().decode()
+        return json.loads(text) if text.strip() else {}
+
+    def complete(self, prompt: list[int], max_tokens: int = 16) -> list[int]:
+        """Greedy completion of a prompt of token ids; the output token ids."""
+        r = self.post("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                                          "temperature": 0, "return_token_ids": True})
+        return r["choices"][0]["token_ids"]
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics: {'name{labels}': value}."""
+        out = {}
+        with urllib.request.urlopen(self.url + "/metrics", timeout=60) as r:
+            for line in r.read().decode().splitlines():
+                if line and not line.startswith("#"):
+                    name, _, value = line.rpartition(" ")
+                    out[name] = float(value)
+        return out
+
+    def metric(self, sample: str) -> float:
+        """The value of one sample of /metrics (name and labels as exposed), 0 if absent."""
+        return self.metrics().get(sample, 0.0)
+
+    def counter(self, name: str) -> float:
+        """The sum of a metric's samples over its labels (0 if absent)."""
+        return sum(v for k, v in self.metrics().items() if k == name or k.startswith(name + "{"))
+
+    def close(self) -> None:
+        from shmkv.bench.engine_forks import end_group
+
+        end_group(self.proc, timeout=60, first=signal.SIGTERM)
+        self.log.close()
+
+
+class RoundRobinProxy:
+    """An HTTP proxy on a loopback port that sends each inference request
+    (POST .../completions) to the next server in turn and streams the answer
+    back as it comes (server-sent events included): what a multi-instance
+    host's plain router does. `sent`: inference requests per server."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.urls = list(urls)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.sent = [0] * len(self.urls)
+        self._next = itertools.cycle(range(len(self.urls)))
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="shmkv-bench-proxy", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise TimeoutError("the round-robin proxy did not start")
+
+    def _serve(self) -> None:
+        from aiohttp import ClientSession, ClientTimeout, web
+
+        async def forward(request: web.Request) -> web.StreamResponse:
+            i = 0  # what is not an inference request (the client's GET /v1/models) goes to the first
+            if request.method == "POST" and request.path.endswith("completions"):
+                i = next(self._next)
+                self.sent[i] += 1
+            body = await request.read()
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+            async with self._session.request(request.method, self.urls[i] + request.path_qs, data=body,
+                                             headers=headers) as up:
+                out = web.StreamResponse(status=up.status, headers={
+                    k: v for k, v in up.headers.items()
+                    if k.lower() not in ("content-length", "transfer-encoding", "content-encoding", "connection")})
+                await out.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+
+        async def start() -> None:
+            self._session = ClientSession(timeout=ClientTimeout(total=None))
+            app = web.Application(client_max_size=64 << 20)
+            app.router.add_route("*", "/{tail:.*}", forward)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+            self._ready.set()
+
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(start())
+        self._loop.run_forever()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self._runner.cleanup()
+            await self._session.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+
+_CLIENT_LOOP = """
+import json, sys, traceback
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+answer, sys.stdout = sys.stdout, sys.stderr  # what the client prints goes to the log
+print("ready", file=answer, flush=True)
+for line in sys.stdin:
+    try:
+        p = FlexibleArgumentParser()
+        add_cli_args(p)
+        main(p.parse_args(json.loads(line)))
+        print("done", file=answer, flush=True)
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        print("error", file=answer, flush=True)
+"""
+
+
+class BenchServeClient:
+    """vLLM's own client, `vllm bench serve`, unmodified: its module's
+    add_cli_args and main, which is all the `vllm` command runs (the command
+    itself needs the `vllm` distribution's metadata, which vllm-cpu lacks).
+    One process runs every measurement (importing vLLM takes seconds); each
+    run parses its own command line, as the command would."""
+
+    def __init__(self, log_path: str) -> None:
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-c", _CLIENT_LOOP], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self._expect("ready")
+
+    def _expect(self, word: str) -> None:
+        line = self.proc.stdout.readline().strip()  # type: ignore[union-attr]
+        if line != word:
+            raise RuntimeError(f"vLLM's benchmark client said {line!r}, not {word!r}; see {self.log.name}")
+
+    def run(self, base_url: str, model: str, dataset: str, result_path: str, *, requests: int,
+            output_tokens: int) -> dict[str, Any]:
+        """A custom JSONL dataset, one request at a time in the dataset's
+        order; the client's saved result (per-request TTFTs included)."""
+        argv = ["--backend", "vllm", "--base-url", base_url, "--model", model,
+                "--dataset-name", "custom", "--dataset-path", dataset, "--disable-shuffle", "--skip-chat-template",
+                "--custom-output-len", str(output_tokens), "--ignore-eos", "--num-prompts", str(requests),
+                "--max-concurrency", "1", "--request-rate", "inf", "--num-warmups", "0", "--disable-tqdm",
+                "--save-result", "--save-detailed", "--result-dir", os.path.dirname(result_path),
+                "--result-filename", os.path.basename(result_path), "--percentile-metrics", "ttft,e2el",
+                "--metric-percentiles", "50,99"]
+        self.proc.stdin.write(json.dumps(argv) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        self._expect("done")
+        with open(result_path) as f:
+            return json.load(f)
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
