@@ -191,51 +191,34 @@ class Run:
 
     # --------------------------------------------------------------- arms --
     def no_reuse(self, shmkv: bool) -> dict[str, Any]:
-        s = self.server(f"no_reuse-{_v(shmkv)}", self.segment("no_reuse") if shmkv else None)
-        try:
+        with self.server(f"no_reuse-{_v(shmkv)}", self.segment("no_reuse") if shmkv else None) as s:
             return self.measure([s], s.url, self.fresh(self.w.prefixes, self.w.prefix_tokens + self.w.suffix_tokens),
                                 f"no_reuse-{_v(shmkv)}")
-        finally:
-            s.close()
 
     def in_cache(self, shmkv: bool) -> dict[str, Any]:
         w = self.w
         prefixes = self.fresh(w.in_cache_prefixes, w.prefix_tokens)
-        s = self.server(f"in_cache-{_v(shmkv)}", self.segment("in_cache") if shmkv else None)
-        try:
+        with self.server(f"in_cache-{_v(shmkv)}", self.segment("in_cache") if shmkv else None) as s:
             self.warm([s], self.asked(prefixes))
             asks = [p + q for p in prefixes for q in self.fresh(w.repeats, w.suffix_tokens)]
             return self.measure([s], s.url, asks, f"in_cache-{_v(shmkv)}")
-        finally:
-            s.close()
 
     def evicted(self, shmkv: bool) -> dict[str, Any]:
         w = self.w
         prefixes = self.fresh(w.prefixes, w.prefix_tokens)
-        s = self.server(f"evicted-{_v(shmkv)}", self.segment("evicted") if shmkv else None)
-        try:
+        with self.server(f"evicted-{_v(shmkv)}", self.segment("evicted") if shmkv else None) as s:
             self.warm([s], self.asked(prefixes))
             self.warm([s], self.fresh(w.vllm_cache_prompts + 1, w.prefix_tokens + w.suffix_tokens))  # evicts
-            asks = self.asked(prefixes)
-            return self.measure([s], s.url, asks, f"evicted-{_v(shmkv)}")
-        finally:
-            s.close()
+            return self.measure([s], s.url, self.asked(prefixes), f"evicted-{_v(shmkv)}")
 
     def restart(self, shmkv: bool) -> dict[str, Any]:
         w = self.w
         prefixes = self.fresh(w.prefixes, w.prefix_tokens)
         cache = self.segment("restart") if shmkv else None
-        first = self.server(f"restart-first-{_v(shmkv)}", cache)
-        try:
+        with self.server(f"restart-first-{_v(shmkv)}", cache) as first:
             self.warm([first], self.asked(prefixes))
-        finally:
-            first.close()
-        s = self.server(f"restart-second-{_v(shmkv)}", cache)
-        try:
-            asks = self.asked(prefixes)
-            return self.measure([s], s.url, asks, f"restart-{_v(shmkv)}")
-        finally:
-            s.close()
+        with self.server(f"restart-second-{_v(shmkv)}", cache) as s:
+            return self.measure([s], s.url, self.asked(prefixes), f"restart-{_v(shmkv)}")
 
     def _pair(self, label: str, caches: list[str | None], capacity: str | None, passes: int) -> dict[str, Any]:
         """Two servers behind the round-robin proxy; each system prompt asked
@@ -248,8 +231,7 @@ class Run:
         try:
             if label.startswith("budget"):
                 # every prefix once (each on one server), then measured: on the other server, then back
-                self.warm(servers, self.asked(systems),
-                          first=1)
+                self.warm(servers, self.asked(systems), first=1)
                 asks = [p for _ in range(passes) for p in self.asked(systems)]
             else:
                 asks = [p + q for p in systems for q in self.fresh(passes, w.suffix_tokens)]
@@ -303,9 +285,9 @@ def _v(shmkv: bool) -> str:
 def _counters(servers: list[VllmServer]) -> dict[str, float]:
     out = dict.fromkeys(COUNTERS, 0.0)
     for s in servers:
-        m = s.metrics()
+        totals = s.totals(list(COUNTERS.values()))
         for k, name in COUNTERS.items():
-            out[k] += sum(v for sample, v in m.items() if sample == name or sample.startswith(name + "{"))
+            out[k] += totals[name]
     return out
 
 

@@ -93,9 +93,16 @@ class VllmServer:
         """The value of one sample of /metrics (name and labels as exposed), 0 if absent."""
         return self.metrics().get(sample, 0.0)
 
-    def counter(self, name: str) -> float:
-        """The sum of a metric's samples over its labels (0 if absent)."""
-        return sum(v for k, v in self.metrics().items() if k == name or k.startswith(name + "{"))
+    def totals(self, names: Sequence[str]) -> dict[str, float]:
+        """Each metric's samples summed over their labels (0 if absent), from one read of /metrics."""
+        m = self.metrics()
+        return {n: sum(v for k, v in m.items() if k == n or k.startswith(n + "{")) for n in names}
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         from shmkv.bench.engine_forks import end_group

@@ -486,8 +486,9 @@ class RemoteTier:
             ours = self._generations(namespace, fresh=True)  # another host cleared since we last looked
         if ours is None:
             return None  # the remote did not answer: counted there
-        if signed != _split_gens(ours):
-            if any(v < o for v, o in zip(signed, _split_gens(ours))):
+        current = _split_gens(ours)
+        if signed != current:
+            if any(v < o for v, o in zip(signed, current)):
                 self._count("remote_stale", 1)  # written before a clear (and written back since)
                 self._call("unlink", lambda: self._drop([rkey]))
             return None  # (newer than the records: they were rolled back; ours are written back)
