@@ -37,7 +37,10 @@ def cuda_vllm_missing() -> str | None:
     why = cuda_missing()
     if why is not None:
         return why
-    from vllm.platforms import current_platform
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return "vLLM is not installed (a CUDA build: pip install 'shmkv[vllm]')"
 
     return None if current_platform.is_cuda() else "the installed vLLM is not a CUDA build"
 

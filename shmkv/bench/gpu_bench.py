@@ -230,16 +230,21 @@ def _layout_cases(repeats: int, layers: int = 8, chunks: int = 8) -> list[dict]:
             layout.copier.engines(store="auto", load="auto")
             row["auto_store"] = "dma" if layout.copier.use_dma("store", slots, (0, layers)) else "kernel"
             row["auto_load"] = "dma" if layout.copier.use_dma("load", slots, (0, 1)) else "kernel"
-            for engine in ("dma", "kernel"):
+            for e, engine in enumerate(("dma", "kernel")):
                 layout.copier.engines(store=engine, load=engine)
                 st, ld = [], []
                 for r in range(repeats + 1):
-                    keys = [bytes([r, i]) + b"c" * 14 for i in range(chunks)]
+                    # keys of their own per engine and round: a key already present is not copied again
+                    keys = [bytes([e, r, i]) + b"c" * 13 for i in range(chunks)]
+                    puts = store.stats()["puts"]
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     eng.store([StoreItem("r", (k,), CHUNK_TOKENS, (GroupWindow(0, bpc, tuple(b)),))
                                for k, b in zip(keys, src)])
                     t1 = time.perf_counter()
+                    if store.stats()["puts"] - puts != chunks:
+                        raise RuntimeError(f"{case} {engine}: {store.stats()['puts'] - puts} of {chunks} chunks "
+                                           "were stored; the timing would not be of copies")
                     job = eng.submit_load([LoadItem("q", (k,), (GroupWindow(0, bpc, tuple(b)),))
                                            for k, b in zip(keys, dst)])
                     job.events[-1].synchronize()

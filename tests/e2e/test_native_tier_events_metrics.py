@@ -4,9 +4,13 @@ to make room for another engine's chunks, or cleared) and metrics (every
 name get_stats emits is declared by build_metric_definitions, as vLLM's
 Prometheus logger requires, with counts that match what happened)."""
 
+# ruff: noqa: E402  (vLLM's imports follow the skip where vLLM is not installed)
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'shmkv[vllm]')")
+
 from helpers import NativeEngine, wait_until
 from vllm.v1.kv_offload.base import Medium
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec

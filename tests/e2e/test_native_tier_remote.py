@@ -4,10 +4,14 @@ segment, the same remote_url) that finds the chunks there, promotes them
 into its own segment while its lookups answer RETRY, and loads them
 byte-equal; without write-through nothing reaches Redis before a spill."""
 
+# ruff: noqa: E402  (vLLM's imports follow the skip where vLLM is not installed)
 from __future__ import annotations
 
-import numpy as np
 import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'shmkv[vllm]')")
+
+import numpy as np
 from helpers import NativeEngine, wait_until
 from vllm.v1.kv_offload.base import LookupResult
 

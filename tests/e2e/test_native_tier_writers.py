@@ -4,9 +4,13 @@ of MISS, HIT once the writer commits, and MISS once a writer has held it
 past WRITING_RETRY_S (a frozen or killed writer never stalls a request); a
 store of a chunk another engine is writing is not reported stored."""
 
+# ruff: noqa: E402  (vLLM's imports follow the skip where vLLM is not installed)
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'shmkv[vllm]')")
+
 from helpers import NativeEngine
 from vllm.v1.kv_offload.base import LookupResult
 

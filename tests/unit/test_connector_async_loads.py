@@ -6,7 +6,12 @@ copies have run, and one that failed (a chunk evicted since the lookup, a
 load that could not be planned, a worker that could not register its caches)
 also in failed_recving, so vLLM recomputes it; never as block ids."""
 
+# ruff: noqa: E402  (vLLM's imports follow the skip where vLLM is not installed)
 from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'shmkv[vllm]')")
 
 from types import SimpleNamespace
 

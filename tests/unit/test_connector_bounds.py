@@ -3,7 +3,12 @@ of tenants (cache salts) and adapters: the most recent planners are cached,
 and reset_cache() reaches the most recent namespaces (one WARNING when older
 ones are forgotten)."""
 
+# ruff: noqa: E402  (vLLM's imports follow the skip where vLLM is not installed)
 from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'shmkv[vllm]')")
 
 import logging
 from types import SimpleNamespace

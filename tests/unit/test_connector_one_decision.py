@@ -8,13 +8,17 @@ WARNING, the connector_on gauge at 0 and the engine registry (shmkv stats)
 saying why. Workers that can serve name their per-shape payload sections in
 the namespace."""
 
+# ruff: noqa: E402  (vLLM's imports follow the skip where vLLM is not installed)
 from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'shmkv[vllm]')")
 
 import copy
 import logging
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from shmkv import engine_registry

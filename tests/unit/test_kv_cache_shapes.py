@@ -6,11 +6,15 @@ first layer spec) and to the workers (the whole group); the shapes it cannot
 restore exactly are refused with one line naming the setting. A group of
 several shapes is copied per shape, byte-exact, each layer with its own."""
 
+# ruff: noqa: E402  (vLLM's imports follow the skip where vLLM is not installed)
 from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'shmkv[vllm]')")
 
 import copy
 
-import pytest
 import torch
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.kv_cache_interface import (

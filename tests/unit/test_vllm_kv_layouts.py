@@ -6,9 +6,13 @@ into kernel blocks. shmkv reads each geometry from the strides (never from
 the rank) and its token gather/scatter, indexed by vLLM's block ids, moves
 exactly the bytes the logical view [blocks, heads, tokens, content] holds."""
 
+# ruff: noqa: E402  (vLLM's imports follow the skip where vLLM is not installed)
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'shmkv[vllm]')")
+
 import torch
 
 from shmkv.errors import InvalidArgumentError
