@@ -19,6 +19,12 @@ sampled token says whether the KV it read was right.
       transfer results; then sampling. FULL graphs replay inside a context
       whose cudagraph_runtime_mode says FULL.
 
+Linear-attention (Mamba/GDN) layers, vLLM's align mode: the runner keeps
+each request's running-state block (mamba_state_idx), copies the state into
+the next block when a step crosses one (V1 preprocess_mamba, V2
+preprocess_state: before the connector's calls of the step), and the layer's
+forward reads and writes that block; vLLM calls no per-layer load hook there.
+
 The toy model: layer l's KV of position p is a value of the token prefix up
 to p (every element of the token's slot); a sampling step's token is a hash
 of every context KV value the last forward read, so a load that was late,
@@ -48,16 +54,25 @@ class ToyModel:
     at positions up to p (causal), so KV computed over a wrong context is
     wrong too. Values are multiples of 1/8 below 32 (exact in bfloat16)."""
 
-    def __init__(self, layers: int, target_layers: int | None = None, windows: tuple[int, ...] = ()) -> None:
+    def __init__(self, layers: int, target_layers: int | None = None, windows: tuple[int, ...] = (),
+                 states: tuple[bool, ...] = ()) -> None:
         self.layers = layers  # a drafter's layers follow the target's (its first reads the target's last)
         self.target_layers = layers if target_layers is None else target_layers
         # per layer: its sliding window in tokens (0: full attention); a query at p reads (p-w, p]
         self.windows = tuple(windows) + (0,) * (layers - len(windows))
+        # per layer: a linear-attention (Mamba/GDN) layer, whose whole past is one recurrent state:
+        # s(p) = state(s(p-1), token p); an attention layer above one reads no KV of it
+        self.states = tuple(states) + (False,) * (layers - len(states))
 
     def window_start(self, layer: int, p: int) -> int:
         """The first position a query at p reads in `layer`."""
         w = self.windows[layer]
         return max(0, p - w + 1) if w else 0
+
+    @staticmethod
+    def state(layer: int, before: int, token: int, pos: int) -> int:
+        """A linear-attention layer's recurrent state after the token at `pos` (multiples of 1/8 below 32)."""
+        return (before * 3 + token * 7 + pos + layer) % 251
 
     @staticmethod
     def kv(layer: int, prefix_sum: int, pos: int, below: int) -> int:
@@ -69,9 +84,15 @@ class ToyModel:
         out: list[list[int]] = []
         for layer in range(self.layers):
             row, s = [], 0
+            if self.states[layer]:
+                for p, t in enumerate(tokens):
+                    row.append(self.state(layer, row[-1] if row else 0, t, p))
+                out.append(row)
+                continue
             for p, t in enumerate(tokens):
                 s += t
-                below = sum(out[layer - 1][self.window_start(layer - 1, p):p + 1]) if layer else 0
+                below = (sum(out[layer - 1][self.window_start(layer - 1, p):p + 1])
+                         if layer and not self.states[layer - 1] else 0)
                 row.append(self.kv(layer, s, p, below))
             out.append(row)
         return out
@@ -79,7 +100,8 @@ class ToyModel:
     def _read(self, tokens: list[int], layers: range) -> int:
         """The sum of what the last token's query reads in `layers`."""
         vals, last = self.values(tokens), len(tokens) - 1
-        return sum(sum(vals[li][self.window_start(li, last):]) for li in layers)
+        return sum(vals[li][last] if self.states[li] else sum(vals[li][self.window_start(li, last):])
+                   for li in layers)
 
     def checksum(self, tokens: list[int]) -> int:
         """What the target's forward over `tokens` reads (its layers only)."""
@@ -119,7 +141,8 @@ class Harness:
                  block_size: int = 16, max_num_batched_tokens: int = 512, prefix_caching: bool = False,
                  zeroing: bool = False, full_graphs: bool = True, extra_config: dict | None = None,
                  max_model_len: int = 2048, query_progress: float = 0.2, drafter_layers: int = 0,
-                 drafter_full_graph: bool = True, sliding_window: int = 0) -> None:
+                 drafter_full_graph: bool = True, sliding_window: int = 0,
+                 linear_layers: tuple[int, ...] = ()) -> None:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -130,6 +153,7 @@ class Harness:
             KVCacheConfig,
             KVCacheGroupSpec,
             KVCacheTensor,
+            MambaSpec,
             SlidingWindowSpec,
         )
         from vllm.v1.structured_output import StructuredOutputManager
@@ -153,11 +177,18 @@ class Harness:
         # vLLM groups a Gemma-style hybrid); the others, a drafter's too, attend everything. The layer
         # above a sliding one reads its whole window, so a block of it loaded wrong changes the tokens
         windows = tuple(sliding_window if sliding_window and li % 2 == 0 else 0 for li in range(self.layers))
-        self.model = ToyModel(self.layers + drafter_layers, self.layers, windows)
+        # linear_layers: Mamba/GDN layers (a MambaSpec group in vLLM's align mode, which needs its prefix
+        # cache): each block holds the recurrent state after its last token, the forward reads and writes
+        # the running state's block, and vLLM copies it into the next block when a step crosses one
+        states = tuple(li in linear_layers for li in range(self.layers))
+        prefix_caching = prefix_caching or bool(linear_layers)
+        self.model = ToyModel(self.layers + drafter_layers, self.layers, windows, states)
+        self.state_idx: dict[str, int] = {}  # the running state's block index per request (vLLM's mamba_state_idx)
         self.proposals: list[tuple[list[int], int]] = []  # (tokens the drafter ran over, what it read)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False)
-        cc = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=prefix_caching)
+        cc = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=prefix_caching,
+                         **({"mamba_cache_mode": "align"} if linear_layers else {}))
         ktc = KVTransferConfig(kv_connector="ShmKVConnector", kv_connector_module_path="shmkv.integration.vllm",
                                kv_role="kv_both",
                                # a small segment: reserved in a moment (the default reserves GiBs)
@@ -169,21 +200,25 @@ class Harness:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
         assert vc.use_v2_model_runner == (runner == "v2")
         # an EAGLE-style drafter: its layers in the target's KV-cache group, after the target's
-        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)] + [
-            f"drafter.layers.{i}.self_attn.attn" for i in range(drafter_layers)]
+        self.names = [f"model.layers.{i}.{'linear_attn' if states[i] else 'self_attn.attn'}" for i in range(self.layers)
+                      ] + [f"drafter.layers.{i}.self_attn.attn" for i in range(drafter_layers)]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
-        full = [n for li, n in enumerate(self.names) if not self.model.windows[li]]
+        page = block_size * HEADS * 2 * HEAD * 2
+        full = [n for li, n in enumerate(self.names) if not self.model.windows[li] and not self.model.states[li]]
         sliding = [n for li, n in enumerate(self.names) if self.model.windows[li]]
-        groups = [KVCacheGroupSpec(full, spec)]
+        linear = [n for li, n in enumerate(self.names) if self.model.states[li]]
+        groups = [KVCacheGroupSpec(full, spec)] if full else []
         if sliding:
             groups.append(KVCacheGroupSpec(sliding, SlidingWindowSpec(
                 block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16,
                 sliding_window=sliding_window)))
+        if linear:  # one state of a block's page (vLLM pads states to the attention page)
+            groups.append(KVCacheGroupSpec(linear, MambaSpec(block_size=block_size, shapes=((page // 2,),),
+                                                             dtypes=(torch.bfloat16,), mamba_cache_mode="align")))
         self.group_of = {n: gi for gi, g in enumerate(groups) for n in g.layer_names}
         # as vLLM lays out a hybrid: the i-th layer of each group shares one tensor (one block pool)
         shared = [[g.layer_names[i] for g in groups if i < len(g.layer_names)]
                   for i in range(max(len(g.layer_names) for g in groups))]
-        page = block_size * HEADS * 2 * HEAD * 2
         kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups,
                             kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=names, layer_stride=0,
                                                             block_stride=page) for names in shared])
@@ -204,6 +239,7 @@ class Harness:
         for names in shared:
             t = torch.zeros(num_blocks, HEADS, block_size, 2 * HEAD, dtype=torch.bfloat16)
             self.device.name_tensor(t, "+".join(names))
+            # a linear-attention layer's state: each block's bytes (contiguous), over the same pool
             self.caches.update(dict.fromkeys(names, t))
         if runner == "v2":
             from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
@@ -306,6 +342,51 @@ class Harness:
                                     lambda t=t, c=c: t[c.dst_block_id].copy_(t[c.src_block_id]),
                                     [(t, [c.src_block_id], "r"), (t, [c.dst_block_id], "w")])
 
+    def _precopy(self, so) -> None:
+        """vLLM's align mode before the forward (V1 preprocess_mamba, V2
+        preprocess_state): a request whose step crosses a block boundary has
+        its running state copied from the block of the last one into the
+        block this step's forward reads and writes (compute stream)."""
+        if not any(self.model.states):
+            return
+        preempted = set(so.preempted_req_ids or ())
+        for req_id in [*so.finished_req_ids, *preempted, *so.scheduled_cached_reqs.resumed_req_ids]:
+            self.state_idx.pop(req_id, None)
+        bs = self.bs
+        for req_id, n in so.num_scheduled_tokens.items():
+            st = self.reqs[req_id]
+            prev = self.state_idx.get(req_id, (st.num_computed - 1) // bs)
+            curr = -(-(st.num_computed + n) // bs) - 1
+            self.state_idx[req_id] = curr
+            if prev == -1 or prev == curr:
+                continue
+            for li in (li for li, is_state in enumerate(self.model.states) if is_state):
+                t = self.caches[self.names[li]]
+                table = st.blocks[self.group_of[self.names[li]]]
+                src, dst = table[prev], table[curr]
+                self.device.compute(f"state pre-copy {src}->{dst} of {req_id} ({self.names[li]})",
+                                    lambda t=t, src=src, dst=dst: t[dst].copy_(t[src]),
+                                    [(t, [src], "r"), (t, [dst], "w")])
+
+    def _state_forward(self, li: int, plan, sums: dict[str, list[int]]) -> None:
+        """A linear-attention layer (no per-layer load hook: vLLM calls
+        wait_for_layer_load from attention ops only): from the running
+        state's block, through the step's tokens, back into that block."""
+        name, bs, m = self.names[li], self.bs, self.model
+        t = self.caches[name]
+        for req_id, st, lo, hi in plan:
+            blk = st.blocks[self.group_of[name]][-(-hi // bs) - 1]
+            toks, out = st.tokens[lo:hi], sums[req_id]
+
+            def fn(t=t, blk=blk, lo=lo, toks=toks, out=out, li=li) -> None:
+                s = int((t[blk].float().mean() * 8).round()) if lo else 0  # every byte of the block
+                for p, tok in enumerate(toks, start=lo):
+                    s = m.state(li, s, tok, p)
+                t[blk] = s / 8  # the whole block: any byte of it loaded wrong is read
+                out.append(s)
+
+            self.device.compute(f"forward {name} of {req_id} [{lo}:{hi})", fn, [(t, [blk], "rw")])
+
     def _uniform_decode(self, so) -> bool:
         return self.full_graphs and bool(so.num_scheduled_tokens) and all(
             n == 1 for n in so.num_scheduled_tokens.values())
@@ -328,12 +409,15 @@ class Harness:
         bs, m = self.bs, self.model
         for li in layers if layers is not None else range(self.layers):
             name = self.names[li]
+            if m.states[li]:
+                self._state_forward(li, plan, sums)
+                continue
             if layer_waits:
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
                 get_kv_transfer_group().wait_for_layer_load(name)  # the attention layer's hook
             t = self.caches[name]
-            below_t = self.caches[self.names[li - 1]] if li else None
+            below_t = self.caches[self.names[li - 1]] if li and not m.states[li - 1] else None
             for req_id, st, lo, hi in plan:
                 table = st.blocks[self.group_of[name]]
                 # what the queries [lo, hi) read: from the first one's window start (a sliding
@@ -345,8 +429,8 @@ class Harness:
                 last = range(m.window_start(li, hi - 1), hi)  # what the last query reads: sampled from
                 pos, blk = torch.tensor(last), torch.tensor([table[p // bs] for p in last])
                 out = sums[req_id]
-                below_ctx = range(m.window_start(li - 1, lo), hi) if li else range(0)
-                below_table = st.blocks[self.group_of[self.names[li - 1]]] if li else []
+                below_ctx = range(m.window_start(li - 1, lo), hi) if below_t is not None else range(0)
+                below_table = st.blocks[self.group_of[self.names[li - 1]]] if below_t is not None else []
                 below_blk = sorted({below_table[p // bs] for p in below_ctx})
 
                 def fn(t=t, below_t=below_t, li=li, lo=lo, hi=hi, prefix=prefix, pos=pos, blk=blk, out=out,
@@ -413,6 +497,7 @@ class Harness:
         self._zero_and_copy(so)
         if so.total_num_scheduled_tokens == 0:
             return self.kvc.no_forward(so)
+        self._precopy(so)  # model_state.preprocess_state, before pre_forward
         batch = _InputBatch(list(so.num_scheduled_tokens), so.total_num_scheduled_tokens)
         plan = self._plan(so)
         if self._uniform_decode(so):  # the FULL CUDA-graph branch: no forward context, no per-layer hook
@@ -440,6 +525,8 @@ class Harness:
         conn.handle_preemptions(so.kv_connector_metadata)
         self._bookkeeping(so)
         self._zero_and_copy(so)
+        if so.total_num_scheduled_tokens:
+            self._precopy(so)  # preprocess_mamba, before the forward context (bind, loads)
         full = self._uniform_decode(so)
         mode = CUDAGraphMode.FULL if full else CUDAGraphMode.PIECEWISE
         kv_out = KVConnectorOutput()

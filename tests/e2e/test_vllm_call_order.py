@@ -12,7 +12,11 @@ evicted between the lookup and the load; preemption while stores are in
 flight, with vLLM zeroing new blocks; an EAGLE-style drafter whose layer is
 loaded with the target's and read by a FULL graph after the target's forward;
 a sliding-window hybrid (groups overlaid on one block pool, asynchronous
-loads); a request aborted while its asynchronous load still copies.
+loads); a request aborted while its asynchronous load still copies; a
+Mamba/GDN hybrid in vLLM's align mode (boundary states stored from the
+blocks vLLM hands over, loaded with the attention KV, the state pre-copy
+before the forward), with preemption while its stores are in flight; an
+engine of linear-attention state alone, refused.
 """
 
 from __future__ import annotations
@@ -234,3 +238,76 @@ def test_a_request_aborted_mid_load_keeps_its_blocks_until_the_load_lands(cache_
     assert seen["b_blocks"] & seen["later_blocks"], "the later request was given blocks b's load wrote"
     assert h.outputs["b"] == []
     assert not continuation_ok(h, {"later": later})
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_linear_attention_state_is_stored_at_its_boundary_and_loaded_with_the_kv(cache_name, model_dir, runner,
+                                                                                  seed):
+    """A Mamba/GDN hybrid (an attention layer and a linear-attention layer,
+    vLLM's align mode): engine A's stores take each boundary state from the
+    block vLLM hands over, after the forward wrote it; engine B's hit loads
+    the attention KV and the state (asynchronously: two groups), vLLM's
+    pre-copy moves the state into the block the forward reads, and every
+    token is right. With the state's load skipped, B's tokens are wrong:
+    the toy model reads the state it loaded."""
+    p, tail = prompt(600, seed), prompt(20, 99)
+    kw = {"linear_layers": (1,), "num_blocks": 96}
+    a = serve(cache_name, model_dir, runner, seed, {"a": p}, 3, **kw)
+    assert a.worker._work.off_reason is None
+    assert not continuation_ok(a, {"a": p}) and a.device.violations == [], a.device.violations[:3]
+    b = serve(cache_name, model_dir, runner, seed + 10, {"b": p[:550] + tail}, 4, **kw)
+    assert loaded(b) == 512, "engine B loaded both whole chunks and their state"
+    assert b.device.violations == [], b.device.violations[:3]
+    assert not continuation_ok(b, {"b": p[:550] + tail})
+    c = serve(cache_name, model_dir, runner, seed + 20, {"c": p[:550] + tail}, 4,
+              extra_config={"debug_skip_load_layers": "linear_attn"}, **kw)
+    assert loaded(c) >= 512 and continuation_ok(c, {"c": p[:550] + tail}), "without its state the hit goes wrong"
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_preemption_with_a_state_store_in_flight_keeps_every_state_right(cache_name, model_dir, runner, seed):
+    """The preemption case on a Mamba/GDN hybrid: r1's prompt ends on a chunk
+    boundary and its chunk and boundary state are being stored when vLLM
+    preempts it and gives its blocks to r0, which vLLM zeroes and whose state
+    pre-copy and forward write them (V2: all before the connector's first
+    call of the step). Every chunk and state committed is what was asked
+    for: a second engine loads r1's prompt and samples right."""
+    r0, r1 = prompt(60, seed + 1), prompt(512, seed + 2)
+    seen: dict[str, set] = {"preempted_in_flight": set(), "pending": set()}
+
+    def watch(h, so):
+        if so.preempted_req_ids:
+            seen["preempted_in_flight"] |= set(so.preempted_req_ids) & seen["pending"]
+        seen["pending"] = h.worker._work.worker.pending_requests()
+
+    a = serve(cache_name, model_dir, runner, seed, {"r0": r0, "r1": r1}, 60, after_step=watch, num_blocks=40,
+              max_num_batched_tokens=128, query_progress=0.05, linear_layers=(1,))
+    assert seen["preempted_in_flight"] == {"r1"}, "r1 was preempted while its stores were in flight"
+    assert not continuation_ok(a, {"r0": r0, "r1": r1})
+    assert a.device.violations == [], a.device.violations[:3]
+    b = serve(cache_name, model_dir, runner, seed + 100, {"b": r1 + [3]}, 3, linear_layers=(1,), num_blocks=96)
+    assert not continuation_ok(b, {"b": r1 + [3]})
+    assert b.device.violations == []
+    assert loaded(b) in (256, 512), "what engine B found of r1's prompt it loaded"
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_an_engine_of_linear_attention_state_alone_is_refused(cache_name, model_dir, runner):
+    """N6: an engine whose only group holds linear-attention state would load
+    synchronously, with nothing ordering the Mamba ops after the copies
+    (vLLM's per-layer wait is in attention ops): it is refused for the whole
+    engine with one reason, stores and loads nothing, and serves right."""
+    p = prompt(600, 3)
+    for label in ("a", "b"):
+        h = serve(cache_name, model_dir, runner, 3, {label: p}, 3, linear_layers=(0, 1), num_blocks=96)
+        assert "only KV-cache groups hold linear-attention state" in (h.worker._work.off_reason or "")
+        assert not continuation_ok(h, {label: p}) and h.device.violations == []
+    from shmkv.errors import SegmentNotFoundError
+
+    try:
+        touched = segment_stat(cache_name, "puts") + segment_stat(cache_name, "lookups")
+    except SegmentNotFoundError:
+        touched = 0  # not even created: the engine never used the cache
+    assert touched == 0
