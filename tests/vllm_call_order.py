@@ -130,19 +130,35 @@ class ReqState:
     num_computed: int = 0
 
 
+@dataclass
+class Rank:
+    """One TP rank of the engine: its worker connector, its device (a GPU of
+    its own: streams, checker) and KV caches, V2's ActiveKVConnector over it,
+    and its runner's running-state blocks (vLLM's mamba_state_idx)."""
+
+    tp_rank: int
+    worker: Any
+    device: Any
+    caches: dict[str, Any]
+    kvc: Any = None
+    state_idx: dict[str, int] = field(default_factory=dict)
+
+
 class Harness:
     """One engine: vLLM's Scheduler with the shmkv connector, a worker
-    connector over CPU tensors on the device model, and a runner in V1's or
-    V2's order. `zeroing`: vLLM zeroes new blocks (as for Mamba or mixed
-    precision engines); `full_graphs`: uniform-decode batches replay a FULL
-    CUDA graph (no per-layer waits)."""
+    connector per TP rank over CPU tensors on a device model of its own, and
+    a runner in V1's or V2's order. `zeroing`: vLLM zeroes new blocks (as for
+    Mamba or mixed precision engines); `full_graphs`: uniform-decode batches
+    replay a FULL CUDA graph (no per-layer waits); `tp`: TP ranks, each step
+    run on each, their KV connector outputs combined by vLLM's
+    KVOutputAggregator (an MLA model's latent KV is the same on every rank)."""
 
     def __init__(self, cache_name: str, model_dir: str, runner: str, *, seed: int = 0, num_blocks: int = 64,
                  block_size: int = 16, max_num_batched_tokens: int = 512, prefix_caching: bool = False,
                  zeroing: bool = False, full_graphs: bool = True, extra_config: dict | None = None,
                  max_model_len: int = 2048, query_progress: float = 0.2, drafter_layers: int = 0,
                  drafter_full_graph: bool = True, sliding_window: int = 0,
-                 linear_layers: tuple[int, ...] = ()) -> None:
+                 linear_layers: tuple[int, ...] = (), tp: int = 1) -> None:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -154,6 +170,7 @@ class Harness:
             KVCacheGroupSpec,
             KVCacheTensor,
             MambaSpec,
+            MLAAttentionSpec,
             SlidingWindowSpec,
         )
         from vllm.v1.structured_output import StructuredOutputManager
@@ -183,7 +200,6 @@ class Harness:
         states = tuple(li in linear_layers for li in range(self.layers))
         prefix_caching = prefix_caching or bool(linear_layers)
         self.model = ToyModel(self.layers + drafter_layers, self.layers, windows, states)
-        self.state_idx: dict[str, int] = {}  # the running state's block index per request (vLLM's mamba_state_idx)
         self.proposals: list[tuple[list[int], int]] = []  # (tokens the drafter ran over, what it read)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False)
@@ -197,13 +213,18 @@ class Harness:
         self.vllm_config = vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                                            kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
         vc.cache_config.num_gpu_blocks = num_blocks
+        vc.parallel_config.tensor_parallel_size = tp
+        mla = bool(mc.use_mla)
+        heads = 1 if mla else HEADS  # MLA: one latent vector per token, the same on every rank
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
         assert vc.use_v2_model_runner == (runner == "v2")
         # an EAGLE-style drafter: its layers in the target's KV-cache group, after the target's
         self.names = [f"model.layers.{i}.{'linear_attn' if states[i] else 'self_attn.attn'}" for i in range(self.layers)
                       ] + [f"drafter.layers.{i}.self_attn.attn" for i in range(drafter_layers)]
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
-        page = block_size * HEADS * 2 * HEAD * 2
+        spec = (MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=2 * HEAD, dtype=torch.bfloat16)
+                if mla else
+                FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16))
+        page = block_size * heads * 2 * HEAD * 2
         full = [n for li, n in enumerate(self.names) if not self.model.windows[li] and not self.model.states[li]]
         sliding = [n for li, n in enumerate(self.names) if self.model.windows[li]]
         linear = [n for li, n in enumerate(self.names) if self.model.states[li]]
@@ -228,27 +249,43 @@ class Harness:
             self.scheduler.needs_kv_cache_zeroing = True
             for mgr in self.scheduler.kv_cache_manager.coordinator.single_type_managers:
                 mgr._record_new_block_ids = True
-        # NOTE: a polled copy has progressed one time in five: most are still in flight when the host asks
-        self.device = DeviceModel(seed=seed, query_progress=query_progress)
-        self.worker = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER,
-                                                          kv_cache_config=kcc)
-        if self.worker._work is not None:
-            self.worker._work._backend = self.device  # the streams the worker's transfer engine gets
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
-        self.caches = {}
-        for names in shared:
-            t = torch.zeros(num_blocks, HEADS, block_size, 2 * HEAD, dtype=torch.bfloat16)
-            self.device.name_tensor(t, "+".join(names))
-            # a linear-attention layer's state: each block's bytes (contiguous), over the same pool
-            self.caches.update(dict.fromkeys(names, t))
-        if runner == "v2":
-            from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+        import shmkv.integration.vllm.connector as connector_mod
 
-            self.kvc = ActiveKVConnector(vc, self.caches)
-        else:
-            self.worker.register_kv_caches(self.caches)
-        # vLLM's start handshake: the worker's report reaches the scheduler half before any request
-        self.scheduler.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
+        self.ranks: list[Rank] = []
+        for r in range(tp):
+            # NOTE: a polled copy has progressed one time in five: most are still in flight when the host asks
+            device = DeviceModel(seed=seed + 1000 * r, query_progress=query_progress)
+            rank_of, connector_mod._tp_rank = connector_mod._tp_rank, lambda r=r: r  # vLLM's TP group, per rank
+            try:
+                worker = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER,
+                                                             kv_cache_config=kcc)
+            finally:
+                connector_mod._tp_rank = rank_of
+            if worker._work is not None:
+                worker._work._backend = device  # the streams the worker's transfer engine gets
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker
+            caches = {}
+            for names in shared:
+                t = torch.zeros(num_blocks, heads, block_size, 2 * HEAD, dtype=torch.bfloat16)
+                device.name_tensor(t, f"rank{r}:" + "+".join(names) if tp > 1 else "+".join(names))
+                # a linear-attention layer's state: each block's bytes (contiguous), over the same pool
+                caches.update(dict.fromkeys(names, t))
+            rank = Rank(r, worker, device, caches)
+            if runner == "v2":
+                from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+                rank.kvc = ActiveKVConnector(vc, caches)
+            else:
+                worker.register_kv_caches(caches)
+            self.ranks.append(rank)
+        self._rank = self.ranks[0]
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+        # vLLM's start handshake: the workers' reports reach the scheduler half before any request
+        self.scheduler.connector.set_xfer_handshake_metadata(
+            {rk.tp_rank: rk.worker.get_handshake_metadata() for rk in self.ranks})
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        self._aggregator = KVOutputAggregator(expected_finished_count=tp)
         self._block_hasher = None
         if prefix_caching:  # vLLM's own prefix cache hashes each request's blocks
             from vllm.utils.hashing import sha256
@@ -260,6 +297,36 @@ class Harness:
         self.outputs: dict[str, list[int]] = {}
         self.step = 0
         self.kv_outputs: list[Any] = []
+
+    # ---------------------------------------------------------------- ranks --
+    # The rank being driven (rank 0 outside a step): its worker, device, caches.
+    worker = property(lambda self: self._rank.worker)
+    device = property(lambda self: self._rank.device)
+    caches = property(lambda self: self._rank.caches)
+    kvc = property(lambda self: self._rank.kvc)
+    state_idx = property(lambda self: self._rank.state_idx)
+
+    @property
+    def violations(self) -> list[Any]:
+        """Every rank's device model's violations."""
+        return [v for rk in self.ranks for v in rk.device.violations]
+
+    def _each_rank(self):
+        """Drive each rank in turn (vLLM's connector global is that rank's, as in its own process)."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        try:
+            for rk in self.ranks:
+                self._rank = rk
+                kv_transfer_state._KV_CONNECTOR_AGENT = rk.worker
+                yield rk
+        finally:
+            self._rank = self.ranks[0]
+            kv_transfer_state._KV_CONNECTOR_AGENT = self.ranks[0].worker
+
+    def _combined(self, outputs: list[Any]) -> Any:
+        """The ranks' outputs as the engine core sees them (vLLM's KVOutputAggregator)."""
+        return outputs[0] if len(outputs) == 1 else self._aggregator.aggregate(outputs, output_rank=0)
 
     # -------------------------------------------------------------- driving --
     def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
@@ -280,7 +347,8 @@ class Harness:
         while self.scheduler.has_requests():
             self.step += 1
             assert self.step <= max_steps, f"the engine still holds requests after {max_steps} steps"
-            self.device.step = self.step
+            for rk in self.ranks:
+                rk.device.step = self.step
             so = self.scheduler.schedule()
             out = self.execute_v2(so) if self.runner == "v2" else self.execute_v1(so)
             self.kv_outputs.append(out.kv_connector_output)
@@ -295,8 +363,9 @@ class Harness:
     def close(self) -> None:
         from vllm.distributed.kv_transfer import kv_transfer_state
 
-        self.device.synchronize()
-        self.worker.shutdown()
+        for rk in self.ranks:
+            rk.device.synchronize()
+            rk.worker.shutdown()
         self.scheduler.connector.shutdown()
         kv_transfer_state._KV_CONNECTOR_AGENT = None
         if self._env_before is None:
@@ -453,10 +522,14 @@ class Harness:
                 self.device.compute(f"forward {name} of {req_id} [{lo}:{hi})", fn, touches)
         return sums
 
-    def _sample(self, so, sums: dict[str, list[int]]) -> Any:
+    def _sample(self, so, sums_by_rank: list[dict[str, list[int]]]) -> Any:
+        """vLLM samples on the host from the ranks' combined output: a rank
+        that read other KV than rank 0 corrupts it (an all-reduce of wrong
+        partial results), so its token is not the right one."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        self.device.sync_compute()  # vLLM reads the sampled tokens on the host
+        for rk in self.ranks:
+            rk.device.sync_compute()  # vLLM reads the sampled tokens on the host
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -465,7 +538,8 @@ class Harness:
             if st.num_computed < len(st.tokens):  # a prefill chunk: nothing sampled
                 sampled.append([])
                 continue
-            tok = self.model.token(sum(sums[req_id]), len(st.tokens))
+            disagree = sum(s[req_id] != sums_by_rank[0][req_id] for s in sums_by_rank[1:])
+            tok = self.model.token(sum(sums_by_rank[0][req_id]) + 7919 * disagree, len(st.tokens))
             st.tokens.append(tok)
             sampled.append([tok])
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -494,26 +568,36 @@ class Harness:
         from vllm.v1.outputs import ModelRunnerOutput
 
         self._bookkeeping(so)
-        self._zero_and_copy(so)
         if so.total_num_scheduled_tokens == 0:
-            return self.kvc.no_forward(so)
-        self._precopy(so)  # model_state.preprocess_state, before pre_forward
+            outs = []
+            for _ in self._each_rank():
+                self._zero_and_copy(so)
+                outs.append(self.kvc.no_forward(so))
+            return self._combined(outs)
         batch = _InputBatch(list(so.num_scheduled_tokens), so.total_num_scheduled_tokens)
         plan = self._plan(so)
-        if self._uniform_decode(so):  # the FULL CUDA-graph branch: no forward context, no per-layer hook
-            self.kvc.pre_forward(so, batch, attn_metadata={"full": True})
-            sums = self._forward(plan, layer_waits=False)
-        else:
-            with set_forward_context({}, self.vllm_config, num_tokens=so.total_num_scheduled_tokens,
-                                     cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE):
-                self.kvc.pre_forward(so, batch)
-                sums = self._forward(plan, layer_waits=True)
-        self.kvc.finish_forward()
-        out = self._sample(so, sums)
-        self._draft(plan)  # sample_tokens: the speculator proposes, then post_forward
-        kv_out = self.kvc.post_forward(so.finished_req_ids)
-        return ModelRunnerOutput(req_ids=out.req_ids, req_id_to_index=out.req_id_to_index,
-                                 sampled_token_ids=out.sampled_token_ids, kv_connector_output=kv_out)
+        sums_by_rank = []
+        for _ in self._each_rank():
+            self._zero_and_copy(so)  # update_requests
+            self._precopy(so)  # model_state.preprocess_state, before pre_forward
+            if self._uniform_decode(so):  # the FULL CUDA-graph branch: no forward context, no per-layer hook
+                self.kvc.pre_forward(so, batch, attn_metadata={"full": True})
+                sums = self._forward(plan, layer_waits=False)
+            else:
+                with set_forward_context({}, self.vllm_config, num_tokens=so.total_num_scheduled_tokens,
+                                         cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE):
+                    self.kvc.pre_forward(so, batch)
+                    sums = self._forward(plan, layer_waits=True)
+            self.kvc.finish_forward()
+            sums_by_rank.append(sums)
+        out = self._sample(so, sums_by_rank)
+        outs = []
+        for _ in self._each_rank():
+            self._draft(plan)  # sample_tokens: the speculator proposes, then post_forward
+            kv_out = self.kvc.post_forward(so.finished_req_ids)
+            outs.append(ModelRunnerOutput(req_ids=out.req_ids, req_id_to_index=out.req_id_to_index,
+                                          sampled_token_ids=out.sampled_token_ids, kv_connector_output=kv_out))
+        return self._combined(outs)
 
     # ------------------------------------------------------------ runner: V1 --
     def execute_v1(self, so) -> Any:
@@ -521,59 +605,64 @@ class Harness:
         from vllm.forward_context import get_forward_context, set_forward_context
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        conn = self.worker
-        conn.handle_preemptions(so.kv_connector_metadata)
+        for _ in self._each_rank():
+            self.worker.handle_preemptions(so.kv_connector_metadata)
         self._bookkeeping(so)
-        self._zero_and_copy(so)
-        if so.total_num_scheduled_tokens:
-            self._precopy(so)  # preprocess_mamba, before the forward context (bind, loads)
         full = self._uniform_decode(so)
         mode = CUDAGraphMode.FULL if full else CUDAGraphMode.PIECEWISE
-        kv_out = KVConnectorOutput()
-        sums: dict[str, list[int]] = {}
-        ctx = set_forward_context({}, self.vllm_config, num_tokens=so.total_num_scheduled_tokens,
-                                  cudagraph_runtime_mode=mode) if so.total_num_scheduled_tokens else \
-            set_forward_context(None, self.vllm_config)
         plan = self._plan(so)
         defer = bool(self.drafter_layers)  # with a drafter, wait_for_save comes after its forward
-        with ctx:
-            conn.bind_connector_metadata(so.kv_connector_metadata)
-            if so.has_sync_kv_loads:
-                conn.start_load_kv(get_forward_context())
-            try:
-                if so.total_num_scheduled_tokens:
-                    sums = self._forward(plan, layer_waits=not full)
-            finally:
-                if not so.has_sync_kv_loads:
+        sums_by_rank, kv_outs = [], []
+        for _ in self._each_rank():
+            conn = self.worker
+            self._zero_and_copy(so)
+            if so.total_num_scheduled_tokens:
+                self._precopy(so)  # preprocess_mamba, before the forward context (bind, loads)
+            kv_out = KVConnectorOutput()
+            sums: dict[str, list[int]] = {}
+            ctx = set_forward_context({}, self.vllm_config, num_tokens=so.total_num_scheduled_tokens,
+                                      cudagraph_runtime_mode=mode) if so.total_num_scheduled_tokens else \
+                set_forward_context(None, self.vllm_config)
+            with ctx:
+                conn.bind_connector_metadata(so.kv_connector_metadata)
+                if so.has_sync_kv_loads:
                     conn.start_load_kv(get_forward_context())
-                if not defer:
-                    conn.wait_for_save()
-                res = conn.get_transfer_results(so.finished_req_ids)
-                kv_out.finished_sending = res.finished_sending or None
-                kv_out.finished_recving = res.finished_recving or None
-                kv_out.failed_recving = res.failed_recving
-                kv_out.invalid_block_ids = conn.get_block_ids_with_load_errors()
-                kv_out.kv_connector_stats = conn.get_kv_connector_stats()
-                if not defer:
-                    conn.clear_connector_metadata()
+                try:
+                    if so.total_num_scheduled_tokens:
+                        sums = self._forward(plan, layer_waits=not full)
+                finally:
+                    if not so.has_sync_kv_loads:
+                        conn.start_load_kv(get_forward_context())
+                    if not defer:
+                        conn.wait_for_save()
+                    res = conn.get_transfer_results(so.finished_req_ids)
+                    kv_out.finished_sending = res.finished_sending or None
+                    kv_out.finished_recving = res.finished_recving or None
+                    kv_out.failed_recving = res.failed_recving
+                    kv_out.invalid_block_ids = conn.get_block_ids_with_load_errors()
+                    kv_out.kv_connector_stats = conn.get_kv_connector_stats()
+                    if not defer:
+                        conn.clear_connector_metadata()
+            sums_by_rank.append(sums)
+            kv_outs.append(kv_out)
+        out = self._sample(so, sums_by_rank) if so.total_num_scheduled_tokens else None
         if defer:  # V1's spec decoding: sample, propose, then finalize_kv_connector
-            out = self._sample(so, sums) if so.total_num_scheduled_tokens else None
             mode = CUDAGraphMode.FULL if self.drafter_full_graph else CUDAGraphMode.PIECEWISE
-            with set_forward_context({}, self.vllm_config, cudagraph_runtime_mode=mode):
-                self._draft(plan)
-            conn.wait_for_save()
-            conn.clear_connector_metadata()
+            for _ in self._each_rank():
+                with set_forward_context({}, self.vllm_config, cudagraph_runtime_mode=mode):
+                    self._draft(plan)
+                self.worker.wait_for_save()
+                self.worker.clear_connector_metadata()
+        outs = []
+        for kv_out in kv_outs:
             if out is None:
-                return ModelRunnerOutput.with_kv_conn_output_only(kv_out)
-            out.kv_connector_output = kv_out
-            return out
-        if not so.total_num_scheduled_tokens:
-            return ModelRunnerOutput.with_kv_conn_output_only(kv_out) if hasattr(
-                ModelRunnerOutput, "with_kv_conn_output_only") else ModelRunnerOutput(
-                req_ids=[], req_id_to_index={}, kv_connector_output=kv_out)
-        out = self._sample(so, sums)
-        out.kv_connector_output = kv_out
-        return out
+                outs.append(ModelRunnerOutput.with_kv_conn_output_only(kv_out) if hasattr(
+                    ModelRunnerOutput, "with_kv_conn_output_only") else ModelRunnerOutput(
+                    req_ids=[], req_id_to_index={}, kv_connector_output=kv_out))
+            else:
+                outs.append(ModelRunnerOutput(req_ids=out.req_ids, req_id_to_index=out.req_id_to_index,
+                                              sampled_token_ids=out.sampled_token_ids, kv_connector_output=kv_out))
+        return self._combined(outs)
 
 
 @dataclass

@@ -16,7 +16,8 @@ loads); a request aborted while its asynchronous load still copies; a
 Mamba/GDN hybrid in vLLM's align mode (boundary states stored from the
 blocks vLLM hands over, loaded with the attention KV, the state pre-copy
 before the forward), with preemption while its stores are in flight; an
-engine of linear-attention state alone, refused.
+engine of linear-attention state alone, refused; MLA at TP=2 (rank 0 stores
+once for the host, both ranks load, their outputs combined as vLLM does).
 """
 
 from __future__ import annotations
@@ -311,3 +312,32 @@ def test_an_engine_of_linear_attention_state_alone_is_refused(cache_name, model_
     except SegmentNotFoundError:
         touched = 0  # not even created: the engine never used the cache
     assert touched == 0
+
+
+@pytest.fixture(scope="module")
+def mla_dir(tmp_path_factory) -> str:
+    from shmkv.bench.models import write_mla
+
+    return write_mla(str(tmp_path_factory.mktemp("tiny-mla")))
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mla_at_tp2_rank_0_stores_once_and_every_rank_loads(cache_name, mla_dir, runner, seed):
+    """MLA at TP=2, two ranks on devices of their own: every rank holds the
+    same latent KV, rank 0 alone stores it (once per host) while rank 1
+    still reports the delayed frees vLLM waits for from every rank (vLLM's
+    KVOutputAggregator); engine B's ranks both load every chunk, each into
+    its own cache, and sample right (a rank that read other KV than rank 0
+    would corrupt the combined output)."""
+    p, tail = prompt(600, seed), prompt(20, 99)
+    a = serve(cache_name, mla_dir, runner, seed, {"a": p}, 3, tp=2)
+    assert [rk.worker._work.stores for rk in a.ranks] == [True, False]
+    assert not continuation_ok(a, {"a": p}) and a.violations == [], a.violations[:3]
+    assert not a.scheduler.requests, "both ranks reported the delayed frees"
+    assert stored_tokens(cache_name) == 592, "2 chunks and the piece, once for the host"
+    b = serve(cache_name, mla_dir, runner, seed + 10, {"b": p[:550] + tail}, 4, tp=2)
+    assert [rk.worker._work.worker.counters["loaded_tokens"] for rk in b.ranks] == [512, 512]
+    assert b.violations == [], b.violations[:3]
+    assert not continuation_ok(b, {"b": p[:550] + tail})
+    assert not b.scheduler.requests
