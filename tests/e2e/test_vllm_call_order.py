@@ -52,6 +52,19 @@ def stored_tokens(cache_name: str) -> int:
     return segment_stat(cache_name, "put_tokens")
 
 
+def preemption_watch():
+    """(seen, after_step): seen["preempted_in_flight"] collects the requests
+    vLLM preempted while their stores were still copying."""
+    seen: dict[str, set] = {"preempted_in_flight": set(), "pending": set()}
+
+    def watch(h, so):
+        if so.preempted_req_ids:
+            seen["preempted_in_flight"] |= set(so.preempted_req_ids) & seen["pending"]
+        seen["pending"] = h.worker._work.worker.pending_requests()
+
+    return seen, watch
+
+
 def loaded(h: Harness) -> int:
     return h.worker._work.worker.counters["loaded_tokens"]
 
@@ -140,12 +153,7 @@ def test_preemption_with_stores_in_flight_and_zeroing_keeps_every_chunk_right(ca
     must be the KV it was asked for: a second engine loads every chunk of
     r1's prompt and samples right."""
     r0, r1 = prompt(60, seed + 1), prompt(512, seed + 2)
-    seen: dict[str, set] = {"preempted_in_flight": set(), "pending": set()}
-
-    def watch(h, so):
-        if so.preempted_req_ids:
-            seen["preempted_in_flight"] |= set(so.preempted_req_ids) & seen["pending"]
-        seen["pending"] = h.worker._work.worker.pending_requests()
+    seen, watch = preemption_watch()
 
     a = serve(cache_name, model_dir, runner, seed, {"r0": r0, "r1": r1}, 60, after_step=watch, num_blocks=37,
               max_num_batched_tokens=128, zeroing=True, query_progress=0.05)
@@ -276,12 +284,7 @@ def test_preemption_with_a_state_store_in_flight_keeps_every_state_right(cache_n
     call of the step). Every chunk and state committed is what was asked
     for: a second engine loads r1's prompt and samples right."""
     r0, r1 = prompt(60, seed + 1), prompt(512, seed + 2)
-    seen: dict[str, set] = {"preempted_in_flight": set(), "pending": set()}
-
-    def watch(h, so):
-        if so.preempted_req_ids:
-            seen["preempted_in_flight"] |= set(so.preempted_req_ids) & seen["pending"]
-        seen["pending"] = h.worker._work.worker.pending_requests()
+    seen, watch = preemption_watch()
 
     a = serve(cache_name, model_dir, runner, seed, {"r0": r0, "r1": r1}, 60, after_step=watch, num_blocks=40,
               max_num_batched_tokens=128, query_progress=0.05, linear_layers=(1,))
