@@ -150,11 +150,11 @@ class CudaBatch:
 # copies any run size at near link speed but holds SMs. Stores are off the
 # critical path and should overlap compute: DMA unless runs are short. Loads
 # feed the forward that waits for them: DMA only for long runs. Measured on an
-# H100 (`python -m shmkv.bench gpu`, docs/bench/gpu.json): stores of 1 KiB runs
-# 0.6 GB/s by DMA vs 11.5 by the kernel, of 8 KiB runs 2.1-3.5 vs 6.5-6.8, of
-# 64 KiB runs 22 vs 39, of merged MiB runs 51 vs 49 with the kernel slowing a
-# concurrent matmul loop by 20 % and DMA by 5 %; loads of 64 KiB runs 22 vs 27,
-# of MiB runs 24-37 vs 25-36.
+# H100 (`python -m shmkv.bench gpu`, two runs, docs/bench/gpu.json): stores of
+# 1 KiB runs 0.6-0.7 GB/s by DMA vs 11.5-21.6 by the kernel, of 8 KiB runs
+# 2.1-3.7 vs 6.5-7.5, of 64 KiB runs 22-24 vs 34-39, of merged MiB runs 51 vs
+# 49 with the kernel slowing a concurrent matmul loop by 20-23 % and DMA by
+# 5-7 %; loads of 64 KiB runs 21-22 vs 22-27, of MiB runs about equal.
 AUTO_DMA_MIN_RUN = {"store": 16 << 10, "load": 256 << 10}
 
 
