@@ -264,9 +264,12 @@ def test_bad_requests_change_nothing(served, method, path, body, status, words):
 
 
 def test_oversized_or_unframed_bodies_are_refused(served):
-    st, reply = http(served.url, "POST", "/lookup", raw=b"{}", headers={"Content-Length": str(1 << 30)})
+    # NOTE: no body bytes after these heads: the server answers from the head alone (it never waits for
+    # the gigabyte), then closes; bytes it left unread would make the kernel reset the connection, and
+    # the client could lose the answer it was reading
+    st, reply = http(served.url, "POST", "/lookup", raw=b"", headers={"Content-Length": str(1 << 30)})
     assert st == 413 and "over the limit" in reply["error"]
-    st, reply = http(served.url, "POST", "/lookup", raw=b"{}", headers={"Content-Length": "lots"})
+    st, reply = http(served.url, "POST", "/lookup", raw=b"", headers={"Content-Length": "lots"})
     assert st == 400
     st, reply = http(served.url, "POST", "/lookup", {"tokens": [1] * ((1 << 20) + 1), "namespace": "00" * 16})
     assert st == 413 and "limit" in reply["error"]
