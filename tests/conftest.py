@@ -192,6 +192,14 @@ def model_dir(tmp_path_factory) -> str:
 
     return write_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
+
+@pytest.fixture(scope="session")
+def mla_dir(tmp_path_factory) -> str:
+    """A tiny DeepSeek-V2 (MLA) checkpoint."""
+    from shmkv.bench.models import write_mla
+
+    return write_mla(str(tmp_path_factory.mktemp("tiny-mla")))
+
 @pytest.fixture(scope="session")
 def engine_logs(tmp_path_factory):
     return tmp_path_factory.mktemp("engine-logs")

@@ -324,6 +324,17 @@ class Harness:
             self._rank = self.ranks[0]
             kv_transfer_state._KV_CONNECTOR_AGENT = self.ranks[0].worker
 
+    @staticmethod
+    def _rank_output(out: Any, kv_out: Any) -> Any:
+        """A rank's ModelRunnerOutput: the step's sampled tokens (`out`, None
+        for a step that computed nothing) with this rank's KV connector output."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        if out is None:
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_out)
+        return ModelRunnerOutput(req_ids=out.req_ids, req_id_to_index=out.req_id_to_index,
+                                 sampled_token_ids=out.sampled_token_ids, kv_connector_output=kv_out)
+
     def _combined(self, outputs: list[Any]) -> Any:
         """The ranks' outputs as the engine core sees them (vLLM's KVOutputAggregator)."""
         return outputs[0] if len(outputs) == 1 else self._aggregator.aggregate(outputs, output_rank=0)
@@ -418,8 +429,7 @@ class Harness:
         block this step's forward reads and writes (compute stream)."""
         if not any(self.model.states):
             return
-        preempted = set(so.preempted_req_ids or ())
-        for req_id in [*so.finished_req_ids, *preempted, *so.scheduled_cached_reqs.resumed_req_ids]:
+        for req_id in [*so.finished_req_ids, *(so.preempted_req_ids or ()), *so.scheduled_cached_reqs.resumed_req_ids]:
             self.state_idx.pop(req_id, None)
         bs = self.bs
         for req_id, n in so.num_scheduled_tokens.items():
@@ -565,7 +575,6 @@ class Harness:
     def execute_v2(self, so) -> Any:
         from vllm.config import CUDAGraphMode
         from vllm.forward_context import set_forward_context
-        from vllm.v1.outputs import ModelRunnerOutput
 
         self._bookkeeping(so)
         if so.total_num_scheduled_tokens == 0:
@@ -594,16 +603,14 @@ class Harness:
         outs = []
         for _ in self._each_rank():
             self._draft(plan)  # sample_tokens: the speculator proposes, then post_forward
-            kv_out = self.kvc.post_forward(so.finished_req_ids)
-            outs.append(ModelRunnerOutput(req_ids=out.req_ids, req_id_to_index=out.req_id_to_index,
-                                          sampled_token_ids=out.sampled_token_ids, kv_connector_output=kv_out))
+            outs.append(self._rank_output(out, self.kvc.post_forward(so.finished_req_ids)))
         return self._combined(outs)
 
     # ------------------------------------------------------------ runner: V1 --
     def execute_v1(self, so) -> Any:
         from vllm.config import CUDAGraphMode
         from vllm.forward_context import get_forward_context, set_forward_context
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         for _ in self._each_rank():
             self.worker.handle_preemptions(so.kv_connector_metadata)
@@ -653,16 +660,7 @@ class Harness:
                     self._draft(plan)
                 self.worker.wait_for_save()
                 self.worker.clear_connector_metadata()
-        outs = []
-        for kv_out in kv_outs:
-            if out is None:
-                outs.append(ModelRunnerOutput.with_kv_conn_output_only(kv_out) if hasattr(
-                    ModelRunnerOutput, "with_kv_conn_output_only") else ModelRunnerOutput(
-                    req_ids=[], req_id_to_index={}, kv_connector_output=kv_out))
-            else:
-                outs.append(ModelRunnerOutput(req_ids=out.req_ids, req_id_to_index=out.req_id_to_index,
-                                              sampled_token_ids=out.sampled_token_ids, kv_connector_output=kv_out))
-        return self._combined(outs)
+        return self._combined([self._rank_output(out, kv_out) for kv_out in kv_outs])
 
 
 @dataclass

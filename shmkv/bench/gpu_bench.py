@@ -242,9 +242,10 @@ def _layout_cases(repeats: int, layers: int = 8, chunks: int = 8) -> list[dict]:
                     eng.store([StoreItem("r", (k,), CHUNK_TOKENS, (GroupWindow(0, bpc, tuple(b)),))
                                for k, b in zip(keys, src)])
                     t1 = time.perf_counter()
-                    if store.stats()["puts"] - puts != chunks:
-                        raise RuntimeError(f"{case} {engine}: {store.stats()['puts'] - puts} of {chunks} chunks "
-                                           "were stored; the timing would not be of copies")
+                    stored = store.stats()["puts"] - puts
+                    if stored != chunks:
+                        raise RuntimeError(f"{case} {engine}: {stored} of {chunks} chunks were stored; the "
+                                           "timing would not be of copies")
                     job = eng.submit_load([LoadItem("q", (k,), (GroupWindow(0, bpc, tuple(b)),))
                                            for k, b in zip(keys, dst)])
                     job.events[-1].synchronize()

@@ -317,13 +317,6 @@ def test_an_engine_of_linear_attention_state_alone_is_refused(cache_name, model_
     assert touched == 0
 
 
-@pytest.fixture(scope="module")
-def mla_dir(tmp_path_factory) -> str:
-    from shmkv.bench.models import write_mla
-
-    return write_mla(str(tmp_path_factory.mktemp("tiny-mla")))
-
-
 @pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_mla_at_tp2_rank_0_stores_once_and_every_rank_loads(cache_name, mla_dir, runner, seed):

@@ -14,19 +14,12 @@ from collections import Counter
 import pytest
 from helpers import random_prompt, read_digests
 
-from shmkv.bench.models import write_mla
-
 pytestmark = pytest.mark.slow
 
 P = random_prompt(600, seed=47)
 HIT = 592  # 2 chunks and a 5-block piece (vLLM-CPU forces 16-token blocks for MLA)
 TP2 = {"env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
        "llm_kwargs": {"block_size": 16, "tensor_parallel_size": 2}}
-
-
-@pytest.fixture(scope="module")
-def mla_dir(tmp_path_factory) -> str:
-    return write_mla(str(tmp_path_factory.mktemp("tiny-mla")))
 
 
 def shm_entries(cache: str) -> int:

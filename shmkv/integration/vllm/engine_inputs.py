@@ -94,20 +94,11 @@ def kv_groups_of(kv_cache_config: KVCacheConfig | None, block_size: int) -> tupl
             kinds = ", ".join(sorted({type(s).__name__ for s in specs}))
             return [], (f"KV-cache group {i} is {kind} ({kinds}; layers {_names(g.layer_names)}): shmkv copies "
                         "attention KV only, and this state cannot be restored exactly from chunks")
-    why = state_only_refusal(groups)
-    return ([], why) if why else (groups, None)
-
-
-def state_only_refusal(groups: list[KVGroup]) -> str | None:
-    """Why an engine whose only groups hold linear-attention state is not
-    served (None when some group holds attention KV). Its loads would be
-    synchronous (one group), and nothing would order the Mamba ops after
-    them: vLLM's per-layer load wait is called from attention ops only."""
     if groups and all(g.state for g in groups):
-        return ("the engine's only KV-cache groups hold linear-attention state (no attention KV): shmkv "
-                "restores a state only beside the attention KV of the chunk it ends, and vLLM's per-layer "
-                "load wait covers attention layers only")
-    return None
+        return [], ("the engine's only KV-cache groups hold linear-attention state (no attention KV): shmkv "
+                    "restores a state only beside the attention KV of the chunk it ends, and vLLM's per-layer "
+                    "load wait covers attention layers only")
+    return groups, None
 
 
 def _layer_specs(spec) -> list:
