@@ -120,20 +120,48 @@ void ChunkTable::do_register_self_locked() {
     // A forked child shares its parent's description of the segment file, and with it the
     // parent's slot lock: it takes one of its own, so each process's slot lives and dies with it
     renewed_generation_ = gen;
-    if (gen != 0 && !seg_->renew_description()) c().liveness_unshared.fetch_add(1, std::memory_order_relaxed);
+    my_slot_ = kNone;  // the parent's
+    if (gen != 0 && !seg_->renew_description()) {
+      // No description of its own (no /proc): a slot locked through the parent's would read
+      // "not held" to the parent (and the parent's to us). So this process takes no slot: its
+      // leases and writes are judged by its pid, and it judges slots that read free by theirs.
+      c().liveness_unshared.fetch_add(1, std::memory_order_relaxed);
+      description_shared_ = true;
+      registered_pid_ = me;
+      log_event("process " + std::to_string(me) + " was forked from a process attached to the segment and "
+                "cannot open a description of its own (/proc is not mounted): its liveness is judged by pid");
+      return;
+    }
   }
   ProcSlot* p = procs();
   uint32_t n = geo().max_procs;
   uint32_t free_slot = kNone;
+  bool stale_own_pid = false;
   for (uint32_t i = 0; i < n; ++i) {
     int32_t pid = p[i].pid.load(std::memory_order_relaxed);
-    if (pid == me && p[i].pid_ns == my_pid_ns_ && my_pid_ns_ != 0) {  // another Store of this process
-      seg_->hold_slot(i);
-      my_slot_ = i;
-      registered_pid_ = me;
-      return;
+    if (pid == me && p[i].pid_ns == my_pid_ns_ && my_pid_ns_ != 0) {
+      // Another Store of this process holds it (its lock, through that Store's own
+      // description, reads "held" from ours) and it was claimed by a process started when we
+      // were. Otherwise a dead process that had our pid left it: its leases must be reclaimed,
+      // never adopted.
+      uint64_t started = proc_start_time(me);
+      if (seg_->slot_held(i) == 1 && (started == 0 || p[i].start_time == 0 || p[i].start_time == started)) {
+        seg_->hold_slot(i);
+        my_slot_ = i;
+        registered_pid_ = me;
+        return;
+      }
+      stale_own_pid = true;
+      continue;
     }
     if (pid == 0 && free_slot == kNone) free_slot = i;
+  }
+  if (stale_own_pid) {
+    // judged by the slot's lock alone (our pid is on it): reclaims that process's leases and writes
+    do_reclaim_locked(true);
+    if (free_slot == kNone)
+      for (uint32_t i = 0; i < n && free_slot == kNone; ++i)
+        if (p[i].pid.load(std::memory_order_relaxed) == 0) free_slot = i;
   }
   if (free_slot == kNone) {
     // Make room: forget processes that have exited (their leases are found by
@@ -199,6 +227,16 @@ std::vector<std::string> ChunkTable::drain_events() {
 
 // --------------------------------------------------------------- stores ----
 
+namespace {
+// A handle's holder is done with it when commit/abort/release returns (done now, or deferred
+// to this process's next lock): counted on the way out, after the operation.
+struct HandleClosed {
+  std::atomic<int64_t>& n;
+  explicit HandleClosed(std::atomic<int64_t>& c) : n(c) {}
+  ~HandleClosed() { n.fetch_sub(1, std::memory_order_acq_rel); }
+};
+}  // namespace
+
 Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, const Key& ns, uint32_t tokens,
                            uint32_t flags) {
   const Geometry& g = geo();
@@ -213,7 +251,9 @@ Status ChunkTable::reserve(const Key& key, uint64_t size, Reservation* out, cons
     c().put_busy.fetch_add(1, std::memory_order_relaxed);
     return Status::kBusy;
   }
-  return guarded([&] { return do_reserve_locked(key, size, need, out, ns, tokens, flags); });
+  Status st = guarded([&] { return do_reserve_locked(key, size, need, out, ns, tokens, flags); });
+  if (st == Status::kOk) open_handles_.fetch_add(1, std::memory_order_acq_rel);
+  return st;
 }
 
 Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t need, Reservation* out,
@@ -253,19 +293,23 @@ Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t nee
     (usable < g.arena_bytes ? c().put_unreserved : c().put_full).fetch_add(1, std::memory_order_relaxed);
     return Status::kFull;
   }
+  // FULL, counted by why: nothing evictable (or fragmentation: the total was enough, no hole
+  // is), or only chunks not yet on disk while the spill guard holds
+  auto full = [&](EvictOutcome why) {
+    (why == EvictOutcome::kSpillBehind ? c().put_spill_behind : c().put_full).fetch_add(1, std::memory_order_relaxed);
+    return Status::kFull;
+  };
   uint64_t offset = 0;
   while (!do_alloc_locked(need, &offset)) {
-    if (!do_evict_one_locked()) {  // fragmentation: total was enough, no hole is
-      c().put_full.fetch_add(1, std::memory_order_relaxed);
-      return Status::kFull;
-    }
+    EvictOutcome ev = do_evict_one_locked();
+    if (ev != EvictOutcome::kEvicted) return full(ev);
   }
   while (hd->free_entry_head == kNone) {
     c().entry_table_full.fetch_add(1, std::memory_order_relaxed);
-    if (!do_evict_one_locked() && do_reclaim_locked(false).writes == 0) {
+    EvictOutcome ev = do_evict_one_locked();
+    if (ev != EvictOutcome::kEvicted && do_reclaim_locked(false).writes == 0) {
       do_free_extent_locked(offset, need);
-      c().put_full.fetch_add(1, std::memory_order_relaxed);
-      return Status::kFull;
+      return full(ev);
     }
   }
   uint32_t e = checked_entry(hd->free_entry_head, "free entry list head");
@@ -296,6 +340,7 @@ Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t nee
 
 Status ChunkTable::commit(const Reservation& r) {
   if (r.entry >= geo().max_entries) return Status::kInvalidArgument;
+  HandleClosed closed(open_handles_);
   TableLock lock(*this);
   if (!lock.ok()) {
     defer(Deferred{Deferred::kCommit, r, LeaseHandle{}, false});
@@ -306,6 +351,7 @@ Status ChunkTable::commit(const Reservation& r) {
 
 Status ChunkTable::abort(const Reservation& r) {
   if (r.entry >= geo().max_entries) return Status::kInvalidArgument;
+  HandleClosed closed(open_handles_);
   TableLock lock(*this);
   if (!lock.ok()) {
     defer(Deferred{Deferred::kAbort, r, LeaseHandle{}, false});
@@ -332,6 +378,7 @@ Status ChunkTable::do_finish_locked(const Reservation& r, bool commit) {
   do_count_ready_locked(en, +1);
   c().puts.fetch_add(1, std::memory_order_relaxed);
   c().put_tokens.fetch_add(en.tokens, std::memory_order_relaxed);
+  c().put_bytes.fetch_add(en.size, std::memory_order_relaxed);
   return Status::kOk;
 }
 
@@ -368,11 +415,13 @@ Status ChunkTable::acquire_prefix(const Key* keys, size_t n, LeaseHandle* out, s
     if (got < n) c().misses.fetch_add(1, std::memory_order_relaxed);
   }
   *n_out = got;
+  open_handles_.fetch_add(int64_t(got), std::memory_order_acq_rel);
   return s;
 }
 
 Status ChunkTable::release(const LeaseHandle& hnd, bool cold) {
   if (hnd.lease >= geo().max_leases) return Status::kInvalidArgument;
+  HandleClosed closed(open_handles_);
   TableLock lock(*this);
   if (!lock.ok()) {
     // The bytes were read under a lease that is still held: they are valid.

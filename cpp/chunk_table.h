@@ -117,6 +117,13 @@ struct ReclaimResult {
   uint64_t procs = 0;
 };
 
+// What a put's eviction did: evicted one chunk; found nothing evictable; or found only
+// chunks not yet on disk while the spill guard holds (ChunkTable::renew_spill_guard).
+enum class EvictOutcome { kEvicted, kNothing, kSpillBehind };
+
+// How far from the LRU tail a guarded eviction looks for a chunk already on disk.
+constexpr uint32_t kSpillGuardReach = 4096;
+
 class ChunkTable {
  public:
   static constexpr uint64_t kDefaultLockTimeoutNs = 300'000'000;  // 0.3 s
@@ -142,6 +149,15 @@ class ChunkTable {
                         bool count_lookup = true);
   // cold: relink at the LRU tail, as if unread (the maintainer's spill reads)
   Status release(const LeaseHandle& h, bool cold = false);
+  // Leases and reservations this object handed out and not yet released,
+  // committed or aborted: while any is open, detach_process() must not run
+  // (its slot is the liveness that keeps them from being reclaimed).
+  int64_t open_handles() const { return open_handles_.load(std::memory_order_acquire); }
+
+  // -- the spill guard (layout.h, Header::spill_guard_until_ns): the maintainer renews it
+  // for `for_ns` while its spills reach the disk (0: lift it now)
+  void renew_spill_guard(uint64_t for_ns);
+  bool spill_guard_active() const;
   // Number of leading keys that are READY (one lock, no leases).
   size_t lookup_prefix(const Key* keys, size_t n, bool count_lookup = true);
   void contains(const Key* keys, size_t n, uint8_t* out);
@@ -249,7 +265,7 @@ class ChunkTable {
   // LRU
   void do_lru_link_head_locked(uint32_t e);
   void do_lru_unlink_locked(uint32_t e);
-  bool do_evict_one_locked();
+  EvictOutcome do_evict_one_locked();
   void do_evict_locked(uint32_t e);          // e is READY and in the LRU list
   uint32_t do_find_ready_locked(const Key& k) const;  // kNone unless READY
   bool do_remove_ready_locked(uint32_t e);   // false: leased, doomed until release
@@ -278,6 +294,10 @@ class ChunkTable {
   uint32_t my_slot_ = kNone;        // this process's slot once registered
   uint32_t my_pid_ns_ = 0;          // inode of this process's PID namespace
   uint64_t renewed_generation_ = 0;  // the fork generation whose description is our own
+  // A forked child whose renewal failed: its description (and the slot locks on it) is its
+  // parent's, so a slot that reads "not held" may be held by that very description
+  bool description_shared_ = false;
+  std::atomic<int64_t> open_handles_{0};
   std::mutex events_mu_;
   std::vector<std::string> events_;
   std::atomic<bool> has_events_{false};

@@ -42,7 +42,7 @@
 namespace shmkv {
 
 constexpr uint64_t kMagic = 0x31564b4d48535f5fULL;  // "__SHMKV1" little-endian
-constexpr uint32_t kFormatVersion = 8;  // 8: holders named by their slot's holder id, not by pid
+constexpr uint32_t kFormatVersion = 9;  // 9: the spill guard (Header::spill_guard_until_ns), put_bytes, put_spill_behind
 constexpr uint32_t kNone = 0xffffffffu;       // null record index
 constexpr uint32_t kIndexEmpty = 0xffffffffu;  // index slot never used
 constexpr uint32_t kIndexTomb = 0xfffffffeu;   // index slot whose entry left
@@ -200,7 +200,8 @@ struct Counters {
   std::atomic<uint64_t> remote_foreign;     // remote values signed with another secret (left in place)
   std::atomic<uint64_t> remote_expired;     // remote values past the expiry their writer signed
   std::atomic<uint64_t> remote_stale;       // remote values signed before a clear (an older generation)
-  std::atomic<uint64_t> reserved_counters[2];
+  std::atomic<uint64_t> put_bytes;          // payload bytes committed (the write rate the maintainer logs)
+  std::atomic<uint64_t> put_spill_behind;   // puts refused while the spill guard kept unspilled chunks
   // gauges (maintained under the lock, rebuilt on recovery)
   std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries
   std::atomic<uint64_t> entries;          // non-FREE entries
@@ -233,6 +234,10 @@ struct alignas(64) Header {
   std::atomic<int32_t> lock_holder_pid;
   uint32_t reserved1;
   std::atomic<uint64_t> lock_since_ns;   // CLOCK_MONOTONIC (the same clock for every process)
+  // The spill guard: while this CLOCK_MONOTONIC time is ahead, the maintainer's spills
+  // reach the disk, so a put evicts only chunks already on disk (ChunkTable::do_evict_one_locked);
+  // the maintainer renews it every pass. A failing disk or a stopped maintainer lets it lapse.
+  std::atomic<uint64_t> spill_guard_until_ns;
   // --- derived roots (under lock) ---
   alignas(64) uint32_t lru_head;  // most recently used evictable entry
   uint32_t lru_tail;              // next victim

@@ -63,7 +63,12 @@ bool ChunkTable::slot_alive(uint32_t i) {
   const ProcSlot& s = procs()[i];
   if (s.pid.load(std::memory_order_acquire) == 0) return false;
   if (i == my_slot_ && registered_pid_ == self_pid()) return true;  // this process (its own lock is not seen)
-  return seg_->slot_held(i) != 0;  // -1: the kernel did not say: alive
+  if (seg_->slot_held(i) != 0) return true;  // -1: the kernel did not say: alive
+  if (!description_shared_) return false;
+  // Our description is our parent's: a lock it holds through it reads "not held" here.
+  // Doubt means alive: judged by the pid where it is in our namespace, else alive.
+  if (s.pid_ns != my_pid_ns_ || my_pid_ns_ == 0) return true;
+  return process_alive(s.pid.load(std::memory_order_relaxed), s.start_time);
 }
 
 bool ChunkTable::mixed_namespaces() {

@@ -505,6 +505,13 @@ void register_table(py::module_& m) {
       .def("bump", [](PyTable& t, const std::string& name, uint64_t n) {
         if (!t.t->bump(name, n)) throw py::value_error("no tier counter named '" + name + "'");
       }, py::arg("counter"), py::arg("n") = 1)
+      .def("renew_spill_guard", [](PyTable& t, double seconds) {
+        if (!(seconds >= 0 && seconds <= 3600)) throw py::value_error("spill guard seconds must be in [0, 3600]");
+        t.t->renew_spill_guard(uint64_t(seconds * 1e9));
+      }, py::arg("seconds"), "while its spills reach the disk, the maintainer keeps puts to evicting spilled chunks")
+      .def("spill_guard_active", [](PyTable& t) { return t.t->spill_guard_active(); })
+      .def("open_handles", [](PyTable& t) { return t.t->open_handles(); },
+           "leases and reservations of this attachment not yet released, committed or aborted")
       .def("detach", [](PyTable& t) {
         py::gil_scoped_release nogil;
         t.t->detach_process();

@@ -4,6 +4,7 @@
 // in last-use order. Every *_locked function expects the table lock.
 #include "chunk_table.h"
 #include "table_internal.h"
+#include "table_lock.h"
 
 #include <cstring>
 
@@ -39,14 +40,32 @@ void ChunkTable::do_lru_unlink_locked(uint32_t e) {
   hd->evictable_bytes -= ent[e].alloc_size;
 }
 
-bool ChunkTable::do_evict_one_locked() {
+bool ChunkTable::spill_guard_active() const {
+  return now_mono_ns() < h()->spill_guard_until_ns.load(std::memory_order_acquire);
+}
+
+void ChunkTable::renew_spill_guard(uint64_t for_ns) {
+  h()->spill_guard_until_ns.store(for_ns ? now_mono_ns() + for_ns : 0, std::memory_order_release);
+}
+
+EvictOutcome ChunkTable::do_evict_one_locked() {
   uint32_t e = checked_link(h()->lru_tail, "LRU tail");
-  if (e == kNone) return false;
+  if (e == kNone) return EvictOutcome::kNothing;
+  if (spill_guard_active()) {
+    // The disk takes what RAM lets go: the coldest chunk already on disk within reach of
+    // the tail goes; none there means the writes outran the spills (the put answers FULL)
+    uint32_t steps = 0;
+    while (e != kNone && !(entries()[e].flags & kFlagSpilled)) {
+      if (++steps >= kSpillGuardReach) return EvictOutcome::kSpillBehind;
+      e = checked_link(entries()[e].lru_prev, "LRU link");
+    }
+    if (e == kNone) return EvictOutcome::kSpillBehind;
+  }
   const Entry& en = entries()[e];
   check(en.state.load(std::memory_order_relaxed) == kEntryReady && en.refcount == 0 && en.pin_count == 0,
         "the LRU list holds an entry that is not evictable");
   do_evict_locked(e);
-  return true;
+  return EvictOutcome::kEvicted;
 }
 
 void ChunkTable::do_evict_locked(uint32_t e) {

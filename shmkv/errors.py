@@ -18,7 +18,8 @@ Python. shmkv.store checks at import that every error code has its class.
     ├── InvalidArgumentError   (also a ValueError)
     ├── RequestError           a controller request refused (carries its HTTP status)
     ├── LockTimeoutError       a whole-table operation could not get the table lock in time
-    └── StaleHandleError       a lease/reservation was reclaimed: its bytes are void
+    ├── StaleHandleError       a lease/reservation was reclaimed: its bytes are void
+    └── StoreInUseError        close() while this attachment's leases/reservations are open
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ class RequestError(ShmkvError, ValueError):
 class StaleHandleError(ShmkvError):
     """The lease or reservation was reclaimed (its owner was presumed dead, or
     the segment was reset). Bytes read through it must be discarded."""
+
+
+class StoreInUseError(ShmkvError):
+    """Store.close() while leases or reservations of this attachment are
+    still open: closing would give up the liveness that keeps other processes
+    from reclaiming them, and a late copy through them would land in another
+    chunk. The store stays attached; release, commit or abort them first."""
 
 
 class SystemCallError(ShmkvError, OSError):

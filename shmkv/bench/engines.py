@@ -203,8 +203,20 @@ class EngineProcess:
         return self.call(cmd="metrics")["metrics"]
 
     def reset_prefix_cache(self, connector: bool = False) -> bool:
-        """Empty vLLM's own prefix cache; with `connector`, shmkv's chunks of this engine too."""
+        """Empty vLLM's own prefix cache; with `connector`, reset shmkv's connector too (it removes nothing)."""
         return self.call(cmd="reset_prefix_cache", connector=connector)["reset"]
+
+    def pause_and_resume(self) -> dict[str, Any]:
+        """What sleep(level >= 1) does to the connector: EngineCore's
+        pause_scheduler(clear_cache=True) (its caches reset, the connector's
+        too), then resume (EngineCore in this process only)."""
+        return self.call(cmd="pause_and_resume")
+
+    def negate_weight(self, name: str, through_loader: bool) -> dict[str, Any]:
+        """Negate one parameter in memory on every worker: through the model's
+        load_weights (how vLLM's reload_weights, weight-transfer engines and
+        RLHF loaders update weights), or in place (then reset_prefix_cache())."""
+        return self.call(cmd="negate_weight", name=name, through_loader=through_loader)
 
     def close(self, shutdown_timeout: float = 30.0) -> None:
         """Shut the engine down, giving EngineCore `shutdown_timeout` s for
@@ -292,6 +304,20 @@ def _abort_after_steps(llm: Any, prompt: list[int], steps: int) -> dict[str, Any
     return {"aborted": not finished}
 
 
+def _negate_weight(worker: Any, name: str, through_loader: bool) -> bool:
+    """collective_rpc: negate parameter `name` of the worker's model."""
+    import torch
+
+    model = worker.model_runner.get_model()
+    param = dict(model.named_parameters())[name]
+    with torch.no_grad():
+        if through_loader:
+            model.load_weights([(name, param.detach().clone().neg())])
+        else:
+            param.neg_()
+    return True
+
+
 def _settle(llm: Any, timeout_s: float = 120.0) -> None:
     """With EngineCore in this process nothing steps the engine between
     commands, while vLLM's engine process keeps stepping until every delayed
@@ -362,6 +388,26 @@ def _serve(spec: EngineSpec) -> None:
             return
         if cmd["cmd"] == "reset_prefix_cache":
             say({"reset": bool(llm.reset_prefix_cache(reset_connector=bool(cmd.get("connector"))))})
+            continue
+        if cmd["cmd"] == "pause_and_resume":
+            try:
+                core = llm.llm_engine.engine_core.engine_core  # EngineCore in this process
+                paused = core.pause_scheduler(mode="abort", clear_cache=True)
+                if paused is not None:
+                    paused.result(timeout=60)
+                core.resume_scheduler()
+                say({"paused": True})
+            except Exception as e:
+                say({"error": f"{type(e).__name__}: {e}"})
+            continue
+        if cmd["cmd"] == "negate_weight":
+            try:
+                done = llm.collective_rpc(_negate_weight, args=(cmd["name"], bool(cmd["through_loader"])))
+                if not cmd["through_loader"]:
+                    llm.reset_prefix_cache()  # vLLM's default: its own prefix cache only
+                say({"negated": all(done)})
+            except Exception as e:
+                say({"error": f"{type(e).__name__}: {e}"})
             continue
         if cmd["cmd"] == "metrics":  # needs llm_kwargs={"disable_log_stats": False}
             try:

@@ -8,6 +8,15 @@ healthy, off vLLM's hot path.
   * watermark: when free space drops below `low_watermark`, spilled chunks
     are evicted from the cold end until it is back above it, so puts rarely
     find the tier full and never wait for disk I/O;
+  * spill guard: while its spills reach the disk, the maintainer renews a
+    guard in the segment (SPILL_GUARD_S): puts then evict only chunks
+    already on disk, and when writes outrun the disk the newest put answers
+    FULL (counted put_spill_behind; one WARNING names the write and spill
+    rates) instead of evicting a chunk the disk never got. The newest gives
+    because nothing waits for it (not vLLM's forward, not a store thread
+    holding blocks) and it is the one still recomputable; a failing disk
+    (backoff) or a stopped maintainer lets the guard lapse, and puts evict
+    from the LRU tail again (evicted_unspilled);
   * reclaim: leases and half-written chunks of dead processes are released;
   * size: a segment file somebody truncated is grown back and reset before
     any page past the cut is touched (that would be SIGBUS).
@@ -49,6 +58,40 @@ from shmkv.tiers.disk.tier import DiskTier
 
 log = logging.getLogger("shmkv.maintainer")
 
+SPILL_GUARD_S = 2.0  # the guard's lease, renewed by every pass (a pass runs every 50 ms)
+BEHIND_QUIET_S = 60.0  # refusals after this long without any start a new episode (a new WARNING)
+
+
+class _SpillBehindWatch:
+    """One WARNING per episode of puts refused by the spill guard, naming
+    the rates: the shared tier's committed bytes and the disk tier's spilled
+    bytes per second since the previous pass that saw no refusal."""
+
+    def __init__(self) -> None:
+        self._base: tuple[float, int, int] | None = None  # (time, put_bytes, spill_bytes) before refusals
+        self._refused = 0
+        self._last_refusal = 0.0
+
+    def see(self, st: dict[str, int]) -> None:
+        now = time.monotonic()
+        refused = st.get("put_spill_behind", 0)
+        quiet = now - self._last_refusal > BEHIND_QUIET_S
+        if self._base is None or refused == self._refused:
+            if self._base is None or quiet:
+                self._base = (now, st.get("put_bytes", 0), st.get("spill_bytes", 0))  # rates measured from here
+            self._refused = refused
+            return
+        new, self._refused, self._last_refusal = refused - self._refused, refused, now
+        if not quiet:
+            return
+        t0, put0, spill0 = self._base
+        dt = max(now - t0, 1e-3)
+        log.warning("shmkv: writes outrun the disk tier: %.0f MB/s committed to the shared tier, %.0f MB/s "
+                    "spilled to disk over the last %.1f s; %d put(s) refused so far (put_spill_behind) so that no "
+                    "chunk leaves memory before it is on disk. Faster disks, more io_threads or a larger "
+                    "capacity raise the pace the cache keeps", (st.get("put_bytes", 0) - put0) / dt / 1e6,
+                    (st.get("spill_bytes", 0) - spill0) / dt / 1e6, dt, new)
+
 
 class Maintainer:
     def __init__(self, chain: TierChain, *, low_watermark: float = 0.10, spill_ahead: float = 0.20,
@@ -65,6 +108,7 @@ class Maintainer:
         self.low_bytes = int(arena * low_watermark)
         self.spill_ahead_bytes = int(arena * spill_ahead)
         self.backoff = Backoff()  # of spills: a full disk is not retried at once
+        self._behind = _SpillBehindWatch()
 
     # ------------------------------------------------------------- steps --
     def run_once(self) -> dict[str, int]:
@@ -77,6 +121,9 @@ class Maintainer:
         if self.disk is None:
             return did
         st = self.store.stats()
+        self._behind.see(st)
+        if self.backoff.ready():
+            self.store.renew_spill_guard(SPILL_GUARD_S)  # lapses by itself if spills stop
         free = st["arena_bytes"] - st["bytes_used"]
         budget = self.spill_ahead_bytes + max(0, self.low_bytes - free)
         covered = 0
@@ -200,6 +247,7 @@ class MaintainerRole:
     def _release(self) -> None:
         self.lock.release()
         if not self.maintainer.store.closed:
+            self.maintainer.store.renew_spill_guard(0)  # no spills from here on: puts evict as before
             self.maintainer.store.release_role(Role.MAINTAINER)
 
     def _loop(self) -> None:

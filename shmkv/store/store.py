@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmkv import _C
-from shmkv.errors import InvalidArgumentError, PayloadTooLargeError
+from shmkv.errors import InvalidArgumentError, PayloadTooLargeError, StoreInUseError
 from shmkv.store.handles import _DEFERRED, Lease, Reservation, retry_deferred_aborts
 from shmkv.store.results import (
     _PRESENCE,
@@ -60,6 +60,7 @@ log = logging.getLogger("shmkv.store")
 
 _MODE_CREATE, _MODE_ATTACH, _MODE_OPEN_OR_CREATE = 0, 1, 2
 DEFAULT_LOCK_TIMEOUT_S = 0.3
+CLOSE_WAIT_S = 5.0  # bound of close()'s wait for this attachment's open leases and reservations
 INIT_WAIT_S = 120.0  # bound of the wait for another process initialising the segment (Store.create/attach)
 # Stores whose background reserver may still run. At interpreter exit each is
 # stopped and joined first: a daemon thread still inside the C++ core when the
@@ -208,12 +209,27 @@ class Store:
             _raise(code, msg)
         return True
 
-    def close(self) -> None:
-        """Detach this process (the mapping goes when the last view does)."""
+    def close(self, *, timeout_s: float = CLOSE_WAIT_S) -> None:
+        """Detach this process (the mapping goes when the last view does).
+
+        Leases and reservations of this attachment still open (a copy in
+        flight on another thread) are waited for up to `timeout_s`; then
+        StoreInUseError, and the store stays attached: detaching would let
+        other processes reclaim them as a dead holder's while a late copy
+        still writes or reads through them."""
+        if self._t is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while (n := self._t.open_handles()) > 0:
+            if time.monotonic() >= deadline:
+                raise StoreInUseError(
+                    f"cannot close shmkv store '{self.name}': {n} lease(s) or reservation(s) of this process are "
+                    f"still open after {timeout_s:g} s; release, commit or abort them (or finish the copies using "
+                    "them) first. The store stays attached")
+            time.sleep(0.005)
         self._stop_reserver()
-        if self._t is not None:
-            self._t.detach()
-            self._t = None
+        self._t.detach()
+        self._t = None
 
     def _stop_reserver(self) -> None:
         if self._reserver is not None:
@@ -438,6 +454,14 @@ class Store:
     def evict_spilled(self, key: Key) -> bool:
         """Evict `key` if it is spilled and nobody leases or pins it."""
         return self.table.evict_spilled(key) == Status.OK
+
+    def renew_spill_guard(self, seconds: float) -> None:
+        """The maintainer, while its spills reach the disk: for `seconds`,
+        puts evict only chunks already on disk (0: lift it now)."""
+        self.table.renew_spill_guard(float(seconds))
+
+    def spill_guard_active(self) -> bool:
+        return self.table.spill_guard_active()
 
     def bump(self, counter: str, n: int = 1) -> None:
         """Add to a shared tier counter (spills, disk_hits, disk_damaged...)."""

@@ -156,9 +156,10 @@ def test_pin_keeps_chunks_through_pressure_and_from_disk(served):
     st, body = http(served.url, "POST", "/unpin", {"tokens": TOKENS, "namespace": NS.root_key().hex()})
     assert st == 200 and body == {"unpinned_chunks": 4}
     assert store.stats()["pinned_entries"] == 0
+    served.role.maintainer.spill_all()  # unpinned chunks are owed to disk before memory lets them go
     for i in range(3 * store.arena_bytes // NBYTES):
         store.put((10**6 + i).to_bytes(16, "little"), b"f" * NBYTES)
-    assert not any(store.contains([u.keys[0] for u in us])), "unpinned: evictable again"
+    assert not any(store.contains([u.keys[0] for u in us])), "unpinned (and on disk): evictable again"
 
 
 def test_move_to_disk_and_back(served):

@@ -1,6 +1,7 @@
 """The connector loads by its name alone (the `vllm.general_plugins` entry
 point registers it), and vLLM's reset_prefix_cache(reset_connector=True)
-removes this engine's chunks from shmkv, not another engine's."""
+removes nothing from shmkv (other engines share it; clearing is the
+operator's act: POST /clear)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,6 @@ def test_plugin_name_and_reset_cache(cache_name, start_engine, tmp_path):
     a.reset_prefix_cache()
     assert a.generate([P])["num_cached_tokens"] == [640], "shmkv still has it"
     assert a.reset_prefix_cache(connector=True) is True
-    assert a.generate([P])["num_cached_tokens"] == [0], "this engine's chunks are gone"
-    b.reset_prefix_cache()
-    assert b.generate([P])["num_cached_tokens"] == [640], "the other engine's chunks stay"
+    assert a.generate([P])["num_cached_tokens"] == [640], "a connector reset removes nothing shared"
+    b.reset_prefix_cache(connector=True)
+    assert b.generate([P])["num_cached_tokens"] == [640], "the other engine's chunks stay too"

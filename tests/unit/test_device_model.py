@@ -26,10 +26,15 @@ BS, LAYERS, BLOCKS = 16, 2, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
+_ENGINES: list[TransferEngine] = []
+
+
 @pytest.fixture
 def store(cache_name):
     s = Store.create(cache_name, 16 << 20, alignment=256)
     yield s
+    while _ENGINES:  # their copies finish (commit, release) before the store closes
+        _ENGINES.pop().shutdown()
     s.close()
 
 
@@ -37,7 +42,9 @@ def engine(store: Store, dev: DeviceModel, seed: int = 1) -> tuple[TransferEngin
     caches = make_cache("cpu", LAYERS, BLOCKS, BS, 2, 8, torch.bfloat16, seed=seed)
     for n, t in zip(NAMES, caches):
         dev.name_tensor(t, n)
-    return TransferEngine(store, KVLayout("cpu", caches, NAMES), 0, backend=dev), caches
+    eng = TransferEngine(store, KVLayout("cpu", caches, NAMES), 0, backend=dev)
+    _ENGINES.append(eng)
+    return eng, caches
 
 
 def item(req: str, key: bytes, *blocks: int) -> StoreItem:

@@ -80,12 +80,12 @@ from shmkv.integration.vllm.engine_inputs import (
     max_chunk_bytes,
     namespace_for,
     stores_on_rank,
-    weights_field,
 )
 from shmkv.integration.vllm.kv_events import event_groups_of
 from shmkv.integration.vllm.metadata import ShmKVMetadata, ShmKVWorkerReport
 from shmkv.integration.vllm.metrics import HIT_SOURCES, ShmKVPromMetrics, ShmKVStats
 from shmkv.integration.vllm.versions import check_vllm_version
+from shmkv.integration.vllm.weights import FILES_WAIT_S, EngineWeights, FilesIdentity, WorkerWeights, find_models
 from shmkv.integration.vllm.worker import WorkerSide
 from shmkv.store import open_store
 
@@ -176,6 +176,14 @@ def context_parallel_refusal(parallel_config: Any) -> str | None:
     return None
 
 
+def _calling_scheduler(connector: Any) -> Any:
+    """vLLM's Scheduler that called the connector (the caller's frame: the
+    connector gets no reference to it), or None."""
+    frame = sys._getframe(2)
+    owner = frame.f_locals.get("self") if frame is not None else None
+    return owner if getattr(owner, "connector", None) is connector else None
+
+
 class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
@@ -199,6 +207,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         # NOTE: not `_role`: KVConnectorBase_V1 keeps vLLM's KVConnectorRole there.
         self._sched = None
         self._work = None
+        self._weights: WorkerWeights | None = None
         self.store = None
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._on_reported: bool | None = None  # the connector_on gauge, as last sent to vLLM's metrics
@@ -220,11 +229,12 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
             from shmkv.integration.vllm.scheduler import SchedulerSide
 
             tp = vllm_config.parallel_config.tensor_parallel_size
-            weights = weights_field(vllm_config)  # read once: a few KiB of each weight file
+            weights = self._engine_weights(vllm_config)
             namespaces = [dataclasses.replace(n, extra=n.extra + groups_field(groups) + drafter_field(vllm_config))
-                          for n in (namespace_for(vllm_config, self.cfg, r, weights) for r in range(tp))]
+                          for n in (namespace_for(vllm_config, self.cfg, r) for r in range(tp))]
             self._sched = SchedulerSide(vllm_config, self.cfg, self.store, namespaces, groups,
                                         loads=ktc.is_kv_consumer, stores=ktc.is_kv_producer, ktc=ktc,
+                                        weights=weights,
                                         max_chunk_bytes=max_chunk_bytes(kv_cache_config, self.cfg.chunk_size),
                                         event_groups=event_groups_of(kv_cache_config))
         else:
@@ -235,6 +245,22 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("shmkv: %s connector ready (role %s, chunk %d tokens, block %d, loads %s, stores %s)",
                  self._kv_role_name, ktc.kv_role, self.cfg.chunk_size, block_size,
                  "on" if ktc.is_kv_consumer else "off", "on" if ktc.is_kv_producer else "off")
+
+    def _engine_weights(self, vllm_config: VllmConfig) -> EngineWeights:
+        """The weights' identity for the keys (weights.py): the files' digest,
+        waited for up to FILES_WAIT_S (vLLM has just read them: they come from
+        the page cache), then the engine serves without shmkv until known."""
+        mc = vllm_config.model_config
+        commit = getattr(getattr(mc, "hf_config", None), "_commit_hash", None)
+        files = FilesIdentity(str(mc.model), commit if isinstance(commit, str) else None)
+        if files.wait(FILES_WAIT_S):
+            log.info("shmkv: weights identity %s (%.2f s)", (files.value or "unknown")[:40], files.seconds)
+        else:
+            log.info("shmkv: the digest of %s's weight files takes longer than %.0f s (every byte is read once per "
+                     "file content, then remembered): this engine serves without the shared cache until it is known",
+                     mc.model, FILES_WAIT_S)
+        return EngineWeights(str(self._kv_transfer_config.engine_id), vllm_config.parallel_config.tensor_parallel_size,
+                             files)
 
     # ============================================================ handshake
     def get_handshake_metadata(self) -> ShmKVWorkerReport | None:
@@ -283,6 +309,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._sched is None:
             return 0, False
+        if not self._sched.prefix_cache_watched:
+            self._sched.watch_prefix_cache(_calling_scheduler(self))
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -309,9 +337,9 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched.request_finished(request, block_ids)
 
     def reset_cache(self) -> bool | None:
-        """vLLM's reset_prefix_cache(reset_connector=True) (and the server's
-        /reset_prefix_cache?reset_external=true): this engine's chunks leave
-        every tier (scheduler.py); other engines' stay."""
+        """vLLM's connector reset (reset_prefix_cache(reset_connector=True),
+        /reset_prefix_cache?reset_external=true, pause, sleep): nothing shared
+        is removed; the workers check their weights (scheduler.py)."""
         return None if self._sched is None else self._sched.reset_cache()
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
@@ -362,6 +390,18 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._work is not None:
             self._work.register_kv_caches(kv_caches)
+            if self._work.off_reason is None:
+                self._watch_weights(kv_caches)
+
+    def _watch_weights(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Fingerprint this rank's weights now, after every load_weights and
+        when the scheduler half asks (weights.py)."""
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        models = find_models(ctx[n] for n in kv_caches if n in ctx)
+        if not models:
+            log.warning("shmkv: TP rank %d: the model holding the KV-cache layers was not found: weights changed "
+                        "in memory are not seen (those loaded from files are)", self._work.tp_rank)
+        self._weights = WorkerWeights(str(self._kv_transfer_config.engine_id), self._work.tp_rank, models)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -385,6 +425,9 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        asked = getattr(connector_metadata, "check_weights", 0)
+        if self._weights is not None and asked > self._weights.answered:
+            self._weights.publish(answered=asked)  # a prefix-cache reset: the weights may have changed
         if self._work is not None:
             self._work.bind(connector_metadata)
 

@@ -172,60 +172,10 @@ def groups_field(groups: list[KVGroup]) -> tuple[tuple[str, str], ...]:
     return (("kv_groups", ";".join(f"{g.state or g.window}:{','.join(g.layer_names)}" for g in groups)),)
 
 
-WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-SAMPLES_PER_FILE = 16  # 4 KiB each, at evenly spaced offsets: every byte of an update moves them
-
-
-def weights_identity(model: str, commit: str | None = None) -> str:
-    """What the weights are, cheaply, at engine start: the hub commit when
-    vLLM loaded the model from the hub; else, for a local directory (or
-    file), each weight file's name and size and a digest of its first 64
-    KiB (a safetensors header names every tensor) and of SAMPLES_PER_FILE
-    4 KiB samples spread through it. New weights under the same path (a new
-    checkpoint, an RL update written out) change it; the same files copied
-    to another host do not. "" when nothing can be read."""
-    if commit:
-        return "hub:" + commit
-    files = []
-    if os.path.isdir(model):
-        files = sorted(n for n in os.listdir(model) if n.endswith(WEIGHT_FILE_SUFFIXES))
-        base = model
-    elif os.path.isfile(model):
-        base, name = os.path.split(model)
-        files = [name]
-    if not files:
-        return ""
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    for name in files:
-        try:
-            with open(os.path.join(base, name), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                h.update(f"{name}\0{size}\0".encode())
-                h.update(f.read(64 << 10))
-                for i in range(SAMPLES_PER_FILE):
-                    f.seek(size * i // SAMPLES_PER_FILE)
-                    h.update(f.read(4096))
-        except OSError as e:
-            log.warning("shmkv: cannot read weight file %s for the namespace (%s): keys name the path alone",
-                        os.path.join(base, name), e)
-            return ""
-    return "files:" + h.hexdigest()
-
-
-def weights_field(vllm_config: VllmConfig) -> tuple[tuple[str, str], ...]:
-    """Namespace field of the weights (weights_identity): shmkv's tier outlives
-    the engine, so KV computed with old weights must never meet new ones."""
-    mc = vllm_config.model_config
-    commit = getattr(getattr(mc, "hf_config", None), "_commit_hash", None)
-    ident = weights_identity(str(mc.model), commit if isinstance(commit, str) else None)
-    return (("weights", ident),) if ident else ()
-
-
 def namespace_for(vllm_config: VllmConfig, cfg: ShmkvConfig, tp_rank: int,
                   weights: tuple[tuple[str, str], ...] = ()) -> Namespace:
-    """Everything that makes KV bytes of this engine incompatible with another's."""
+    """Everything that makes KV bytes of this engine incompatible with another's
+    (the weights' fields come from weights.py)."""
     from vllm.platforms import current_platform
 
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config

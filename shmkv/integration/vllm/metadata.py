@@ -42,6 +42,9 @@ class ShmKVMetadata(KVConnectorMetadata):
     # failed_recving if they fail; failed_loads could not even be planned
     async_loads: set[str] = field(default_factory=set)
     failed_loads: set[str] = field(default_factory=set)
+    # the scheduler half's last weights check request (weights.py): a worker that has not answered
+    # it fingerprints its weights before this step's copies
+    check_weights: int = 0
 
 
 @dataclass

@@ -102,11 +102,14 @@ def namespace_root(offloading_config: Any, chunk_bytes: int) -> tuple[bytes, dic
     if not par.is_parallelism_agnostic:
         fields["parallel"] = {"world_size": par.world_size, "tp": par.tp_size, "pp": par.pp_size,
                               "pcp": par.pcp_size, "dcp": par.dcp_size}
-    from shmkv.integration.vllm.engine_inputs import weights_identity
+    from shmkv.integration.vllm.weights import files_identity
 
-    weights = weights_identity(str(c.model.name))  # a local path's weights (engine_inputs.weights_identity)
-    if weights:
-        fields["weights"] = weights
+    # every byte of a local model's weight files (weights.py; remembered per file content)
+    try:
+        fields["weights"] = files_identity(str(c.model.name))
+    except OSError as e:  # provenance unknown: a namespace of this process alone (right or unused)
+        log.warning("shmkv: cannot read the weight files of %s (%s): this engine shares no chunks", c.model.name, e)
+        fields["weights"] = f"unreadable:{os.getpid()}:{time.time_ns()}"
     blob = FORMAT_TAG + repr(sorted(fields.items())).encode()
     return xxhash.xxh3_128_digest(blob), fields
 

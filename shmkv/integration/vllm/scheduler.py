@@ -33,8 +33,9 @@ from shmkv.integration.vllm.engine_inputs import (
 from shmkv.integration.vllm.kv_events import EventGroup, SharedTierEvents
 from shmkv.integration.vllm.metadata import RequestSummary, ShmKVMetadata
 from shmkv.integration.vllm.planner import ALL_BLOCKS, NULL_BLOCK, Planner, RequestPlan
+from shmkv.integration.vllm.weights import EngineWeights, remove_boards
 from shmkv.keys import Namespace, lossy_key
-from shmkv.names import DISK, REMOTE, SHM, TIERS
+from shmkv.names import DISK, REMOTE, SHM
 from shmkv.namespaces import register
 from shmkv.store import Store
 from shmkv.tiers import open_tiers
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("shmkv.connector")
 
 MAX_PLANNERS = 1024  # namespaces (cache salt x LoRA adapter) whose planners stay cached
-MAX_USED_ROOTS = 65536  # namespace roots reset_cache() reaches
 
 
 # the segment's counter of hit tokens per tier (cpp/counters.h, family hit_tokens)
@@ -73,14 +73,20 @@ class SchedulerSide:
     """One engine's scheduler half over one store."""
 
     def __init__(self, vllm_config: VllmConfig, cfg: ShmkvConfig, store: Store, namespaces: list[Namespace],
-                 groups: list[KVGroup], *, loads: bool, stores: bool, ktc: Any,
+                 groups: list[KVGroup], *, loads: bool, stores: bool, ktc: Any, weights: EngineWeights,
                  max_chunk_bytes: int | None = None, event_groups: list[EventGroup] | None = None) -> None:
         self._vllm_config = vllm_config
         self.cfg = cfg
         self.store = store
         self.block_size = vllm_config.cache_config.block_size
         self.loads_enabled, self.stores_enabled = loads, stores
-        self._base_ns = namespaces
+        self._base_ns = namespaces  # without the weights' fields (self.weights: known from the first step on)
+        self.weights = weights
+        self._weights_read = False  # the weights' boards were read this step (once per step)
+        self._keyed_with: tuple | None = None  # the weights' fields the planners and plans were made with
+        self.prefix_cache_watched = False  # watch_prefix_cache
+        self._block_pool: Any = None
+        self._prefix_map: Any = None
         self._groups = groups
         # NOTE: vLLM takes a failed synchronous load back as block ids, which it cannot map to
         # requests with several KV-cache groups (it stops the engine): there loads are
@@ -88,11 +94,8 @@ class SchedulerSide:
         self.async_loads = len(groups) > 1
         self._lookahead = drafter_lookahead(vllm_config)
         # NOTE: bounded, whatever the number of tenants (cache salts) and adapters:
-        # the planners (their key caches) of the MAX_PLANNERS most recent
-        # namespaces, and the roots of the MAX_USED_ROOTS most recent for reset_cache.
+        # the planners (their key caches) of the MAX_PLANNERS most recent namespaces
         self._planners: OrderedDict[tuple, Planner] = OrderedDict()
-        self._used_roots: OrderedDict[bytes, None] = OrderedDict()
-        self._roots_forgotten = 0
         self._maintainer_role = None
         self.activity = ActivitySummary(log, cfg.log_summary_s, _render)
         self._plans: dict[str, RequestPlan] = {}
@@ -101,7 +104,8 @@ class SchedulerSide:
         self._promotions: dict[str, Future] = {}
         self._promoted: set[str] = set()  # promotion done: look up in memory only
         self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0, "delayed_frees": 0,
-                                         "finished_sending": 0, "unexpected_finished_sending": 0, "event_errors": 0}
+                                         "finished_sending": 0, "unexpected_finished_sending": 0, "event_errors": 0,
+                                         "connector_resets": 0, "weights_unknown": 0, "weights_generations": 0}
         # Delayed frees (worker.py): requests whose store items were shipped, then those
         # whose blocks vLLM keeps until the workers report them in finished_sending.
         self._shipped_stores: set[str] = set()
@@ -132,11 +136,6 @@ class SchedulerSide:
                      f"the drafter's KV layers are stored and loaded with the target's (namespace field "
                      f"drafter={drafter})")
         self._announced = False  # the namespaces are registered and logged once final (announce_namespaces)
-        if self.cfg.lossy_form:
-            log.warning("shmkv: lossy_form=%s: this engine loads and stores only the %s form of chunks (made by "
-                        "POST /compress with form %s; roots %s); its outputs are not those of exact KV",
-                        self.cfg.lossy_form, self.cfg.lossy_form, self.cfg.lossy_form,
-                        ", ".join(r.hex() for r in self._base_roots()))
         self.chain = open_tiers(self.cfg, self.store, kv_element_size_bytes=self._dtype_bytes(),
                                 max_chunk_bytes=max_chunk_bytes)
         if self.chain.lower:
@@ -153,13 +152,63 @@ class SchedulerSide:
         """Register the engine's namespaces (operators name them by root in
         the controller API) and log them, once they are final: after the
         workers' start reports, or at the first request if none came."""
-        if self._announced:
-            return
+        if self._announced or self.weights.fields() is None:
+            return  # again once the weights are known (_read_weights)
         self._announced = True
-        for rank, ns in enumerate(self._base_ns):
+        for rank, ns in enumerate(self._engine_ns()):
             # operators name a namespace by this root in the controller API (lookup, clear, pin...)
-            log.info("shmkv: namespace of TP rank %d: root %s (model %s, %s, %d layers)", rank,
-                     register(self.cfg.cache_name, ns), ns.model_id, ns.dtype, ns.num_layers)
+            log.info("shmkv: namespace of TP rank %d: root %s (model %s, %s, %d layers%s)", rank,
+                     register(self.cfg.cache_name, ns), ns.model_id, ns.dtype, ns.num_layers,
+                     ", weights generation " + self.weights.generation[:12] if self.weights.generation else "")
+        if self.cfg.lossy_form:
+            log.warning("shmkv: lossy_form=%s: this engine loads and stores only the %s form of chunks (made by "
+                        "POST /compress with form %s; roots %s); its outputs are not those of exact KV",
+                        self.cfg.lossy_form, self.cfg.lossy_form, self.cfg.lossy_form,
+                        ", ".join(r.hex() for r in self._base_roots()))
+
+    def _engine_ns(self) -> list[Namespace]:
+        """The engine's namespaces (per TP rank) with its weights' fields as known now."""
+        fields = self.weights.fields() or ()
+        return [dataclasses.replace(n, extra=n.extra + fields) for n in self._base_ns]
+
+    def watch_prefix_cache(self, vllm_scheduler: Any) -> None:
+        """Watch vLLM's prefix cache (its block pool's hash map is a new
+        object after every reset_prefix_cache(), with or without
+        reset_connector): a reset is when weights updated in memory are
+        expected to be seen, so it asks the workers to check them."""
+        self.prefix_cache_watched = True
+        pool = getattr(getattr(vllm_scheduler, "kv_cache_manager", None), "block_pool", None)
+        if pool is None or not hasattr(pool, "cached_block_hash_to_block"):
+            log.info("shmkv: vLLM's prefix cache cannot be watched here: weights changed in memory are seen when "
+                     "the model's load_weights runs or the connector is reset")
+            return
+        self._block_pool = pool
+        self._prefix_map = pool.cached_block_hash_to_block  # held (not its id: an address can be reused)
+
+    def _read_weights(self) -> bool:
+        """Once per step, before its first lookup or plan: read the weights'
+        identity (weights.py). A change (the files' digest became known, the
+        weights changed in memory) drops every planner and plan: requests
+        admitted before it store nothing more (their KV may mix weights), and
+        waiting ones are keyed again. False while the weights are not known
+        (nothing is looked up or stored)."""
+        if not self._weights_read:
+            self._weights_read = True
+            pool = self._block_pool
+            if pool is not None and pool.cached_block_hash_to_block is not self._prefix_map:
+                self._prefix_map = pool.cached_block_hash_to_block
+                self.weights.ask_check()  # vLLM's prefix cache was reset: the weights may have changed
+            self.weights.refresh()
+            fields = self.weights.fields()
+            if fields is not None and fields != self._keyed_with:
+                if self._keyed_with is not None:
+                    self.counters["weights_generations"] += 1
+                self._keyed_with = fields
+                self._planners.clear()
+                self._plans.clear()
+                self._announced = False
+                self.announce_namespaces()
+        return self.weights.fields() is not None
 
     def name_sections(self, sections: dict[int, str]) -> None:
         """The workers' per-shape payload sections (a KV-cache group whose
@@ -193,27 +242,18 @@ class SchedulerSide:
         if p is not None:
             self._planners.move_to_end((salt, lora))
             return p
-        ns = [dataclasses.replace(n.with_salt(salt), extra=n.extra + lora) for n in self._base_ns]
+        ns = [dataclasses.replace(n.with_salt(salt), extra=n.extra + lora) for n in self._engine_ns()]
         p = Planner(ns, self.block_size, store_tail=self.cfg.store_tail, windows=[g.window for g in self._groups],
                     lossy_form=self.cfg.lossy_form or None, lookahead=self._lookahead,
                     states=[bool(g.state) for g in self._groups])
         self._planners[(salt, lora)] = p
         if len(self._planners) > MAX_PLANNERS:
             self._planners.popitem(last=False)
-        for root in p.roots:
-            self._used_roots[root] = None
-            self._used_roots.move_to_end(root)
-        while len(self._used_roots) > MAX_USED_ROOTS:
-            self._used_roots.popitem(last=False)
-            if self._roots_forgotten == 0:
-                log.warning("shmkv: over %d namespaces (cache salts x adapters) used by this engine; "
-                            "reset_cache() reaches only the %d most recent", MAX_USED_ROOTS, MAX_USED_ROOTS)
-            self._roots_forgotten += 1
         return p
 
     def _base_roots(self) -> list[bytes]:
         """The tags of the engine's own chunks (no salt, no adapter), per rank."""
-        roots = [ns.root_key() for ns in self._base_ns]
+        roots = [ns.root_key() for ns in self._engine_ns()]
         return [lossy_key(r, self.cfg.lossy_form) for r in roots] if self.cfg.lossy_form else roots
 
     def _dtype_bytes(self) -> int:
@@ -221,6 +261,11 @@ class SchedulerSide:
         return torch.empty((), dtype=self._vllm_config.model_config.dtype).element_size()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._read_weights():
+            if self.weights.pending():
+                return None, False  # the workers check their weights this step: ask again next step
+            self.counters["weights_unknown"] += 1
+            return 0, False  # no plan: nothing of this request is stored either
         self.announce_namespaces()
         try:
             tokens = prompt_tokens(request)
@@ -334,6 +379,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ShmKVMetadata:
         meta = ShmKVMetadata()
+        self._read_weights()  # a step without lookups: running requests store nothing of changed weights
+        self._weights_read = False  # the next step reads them again
+        meta.check_weights = self.weights.asked
         try:
             self._plan_loads(meta, scheduler_output)
         finally:
@@ -415,8 +463,8 @@ class SchedulerSide:
             self._asked.discard(new.req_id)
         for req_id in so.scheduled_cached_reqs.resumed_req_ids:
             self._asked.discard(req_id)
-        if not self.stores_enabled:
-            return
+        if not self.stores_enabled or self.weights.fields() is None:
+            return  # weights not known (or being checked): KV computed now is not stored
         for new in so.scheduled_new_reqs:
             plan = self._plans.get(new.req_id)
             if plan is None:  # never seen by get_num_new_matched_tokens: its salt is unknown
@@ -504,29 +552,24 @@ class SchedulerSide:
                 log.error("shmkv: a worker reported request %s as finished sending, but its free was never "
                           "delayed (a bookkeeping bug); ignored", req_id)
 
-    def reset_cache(self) -> bool | None:
-        """vLLM's reset_prefix_cache(reset_connector=True) (and the server's
-        /reset_prefix_cache?reset_external=true): remove this engine's chunks
-        (every namespace it used: its own, salted and LoRA ones) from every
-        tier; other engines' chunks stay. False when the table lock could not
-        be had."""
-        from shmkv.errors import LockTimeoutError
-
-        roots = set(self._used_roots)
-        roots |= set(self._base_roots())
-        removed = dict.fromkeys(TIERS, 0)
-        try:
-            for root in sorted(roots):
-                for tier, n in self.chain.clear(root).items():
-                    removed[tier] += n
-        except LockTimeoutError as e:
-            log.warning("shmkv: reset_cache could not finish: %s", e)
-            return False
-        log.info("shmkv: reset_cache removed this engine's chunks (%d namespaces): %d in memory, %d on disk, "
-                 "%d in the remote", len(roots), removed["shm"], removed["disk"], removed["remote"])
+    def reset_cache(self) -> bool:
+        """vLLM's connector reset (reset_prefix_cache(reset_connector=True),
+        /reset_prefix_cache?reset_external=true, pause_scheduler(clear_cache=True),
+        sleep): what one engine does to itself never removes what other
+        engines share. Nothing leaves any tier; the chunks this engine may use
+        next are still exactly the KV it computes, because the keys name its
+        weights (weights.py: a reset also asks the workers to check them).
+        Clearing shared chunks is the operator's act (POST /clear, shmkv ctl
+        clear). Always True: a reset never fails vLLM's sleep."""
+        self.counters["connector_resets"] += 1
+        self.weights.ask_check()
+        log.info("shmkv: connector reset (vLLM reset_prefix_cache/pause/sleep): the shared cache is left as it is "
+                 "(other engines share it; its keys name this engine's weights, which the workers now check). To "
+                 "remove chunks, use the controller: POST /clear or `shmkv ctl clear`")
         return True
 
     def shutdown(self) -> None:
+        remove_boards(self.weights.engine_id, self.weights.tp_size)
         if self._maintainer_role is not None:
             self._maintainer_role.stop()
         if self._promoter is not None:
