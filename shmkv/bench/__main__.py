@@ -14,6 +14,7 @@ BENCHES = {
     "disk": "shmkv.bench.disk_bench",
     "remote": "shmkv.bench.remote_bench",
     "soak": "shmkv.bench.soak_bench",
+    "spill": "shmkv.bench.spill_bench",
     "controller": "shmkv.bench.controller_bench",
     "compress": "shmkv.bench.compress_bench",
     "lossy": "shmkv.bench.lossy_bench",

@@ -426,8 +426,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         asked = getattr(connector_metadata, "check_weights", 0)
-        if self._weights is not None and asked > self._weights.answered:
-            self._weights.publish(answered=asked)  # a prefix-cache reset: the weights may have changed
+        if self._weights is not None and self._weights.due(asked):
+            self._weights.publish(answered=asked)  # loaded, or a prefix-cache reset: they may have changed
         if self._work is not None:
             self._work.bind(connector_metadata)
 

@@ -11,14 +11,15 @@ with other weights. It owns two identities, both in every key (the namespace):
     no store) until the digest is known: a namespace is right or unused.
   * The weights in memory (RLHF updates, reload_weights, every weight-
     transfer engine: all go through the model's load_weights). Each worker
-    fingerprints its parameters at registration, after every load_weights
-    (wrapped), and when the scheduler half asks (after a prefix-cache reset);
-    it writes the fingerprint to a per-rank board file in the runtime
-    directory before the call returns, so the next scheduler step reads it.
-    Weights that differ from those loaded at start name a new generation
-    (namespace field weights_gen); the same weights again are the starting
-    generation. While a check the scheduler asked for is unanswered, lookups
-    answer "ask again" and nothing is stored.
+    fingerprints its parameters at registration; a load_weights (wrapped)
+    marks its per-rank board file in the runtime directory "dirty" before the
+    call returns (cheap: a weight sync calls it once per tensor), so the next
+    scheduler step knows; the worker fingerprints again at its next step, and
+    when the scheduler half asks (after a prefix-cache reset, vLLM's or the
+    connector's). Weights that differ from those loaded at start name a new
+    generation (namespace field weights_gen); the same weights again are the
+    starting generation. While a board is dirty or a check is unanswered,
+    lookups answer "ask again" and nothing is stored.
 
 Invariant: a key's namespace names the weights that computed its KV; when in
 doubt (unknown digest, pending check), shmkv neither loads nor stores.
@@ -229,10 +230,15 @@ class WorkerWeights:
         self.engine_id, self.rank = engine_id, rank
         self.models = models
         self.answered = 0  # the scheduler's last check request answered
-        self.changes = 0
+        self.dirty = False  # a load_weights ran since the last fingerprint
+        self.fingerprint = ""
         for m in models:
             self._wrap(m)
         self.publish()
+
+    def due(self, asked: int) -> bool:
+        """Whether this step must fingerprint (weights loaded, or a check asked for)."""
+        return self.dirty or asked > self.answered
 
     def _params(self) -> Iterable[tuple[str, torch.Tensor]]:
         for i, m in enumerate(self.models):
@@ -245,32 +251,55 @@ class WorkerWeights:
         original: Callable = model.load_weights
 
         def load_weights(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.changes += 1
-                self.publish()
+            if not self.dirty:  # before the weights move: the scheduler stops using their keys
+                self.dirty = True
+                write_board(self.engine_id, self.rank, self._board())
+            return original(*args, **kwargs)
 
         model.load_weights = load_weights  # type: ignore[method-assign]
+
+    def _board(self) -> dict[str, Any]:
+        return {"answered": self.answered, "fingerprint": self.fingerprint, "dirty": self.dirty}
 
     def publish(self, answered: int | None = None) -> None:
         """Fingerprint the weights now and write the board (before returning)."""
         if answered is not None:
             self.answered = max(self.answered, answered)
         t0 = time.perf_counter()
-        fp = fingerprint(self._params())
-        write_board(self.engine_id, self.rank, {"answered": self.answered, "fingerprint": fp})
-        log.debug("shmkv: TP rank %d weights fingerprint %s (%.3f s)", self.rank, fp, time.perf_counter() - t0)
+        self.dirty = False
+        self.fingerprint = fingerprint(self._params())
+        write_board(self.engine_id, self.rank, self._board())
+        log.debug("shmkv: TP rank %d weights fingerprint %s (%.3f s)", self.rank, self.fingerprint,
+                  time.perf_counter() - t0)
+
+
+_last_stamp = 0
 
 
 def write_board(engine_id: str, rank: int, content: dict[str, Any]) -> None:
+    """Write a rank's board (a temp file, renamed). Its mtime is a stamp this
+    process never repeats (a clock's granularity and a reused inode could
+    otherwise make two boards look alike to the reader's stat)."""
+    global _last_stamp
     rd = runtime_dir()
     name = board_name(engine_id, rank)
     tmp = f".{name}.{os.getpid()}"
     fd = rd.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(content, f)
+        f.flush()
+        _last_stamp = max(time.time_ns(), _last_stamp + 1)
+        os.utime(f.fileno(), ns=(_last_stamp, _last_stamp))
     rd.replace(tmp, name)
+
+
+def board_stamp(engine_id: str, rank: int) -> tuple[int, int] | None:
+    """(inode, mtime) of a board: a new one is a new file (written, renamed)."""
+    try:
+        st = runtime_dir().lstat(board_name(engine_id, rank))
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def read_board(engine_id: str, rank: int) -> dict[str, Any] | None:
@@ -307,6 +336,8 @@ class EngineWeights:
         self._start: list[str | None] = [None] * tp_size  # each rank's fingerprint at registration
         self._now: list[str | None] = [None] * tp_size
         self._answered = [0] * tp_size
+        self._dirty = [False] * tp_size
+        self._stamps: list[tuple[int, int] | None] = [None] * tp_size
         self.asked = 0  # the last check request (ask_check), shipped to the workers in the step's metadata
         self._asked_at = 0.0
         self._check_late_logged = False
@@ -326,7 +357,7 @@ class EngineWeights:
         hold requests)."""
         if self.files.value is None or any(f is None for f in self._now):
             return False
-        if all(a >= self.asked for a in self._answered):
+        if all(a >= self.asked for a in self._answered) and not any(self._dirty):
             return False
         if time.monotonic() - self._asked_at > CHECK_WAIT_S:
             if not self._check_late_logged:
@@ -339,14 +370,21 @@ class EngineWeights:
     def refresh(self) -> bool:
         """Read the boards (once per step). True when the namespace's fields changed."""
         for r in range(self.tp_size):
+            stamp = board_stamp(self.engine_id, r)
+            if stamp is None or stamp == self._stamps[r]:
+                continue  # unchanged since the last step: one stat
             b = read_board(self.engine_id, r)
             if b is None:
                 continue
+            self._stamps[r] = stamp
             fp = str(b.get("fingerprint", ""))
             if self._start[r] is None:
                 self._start[r] = fp
             self._now[r] = fp
             self._answered[r] = int(b.get("answered", 0))
+            was_dirty, self._dirty[r] = self._dirty[r], bool(b.get("dirty"))
+            if self._dirty[r] and not was_dirty:
+                self._asked_at = time.monotonic()  # the wait for its fingerprint starts now
         fields = self._compute()
         if fields == self._fields:
             return False
@@ -356,7 +394,7 @@ class EngineWeights:
     def _compute(self) -> tuple[tuple[str, str], ...] | None:
         if self.files.value is None or any(f is None for f in self._now):
             return None
-        if any(a < self.asked for a in self._answered):
+        if any(a < self.asked for a in self._answered) or any(self._dirty):
             return None
         fields: tuple[tuple[str, str], ...] = (("weights", self.files.value),)
         if self._now != self._start:
