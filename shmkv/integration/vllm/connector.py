@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -396,12 +397,17 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _watch_weights(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Fingerprint this rank's weights now, after every load_weights and
         when the scheduler half asks (weights.py)."""
+        t0 = time.perf_counter()
         ctx = self._vllm_config.compilation_config.static_forward_context
         models = find_models(ctx[n] for n in kv_caches if n in ctx)
         if not models:
             log.warning("shmkv: TP rank %d: the model holding the KV-cache layers was not found: weights changed "
                         "in memory are not seen (those loaded from files are)", self._work.tp_rank)
+        t1 = time.perf_counter()
         self._weights = WorkerWeights(str(self._kv_transfer_config.engine_id), self._work.tp_rank, models)
+        log.info("shmkv: TP rank %d watches its weights in memory (%s found in %.3f s, fingerprint %.3f s)",
+                 self._work.tp_rank, ", ".join(type(m).__name__ for m in models) or "no model", t1 - t0,
+                 time.perf_counter() - t1)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

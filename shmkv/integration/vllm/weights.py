@@ -30,7 +30,9 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import mmap
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -102,10 +104,16 @@ def file_digest(path: str) -> str:
         if known:
             return known
         h = xxhash.xxh3_128()
-        buf = bytearray(READ_BLOCK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        if st.st_size:
+            # hashed where the page cache holds it (a mapping: no copy into a buffer first)
+            with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                mm.madvise(mmap.MADV_SEQUENTIAL)
+                view = memoryview(mm)
+                try:
+                    for off in range(0, st.st_size, READ_BLOCK):
+                        h.update(view[off:off + READ_BLOCK])
+                finally:
+                    view.release()
         after = os.fstat(f.fileno())
     digest = h.hexdigest()
     if _file_key(after) == key:  # not changed while read: else do not remember it
@@ -208,15 +216,51 @@ def fingerprint(params: Iterable[tuple[str, torch.Tensor]]) -> str:
 def find_models(layers: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     """The outermost modules with a load_weights method that hold one of
     `layers` (vLLM's attention layers of this worker): the target model and
-    a drafter's. One scan of the heap, once at registration."""
+    a drafter's. The model runner that registers the KV caches is on the
+    call stack (its get_model() and its drafter's model); failing that, one
+    scan of the heap."""
     want = {id(m) for m in layers}
     if not want:
         return []
-    cands = [o for o in gc.get_objects()
-             if isinstance(o, torch.nn.Module) and callable(getattr(o, "load_weights", None))]
-    holding = [m for m in cands if any(id(s) in want for s in m.modules())]
-    inner = {id(s) for m in holding for s in m.modules() if s is not m}
-    return [m for m in holding if id(m) not in inner]
+
+    def holding(cands: Iterable[Any]) -> list[torch.nn.Module]:
+        mods = [m for m in cands if isinstance(m, torch.nn.Module) and callable(getattr(m, "load_weights", None))]
+        mods = [m for m in mods if any(id(s) in want for s in m.modules())]
+        inner = {id(s) for m in mods for s in m.modules() if s is not m}
+        out, seen = [], set()
+        for m in mods:
+            if id(m) not in inner and id(m) not in seen:
+                seen.add(id(m))
+                out.append(m)
+        return out
+
+    frame = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        get_model = getattr(owner, "get_model", None)
+        if callable(get_model):
+            try:
+                cands = [get_model()]
+            except Exception:
+                cands = []
+            for name in ("drafter", "speculator"):
+                cands.append(getattr(getattr(owner, name, None), "model", None))
+            found = holding(cands)
+            if found:
+                return found
+        frame = frame.f_back
+    ok_type: dict[type, bool] = {}  # one check per type: the heap holds about a million objects
+
+    def model_like(o: Any) -> bool:
+        t = type(o)
+        ok = ok_type.get(t)
+        if ok is None:
+            ok = ok_type[t] = issubclass(t, torch.nn.Module) and callable(getattr(t, "load_weights", None))
+        return ok
+
+    return holding(o for o in gc.get_objects() if model_like(o))
 
 
 def board_name(engine_id: str, rank: int) -> str:
