@@ -122,8 +122,7 @@ class Maintainer:
             return did
         st = self.store.stats()
         self._behind.see(st)
-        if self.backoff.ready():
-            self.store.renew_spill_guard(SPILL_GUARD_S)  # lapses by itself if spills stop
+        self._renew_guard()
         free = st["arena_bytes"] - st["bytes_used"]
         budget = self.spill_ahead_bytes + max(0, self.low_bytes - free)
         covered = 0
@@ -167,6 +166,7 @@ class Maintainer:
         n = 0
         inflight: set[Future] = set()
         for key, ns in items:
+            self._renew_guard()  # a long pass (GiBs to spill) must not let it lapse while spills work
             if respect_backoff and not self.backoff.ready():
                 break
             if self._pool is None:
@@ -177,6 +177,11 @@ class Maintainer:
                 n += sum(f.result() for f in done)
             inflight.add(self._pool.submit(self.spill, key, ns))
         return n + sum(f.result() for f in inflight)
+
+    def _renew_guard(self) -> None:
+        """The spill guard, while spills work (module doc): it lapses by itself if they stop."""
+        if self.disk is not None and self.backoff.ready():
+            self.store.renew_spill_guard(SPILL_GUARD_S)
 
     def close(self) -> None:
         if self._pool is not None:
