@@ -15,6 +15,7 @@ BENCHES = {
     "remote": "shmkv.bench.remote_bench",
     "soak": "shmkv.bench.soak_bench",
     "spill": "shmkv.bench.spill_bench",
+    "trace": "shmkv.bench.trace_bench",
     "controller": "shmkv.bench.controller_bench",
     "compress": "shmkv.bench.compress_bench",
     "lossy": "shmkv.bench.lossy_bench",

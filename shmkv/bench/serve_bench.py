@@ -177,23 +177,11 @@ class Run:
     def measure(self, servers: list[VllmServer], url: str, prompts: list[list[int]], label: str) -> dict[str, Any]:
         """The prompts through vLLM's client, one at a time; its figures and
         the servers' counters over exactly these requests."""
-        self._n += 1
-        dataset = os.path.join(self.data, f"{self._n:02d}-{label}.jsonl")
-        with open(dataset, "w") as f:
-            for p in prompts:
-                f.write(json.dumps({"prompt": words(p)}) + "\n")
-        if self._client is None:
-            self._client = BenchServeClient(os.path.join(self.logs, "client.log"))
-        for srv in servers:
-            # NOTE: a server's first prefill of a shape pays one-off costs (oneDNN builds its kernels):
-            # an unrelated prompt of the measured length, then again with another suffix (a hit's shape)
-            u = self.fresh(1, self.w.prefix_tokens)[0]
-            for q in self.fresh(2, self.w.suffix_tokens):
-                srv.complete(u + q, max_tokens=self.w.output_tokens)
-        _wait_stores(servers)
+        dataset = self.dataset([{"prompt": words(p)} for p in prompts], label)
+        self.warm_up(servers)
         before = _counters(servers)
-        r = self._client.run(url, self.model, dataset, dataset[:-6] + ".result.json", requests=len(prompts),
-                             output_tokens=self.w.output_tokens)
+        r = self.client().run(url, self.model, dataset, dataset[:-6] + ".result.json", requests=len(prompts),
+                              output_tokens=self.w.output_tokens)
         after = _counters(servers)
         if r.get("completed") != len(prompts):
             raise RuntimeError(f"{label}: vLLM's client completed {r.get('completed')} of {len(prompts)} "
@@ -205,6 +193,30 @@ class Run:
                 "output_tokens_per_s": round(r["output_throughput"], 2),
                 "input_tokens": r["total_input_tokens"],
                 **{k: int(after[k] - before[k]) for k in COUNTERS}}
+
+    def dataset(self, rows: list[dict[str, Any]], label: str) -> str:
+        """A custom JSONL dataset for vLLM's client (its rows in order)."""
+        self._n += 1
+        path = os.path.join(self.data, f"{self._n:02d}-{label}.jsonl")
+        with open(path, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        return path
+
+    def client(self) -> BenchServeClient:
+        if self._client is None:
+            self._client = BenchServeClient(os.path.join(self.logs, "client.log"))
+        return self._client
+
+    def warm_up(self, servers: list[VllmServer]) -> None:
+        """Each server's one-off costs paid before a measurement: a server's first prefill of a shape
+        builds oneDNN's kernels (an unrelated prompt of the measured length, then again with another
+        suffix: a hit's shape); then every store has landed."""
+        for srv in servers:
+            u = self.fresh(1, self.w.prefix_tokens)[0]
+            for q in self.fresh(2, self.w.suffix_tokens):
+                srv.complete(u + q, max_tokens=self.w.output_tokens)
+        _wait_stores(servers)
 
     def asked(self, prefixes: list[list[int]]) -> list[list[int]]:
         """Each prefix with a new question (suffix) after it."""

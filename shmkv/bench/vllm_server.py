@@ -131,7 +131,7 @@ class RoundRobinProxy:
             raise TimeoutError("the round-robin proxy did not start")
 
     def _serve(self) -> None:
-        from aiohttp import ClientSession, ClientTimeout, web
+        from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
         async def forward(request: web.Request) -> web.StreamResponse:
             i = 0  # what is not an inference request (the client's GET /v1/models) goes to the first
@@ -152,7 +152,9 @@ class RoundRobinProxy:
                 return out
 
         async def start() -> None:
-            self._session = ClientSession(timeout=ClientTimeout(total=None))
+            # NOTE: a new loopback connection per request: a pooled one the server closed while idle
+            # (uvicorn's keep-alive is 5 s) stalled a request for tens of seconds in trace replays
+            self._session = ClientSession(timeout=ClientTimeout(total=None), connector=TCPConnector(force_close=True))
             app = web.Application(client_max_size=64 << 20)
             app.router.add_route("*", "/{tail:.*}", forward)
             self._runner = web.AppRunner(app, access_log=None)
@@ -211,16 +213,18 @@ class BenchServeClient:
             raise RuntimeError(f"vLLM's benchmark client said {line!r}, not {word!r}; see {self.log.name}")
 
     def run(self, base_url: str, model: str, dataset: str, result_path: str, *, requests: int,
-            output_tokens: int) -> dict[str, Any]:
-        """A custom JSONL dataset, one request at a time in the dataset's
-        order; the client's saved result (per-request TTFTs included)."""
+            output_tokens: int, max_concurrency: int = 1, metrics: str = "ttft,e2el",
+            percentiles: str = "50,99") -> dict[str, Any]:
+        """A custom JSONL dataset in the dataset's order, `max_concurrency`
+        requests at a time (closed loop); `output_tokens` -1: each row's own
+        "output_tokens". The client's saved result (per-request TTFTs included)."""
         argv = ["--backend", "vllm", "--base-url", base_url, "--model", model,
                 "--dataset-name", "custom", "--dataset-path", dataset, "--disable-shuffle", "--skip-chat-template",
                 "--custom-output-len", str(output_tokens), "--ignore-eos", "--num-prompts", str(requests),
-                "--max-concurrency", "1", "--request-rate", "inf", "--num-warmups", "0", "--disable-tqdm",
-                "--save-result", "--save-detailed", "--result-dir", os.path.dirname(result_path),
-                "--result-filename", os.path.basename(result_path), "--percentile-metrics", "ttft,e2el",
-                "--metric-percentiles", "50,99"]
+                "--max-concurrency", str(max_concurrency), "--request-rate", "inf", "--num-warmups", "0",
+                "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", os.path.dirname(result_path),
+                "--result-filename", os.path.basename(result_path), "--percentile-metrics", metrics,
+                "--metric-percentiles", percentiles]
         self.proc.stdin.write(json.dumps(argv) + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         self._expect("done")

@@ -1,0 +1,41 @@
+"""`python -m shmkv.bench trace --json` on a small slice of the production
+trace (4 conversations, the small model): vLLM's own client replays it
+through two `vllm serve` behind the round-robin proxy, vLLM alone and with
+one shared segment. Timings are the benchmark's to report; what is asserted
+is what the servers' counters say against the slice's ceilings: vLLM alone
+serves nothing external, and shmkv serves at least 90 % of what an LRU cache
+of its budget could, past what vLLM's own cache served."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shmkv.bench.trace_bench import DEFAULT_TRACE
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.exists(DEFAULT_TRACE),
+                                 reason=f"the production trace is not at {DEFAULT_TRACE} (shared/traces)")]
+
+
+def test_the_trace_replay_serves_what_its_budget_allows(tmp_path):
+    # NOTE: one request at a time: which turn overlaps which (and so what is stored before it is
+    # asked again) would otherwise depend on timing
+    r = subprocess.run([sys.executable, "-m", "shmkv.bench", "trace", "--small", "--conversations", "4",
+                        "--arms", "vllm,shmkv", "--max-concurrency", "1", "--json", "--workdir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    c, arms = got["ceilings"], got["arms"]
+    assert got["requests"] == arms["shmkv"]["per_server_requests"][0] + arms["shmkv"]["per_server_requests"][1]
+    assert arms["vllm"]["prompt_tokens"] == arms["shmkv"]["prompt_tokens"] == c["prompt_tokens"], \
+        "the same prompts in every arm"
+    assert arms["vllm"]["connector_tokens"] == 0
+    assert 0 < c["lru_budget_chunk"] <= c["unlimited_chunk"] <= c["unlimited_vllm_block"] < c["prompt_tokens"]
+    s = arms["shmkv"]
+    assert s["connector_tokens"] >= 0.9 * (c["lru_budget_chunk"] - s["vllm_cache_tokens"]), (s, c)
+    assert s["reused_tokens"] <= c["unlimited_vllm_block"], "nothing is reused beyond what any cache could serve"
