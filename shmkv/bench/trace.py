@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import random
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -109,18 +109,24 @@ def _reusable_units(n_tokens: int, unit: int) -> int:
     return max(0, n_tokens - 1) // unit
 
 
+def _prefix_hit(p: Sequence[int], unit: int, present: Callable[[bytes], bool]) -> tuple[list[bytes], int]:
+    """(the prompt's unit keys, how many of its leading reusable units are present)."""
+    keys = _keys(p, unit)
+    k = 0
+    for key in keys[:_reusable_units(len(p), unit)]:
+        if not present(key):
+            break
+        k += 1
+    return keys, k
+
+
 def ceiling(prompts: Sequence[Sequence[int]], unit: int) -> int:
     """Prompt tokens any cache of `unit`-token blocks could serve, unlimited:
     each prompt's longest prefix of units seen in an earlier prompt."""
     seen: set[bytes] = set()
     total = 0
     for p in prompts:
-        keys = _keys(p, unit)
-        k = 0
-        for key in keys[:_reusable_units(len(p), unit)]:
-            if key not in seen:
-                break
-            k += 1
+        keys, k = _prefix_hit(p, unit, seen.__contains__)
         total += k * unit
         seen.update(keys)
     return total
@@ -130,15 +136,16 @@ def lru_ceiling(prompts: Sequence[Sequence[int]], unit: int, capacity_units: int
     """The same for an LRU cache of `capacity_units` units (a byte budget over
     a unit's KV bytes): what one shared cache of that size could serve."""
     cache: OrderedDict[bytes, None] = OrderedDict()
+
+    def hit(key: bytes) -> bool:
+        if key not in cache:
+            return False
+        cache.move_to_end(key)
+        return True
+
     total = 0
     for p in prompts:
-        keys = _keys(p, unit)
-        k = 0
-        for key in keys[:_reusable_units(len(p), unit)]:
-            if key not in cache:
-                break
-            cache.move_to_end(key)
-            k += 1
+        keys, k = _prefix_hit(p, unit, hit)
         total += k * unit
         for key in keys:
             cache[key] = None
