@@ -318,6 +318,23 @@ def _negate_weight(worker: Any, name: str, through_loader: bool) -> bool:
     return True
 
 
+def _pause_and_resume(llm: Any) -> dict[str, Any]:
+    """EngineCore's pause_scheduler(clear_cache=True), the first half of sleep(level >= 1), then resume."""
+    core = llm.llm_engine.engine_core.engine_core  # EngineCore in this process
+    paused = core.pause_scheduler(mode="abort", clear_cache=True)
+    if paused is not None:
+        paused.result(timeout=60)
+    core.resume_scheduler()
+    return {"paused": True}
+
+
+def _negate_weight_everywhere(llm: Any, name: str, through_loader: bool) -> dict[str, Any]:
+    done = llm.collective_rpc(_negate_weight, args=(name, through_loader))
+    if not through_loader:
+        llm.reset_prefix_cache()  # vLLM's default: its own prefix cache only
+    return {"negated": all(done)}
+
+
 def _settle(llm: Any, timeout_s: float = 120.0) -> None:
     """With EngineCore in this process nothing steps the engine between
     commands, while vLLM's engine process keeps stepping until every delayed
@@ -376,6 +393,11 @@ def _serve(spec: EngineSpec) -> None:
         sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
         sys.stdout.flush()
 
+    one_call = {  # commands that run one function and say what it returns
+        "abort_after_steps": lambda c: _abort_after_steps(llm, c["prompt"], c["steps"]),
+        "pause_and_resume": lambda c: _pause_and_resume(llm),
+        "negate_weight": lambda c: _negate_weight_everywhere(llm, c["name"], bool(c["through_loader"])),
+    }
     say({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -388,26 +410,6 @@ def _serve(spec: EngineSpec) -> None:
             return
         if cmd["cmd"] == "reset_prefix_cache":
             say({"reset": bool(llm.reset_prefix_cache(reset_connector=bool(cmd.get("connector"))))})
-            continue
-        if cmd["cmd"] == "pause_and_resume":
-            try:
-                core = llm.llm_engine.engine_core.engine_core  # EngineCore in this process
-                paused = core.pause_scheduler(mode="abort", clear_cache=True)
-                if paused is not None:
-                    paused.result(timeout=60)
-                core.resume_scheduler()
-                say({"paused": True})
-            except Exception as e:
-                say({"error": f"{type(e).__name__}: {e}"})
-            continue
-        if cmd["cmd"] == "negate_weight":
-            try:
-                done = llm.collective_rpc(_negate_weight, args=(cmd["name"], bool(cmd["through_loader"])))
-                if not cmd["through_loader"]:
-                    llm.reset_prefix_cache()  # vLLM's default: its own prefix cache only
-                say({"negated": all(done)})
-            except Exception as e:
-                say({"error": f"{type(e).__name__}: {e}"})
             continue
         if cmd["cmd"] == "metrics":  # needs llm_kwargs={"disable_log_stats": False}
             try:
@@ -428,9 +430,9 @@ def _serve(spec: EngineSpec) -> None:
             except Exception as e:
                 say({"error": f"{type(e).__name__}: {e}"})
             continue
-        if cmd["cmd"] == "abort_after_steps":
+        if cmd["cmd"] in one_call:
             try:
-                say(_abort_after_steps(llm, cmd["prompt"], cmd["steps"]))
+                say(one_call[cmd["cmd"]](cmd))
             except Exception as e:
                 say({"error": f"{type(e).__name__}: {e}"})
             continue

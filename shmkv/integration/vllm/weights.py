@@ -175,10 +175,6 @@ class FilesIdentity:
     def wait(self, timeout_s: float) -> bool:
         return self._done.wait(timeout_s)
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
 
 # -------------------------------------------------------------- in memory --
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -387,7 +383,6 @@ class EngineWeights:
         self._check_late_logged = False
         self._fields: tuple[tuple[str, str], ...] | None = None
         self.generation = ""  # "" while the weights are those the engine started with
-        self.changed = 0  # generations moved to (logged, counted)
 
     def ask_check(self) -> None:
         """The workers fingerprint their weights at the next step (a prefix-cache reset: weights may have changed)."""
@@ -445,7 +440,6 @@ class EngineWeights:
             gen = xxhash.xxh3_128("\0".join(str(f) for f in self._now).encode()).hexdigest()
             fields += (("weights_gen", gen),)
             if gen != self.generation:
-                self.changed += 1
                 log.info("shmkv: this engine's weights changed in memory (generation %s): it loads and stores only "
                          "KV of these weights from now on", gen[:12])
             self.generation = gen
