@@ -99,6 +99,20 @@ def signal_container(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def _exit_status(proc: Any) -> str:
+    """How a child that closed its output ended, in words: its exit code, or
+    the signal that killed it (SIGKILL with no message is most often the OOM killer)."""
+    try:
+        code = proc.wait(timeout=10)
+    except Exception:  # noqa: BLE001 - still running, or not ours to wait for
+        return "still running after closing its output"
+    if code is None or code >= 0:
+        return f"exit code {code}"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+    hint = " (no message: most often the kernel's OOM killer; see dmesg)" if name == "SIGKILL" else ""
+    return f"killed by {name}{hint}"
+
+
 class EngineProcess:
     def __init__(self, spec: EngineSpec, log_path: str, *, start_timeout: float = 300, fork: bool = False):
         """`fork`: an in_process engine is forked from a server that has
@@ -109,6 +123,7 @@ class EngineProcess:
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
         env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # vLLM's own log into the log file, not stdout
         env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONFAULTHANDLER"] = "1"  # a crash in native code leaves its Python stack in the log
         env.update(spec.env)
         if spec.in_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -159,7 +174,7 @@ class EngineProcess:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 tail = open(self.log_path, errors="replace").read()[-3000:]
-                raise RuntimeError(f"engine exited; log tail:\n{tail}")
+                raise RuntimeError(f"engine exited ({_exit_status(self.proc)}); log tail:\n{tail}")
             self._pending += chunk
 
     def call(self, timeout: float = 600, **cmd: Any) -> dict[str, Any]:

@@ -109,6 +109,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--in-process", action="store_true",
                     help="each engine's EngineCore in its own process (faster starts, for quick checks; the "
                          "default is vLLM's own process split, as served)")
+    ap.add_argument("--capacity", help="shmkv's segment capacity (default: shmkv's own default)")
     ap.add_argument("--plot", help="write a PNG of the TTFT distributions here (needs matplotlib)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shmkv-bench-fleet"))
     a = ap.parse_args(argv)
@@ -127,7 +128,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     os.makedirs(logs, exist_ok=True)
     cache = f"shmkv-bench-fleet-{os.getpid()}"
     disk = os.path.join(a.workdir, f"disk-{os.getpid()}")
-    shmkv_cfg = {"cache_name": cache, "disk_dir": disk}
+    shmkv_cfg = {"cache_name": cache, "disk_dir": disk, **({"capacity": a.capacity} if a.capacity else {})}
     env = {"SHMKV_CACHE_NAME": cache}
     result: dict[str, Any] = {"engines": a.engines, "conversations": a.conversations, "turns": a.turns,
                               "system_prompts": a.system_prompts, "model": "small" if a.small else "timing"}

@@ -128,8 +128,10 @@ class Run:
         self.segments.append(name)
         return name
 
-    def servers(self, labels: list[str], caches: list[str | None], capacity: str | None = None) -> list[VllmServer]:
-        """Several servers, started at once (nothing is measured meanwhile)."""
+    def servers(self, labels: list[str], caches: list[str | None], capacity: str | None = None,
+                peer: Any = None) -> list[VllmServer]:
+        """Several servers, started at once (nothing is measured meanwhile);
+        `peer`: another cache's server (lmcache_peer.LMCacheServer) they all use instead of shmkv."""
         from concurrent.futures import ThreadPoolExecutor
 
         # NOTE: each server's compute threads on a core of their own, as a multi-instance host pins
@@ -138,7 +140,7 @@ class Run:
         env = ([{"VLLM_CPU_OMP_THREADS_BIND": str(c), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} for c in sorted(cpus)]
                if len(cpus) >= len(labels) else [{}] * len(labels))
         with ThreadPoolExecutor(len(labels)) as pool:
-            futures = [pool.submit(self.server, lb, c, capacity, e) for lb, c, e in zip(labels, caches, env)]
+            futures = [pool.submit(self.server, lb, c, capacity, e, peer) for lb, c, e in zip(labels, caches, env)]
             out, errors = [], []
             for f in futures:
                 try:
@@ -152,17 +154,20 @@ class Run:
         return out
 
     def server(self, label: str, cache: str | None, capacity: str | None = None,
-               env: dict[str, str] | None = None) -> VllmServer:
+               env: dict[str, str] | None = None, peer: Any = None) -> VllmServer:
         started = self._started.pop(label, None)
         if started is not None:
             return started
-        ktc = None
-        if cache is not None:
+        ktc, python = None, sys.executable
+        if peer is not None:
+            ktc, python = peer.connector_config, peer.python
+        elif cache is not None:
             extra: dict[str, Any] = {"cache_name": cache}
             if capacity or self.a.capacity:
                 extra["capacity"] = capacity or self.a.capacity
             ktc = {"kv_connector": "ShmKVConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
         s = VllmServer(self.model, os.path.join(self.logs, f"{label}.log"), kv_transfer_config=ktc, env=env,
+                       python=python,
                        args=["--max-model-len", str(self.max_model_len),
                              "--num-gpu-blocks-override", str(self.kv_blocks)])
         self.starts.append(s.start_seconds)

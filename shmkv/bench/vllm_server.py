@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 
@@ -29,11 +29,12 @@ def free_port() -> int:
 
 class VllmServer:
     """One `vllm serve` process; `args` are its command-line options beyond
-    the model, dtype, port and seed (`kv_transfer_config`: --kv-transfer-config)."""
+    the model, dtype, port and seed (`kv_transfer_config`: --kv-transfer-config;
+    `python`: another environment's interpreter, a peer's beside the same vLLM)."""
 
     def __init__(self, model_dir: str, log_path: str, *, args: Sequence[str] = (),
                  kv_transfer_config: dict | None = None, env: dict[str, str] | None = None,
-                 timeout: float = 300) -> None:
+                 timeout: float = 300, python: str = sys.executable) -> None:
         from shmkv.bench.engines import _psm_segments
 
         self._psm_before = _psm_segments()
@@ -42,7 +43,7 @@ class VllmServer:
         self.model = model_dir
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
                "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--dtype", "bfloat16", "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
                 "--seed", "0", *args]
         if kv_transfer_config is not None:
@@ -117,18 +118,39 @@ class VllmServer:
         _remove_orphan_psm(_psm_segments() - self._psm_before)
 
 
+class StickyRouter:
+    """A conversation-affinity router's rule: a key seen before goes where it
+    went; a new one to the server that holds the fewest keys (ties: the first)."""
+
+    def __init__(self, servers: int) -> None:
+        self._homes: dict[Hashable, int] = {}
+        self._held = [0] * servers
+
+    def home(self, key: Hashable) -> int:
+        if key not in self._homes:
+            i = self._held.index(min(self._held))
+            self._homes[key] = i
+            self._held[i] += 1
+        return self._homes[key]
+
+
 class RoundRobinProxy:
     """An HTTP proxy on a loopback port that sends each inference request
     (POST .../completions) to the next server in turn and streams the answer
     back as it comes (server-sent events included): what a multi-instance
-    host's plain router does. `sent`: inference requests per server."""
+    host's plain router does. `sent`: inference requests per server.
 
-    def __init__(self, urls: Sequence[str]) -> None:
+    `affinity`: a sticky router (StickyRouter) instead, keyed by what it
+    maps a request's body to (its conversation, say)."""
+
+    def __init__(self, urls: Sequence[str], affinity: Callable[[bytes], Hashable] | None = None) -> None:
         self.urls = list(urls)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.sent = [0] * len(self.urls)
         self._next = itertools.cycle(range(len(self.urls)))
+        self._affinity = affinity
+        self._sticky = StickyRouter(len(self.urls))
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="shmkv-bench-proxy", daemon=True)
@@ -141,10 +163,10 @@ class RoundRobinProxy:
 
         async def forward(request: web.Request) -> web.StreamResponse:
             i = 0  # what is not an inference request (the client's GET /v1/models) goes to the first
-            if request.method == "POST" and request.path.endswith("completions"):
-                i = next(self._next)
-                self.sent[i] += 1
             body = await request.read()
+            if request.method == "POST" and request.path.endswith("completions"):
+                i = self._pick(body)
+                self.sent[i] += 1
             headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
             async with self._session.request(request.method, self.urls[i] + request.path_qs, data=body,
                                              headers=headers) as up:
@@ -171,6 +193,9 @@ class RoundRobinProxy:
         asyncio.set_event_loop(self._loop)
         self._loop.run_until_complete(start())
         self._loop.run_forever()
+
+    def _pick(self, body: bytes) -> int:
+        return next(self._next) if self._affinity is None else self._sticky.home(self._affinity(body))
 
     def close(self) -> None:
         async def stop() -> None:
