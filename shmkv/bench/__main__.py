@@ -16,6 +16,7 @@ BENCHES = {
     "soak": "shmkv.bench.soak_bench",
     "spill": "shmkv.bench.spill_bench",
     "trace": "shmkv.bench.trace_bench",
+    "concurrency": "shmkv.bench.concurrency_bench",
     "controller": "shmkv.bench.controller_bench",
     "compress": "shmkv.bench.compress_bench",
     "lossy": "shmkv.bench.lossy_bench",

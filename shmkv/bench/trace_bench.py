@@ -302,14 +302,19 @@ def _plot(result: dict[str, Any], folder: str) -> list[str]:
     ext = [arms[n]["connector_tokens"] for n in names]
     ax.bar(names, own, label="vLLM's own cache")
     ax.bar(names, ext, bottom=own, label="external cache")
+    ceiling_label = "LRU ceiling of the arm's budget"
     for i, n in enumerate(names):
         if arms[n].get("lru_ceiling"):
-            ax.plot([i - 0.4, i + 0.4], [arms[n]["lru_ceiling"]] * 2, color="black", lw=1.5)
+            ax.plot([i - 0.4, i + 0.4], [arms[n]["lru_ceiling"]] * 2, color="black", lw=1.5, label=ceiling_label)
+            ceiling_label = "_"  # one legend entry
     ax.axhline(c["unlimited_vllm_block"], ls="--", color="gray", label="unlimited, vLLM's block")
     ax.axhline(c["unlimited_chunk"], ls=":", color="gray", label="unlimited, shmkv's chunk")
-    ax.set_ylabel("prompt tokens reused (black bar: LRU ceiling of the arm's budget)")
+    ax.set_ylim(0, 1.1 * max([c["unlimited_vllm_block"], *(o + e for o, e in zip(own, ext))]))
+    ax.set_ylabel("prompt tokens reused")
+    ax.set_title(f"of {c['prompt_tokens']} prompt tokens; budget {c['budget_bytes'] >> 20} MiB, "
+                 f"working set {c['working_set_bytes'] >> 20} MiB", fontsize=9)
     ax.tick_params(axis="x", rotation=30, labelsize=8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     reuse = os.path.join(folder, "reuse.png")
     fig.tight_layout()
     fig.savefig(reuse, dpi=120)

@@ -249,9 +249,18 @@ class BenchServeClient:
         """A custom JSONL dataset in the dataset's order, `max_concurrency`
         requests at a time (closed loop); `output_tokens` -1: each row's own
         "output_tokens". The client's saved result (per-request TTFTs included)."""
-        argv = ["--backend", "vllm", "--base-url", base_url, "--model", model,
-                "--dataset-name", "custom", "--dataset-path", dataset, "--disable-shuffle", "--skip-chat-template",
-                "--custom-output-len", str(output_tokens), "--ignore-eos", "--num-prompts", str(requests),
+        return self.run_dataset(base_url, model, ["--dataset-name", "custom", "--dataset-path", dataset,
+                                                  "--disable-shuffle", "--custom-output-len", str(output_tokens)],
+                                result_path, requests=requests, max_concurrency=max_concurrency,
+                                metrics=metrics, percentiles=percentiles)
+
+    def run_dataset(self, base_url: str, model: str, dataset_args: Sequence[str], result_path: str, *,
+                    requests: int, max_concurrency: int = 1, metrics: str = "ttft,e2el",
+                    percentiles: str = "50,99") -> dict[str, Any]:
+        """Any of the client's datasets (`dataset_args`: its --dataset-name and
+        that dataset's options), as `run`."""
+        argv = ["--backend", "vllm", "--base-url", base_url, "--model", model, *dataset_args,
+                "--skip-chat-template", "--ignore-eos", "--num-prompts", str(requests),
                 "--max-concurrency", str(max_concurrency), "--request-rate", "inf", "--num-warmups", "0",
                 "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", os.path.dirname(result_path),
                 "--result-filename", os.path.basename(result_path), "--percentile-metrics", metrics,

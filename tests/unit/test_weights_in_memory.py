@@ -99,3 +99,24 @@ def test_the_fingerprint_sees_one_element_and_names_shapes():
         m.q_proj.weight[3, 5] += 1
     assert fingerprint(m.named_parameters()) != before
     assert fingerprint([("a", torch.zeros(4, 2))]) != fingerprint([("a", torch.zeros(2, 4))])
+
+
+def test_every_step_reads_the_bell_without_a_system_call(tmp_path, monkeypatch):
+    """The scheduler refreshes once per step: a board write rings the
+    engine's bell (a mapped file), so an unchanged step stats nothing and a
+    dirty mark is still seen at the next step."""
+    from shmkv.paths import PrivateDir
+
+    ew, models, workers = engine(tmp_path)
+    assert ew.refresh() is True
+    start = ew.fields()
+
+    def no_stat(*args, **kwargs):
+        raise AssertionError("a stat in the per-step refresh")
+
+    monkeypatch.setattr(PrivateDir, "lstat", no_stat)
+    monkeypatch.setattr("os.stat", no_stat)
+    assert ew.refresh() is False and ew.fields() == start, "nothing changed: nothing read"
+    models[0].load_weights([("norm", models[0].norm.detach().clone().neg())])
+    ew.refresh()
+    assert ew.fields() is None, "the dirty mark heard through the bell"

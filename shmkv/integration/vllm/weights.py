@@ -13,8 +13,9 @@ with other weights. It owns two identities, both in every key (the namespace):
     transfer engine: all go through the model's load_weights). Each worker
     fingerprints its parameters at registration; a load_weights (wrapped)
     marks its per-rank board file in the runtime directory "dirty" before the
-    call returns (cheap: a weight sync calls it once per tensor), so the next
-    scheduler step knows; the worker fingerprints again at its next step, and
+    call returns (cheap: a weight sync calls it once per tensor) and rings
+    the engine's bell (a mapped file of one stamp per rank, read by the
+    scheduler every step without a system call), so the next step knows; the worker fingerprints again at its next step, and
     when the scheduler half asks (after a prefix-cache reset, vLLM's or the
     connector's). Weights that differ from those loaded at start name a new
     generation (namespace field weights_gen); the same weights again are the
@@ -27,11 +28,13 @@ doubt (unknown digest, pending check), shmkv neither loads nor stores.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import logging
 import mmap
 import os
+import stat
 import sys
 import threading
 import time
@@ -41,7 +44,7 @@ from typing import Any
 import torch
 import xxhash
 
-from shmkv.paths import runtime_dir
+from shmkv.paths import runtime_dir, runtime_dir_path
 
 log = logging.getLogger("shmkv.connector")
 
@@ -331,10 +334,122 @@ def write_board(engine_id: str, rank: int, content: dict[str, Any]) -> None:
         _last_stamp = max(time.time_ns(), _last_stamp + 1)
         os.utime(f.fileno(), ns=(_last_stamp, _last_stamp))
     rd.replace(tmp, name)
+    _ring(engine_id, rank, _last_stamp)  # after the rename: a reader that hears it reads this board or a newer one
+
+
+BELL_RANKS = 512  # stamps in a bell file (8 bytes each); a rank past them is read by its board's stat
+ORPHAN_BOARD_S = 3600  # a board with no bell this old belongs to no live engine (a live one rings at once)
+_bells: dict[tuple[str, str], tuple[int, mmap.mmap]] = {}  # by (runtime directory, engine id): (locked fd, map)
+_bells_lock = threading.Lock()
+
+
+def bell_name(engine_id: str) -> str:
+    return f"weights-bell.{engine_id}"
+
+
+def _bell(engine_id: str) -> mmap.mmap | None:
+    """The engine's bell, mapped (created at its size by whichever side comes
+    first): one 8-byte stamp per rank, bumped after each board write. Every
+    process that maps it holds a shared flock on it for its lifetime, so a
+    sweep (sweep_stale) removes only the bells and boards of engines whose
+    processes are all gone. None where the runtime directory cannot hold it
+    (the boards' stat is used)."""
+    key = (runtime_dir_path(), engine_id)
+    held = _bells.get(key)  # every step: a dict read, no lock
+    if held is not None:
+        return held[1]
+    with _bells_lock:
+        held = _bells.get(key)
+        if held is not None:
+            return held[1]
+        rd = runtime_dir()
+        for _ in range(8):  # a sweep may unlink it between our open and our lock: open it again
+            try:
+                fd = rd.open(bell_name(engine_id), os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError:
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a sweep holds it (an unlink)
+                st = os.fstat(fd)
+                try:
+                    named = rd.lstat(bell_name(engine_id))
+                except OSError:
+                    named = None
+                if named is None or (named.st_dev, named.st_ino) != (st.st_dev, st.st_ino):
+                    os.close(fd)
+                    continue
+                if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+                    os.close(fd)
+                    return None
+                if st.st_size < 8 * BELL_RANKS:
+                    os.ftruncate(fd, 8 * BELL_RANKS)  # grows only: both sides may do it
+                m = mmap.mmap(fd, 8 * BELL_RANKS, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError:
+                os.close(fd)
+                return None
+            _bells[key] = (fd, m)
+            return m
+        return None
+
+
+def sweep_stale(own_engine_id: str) -> int:
+    """Remove the bells and boards of engines that are gone (no process holds
+    their bell), and boards with no bell older than ORPHAN_BOARD_S (an older
+    build's). An engine killed before its shutdown leaves them; each start
+    sweeps. How many files were removed."""
+    rd = runtime_dir()
+    removed = 0
+    names = [e.name for e in rd.scandir()]
+    gone: set[str] = set()
+    for name in names:
+        if not name.startswith("weights-bell.") or name == bell_name(own_engine_id):
+            continue
+        try:
+            fd = rd.open(name, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st, named = os.fstat(fd), rd.lstat(name)
+            if (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino):
+                rd.unlink(name)  # under the lock: a process opening it now opens it again
+                removed += 1
+                gone.add(name[len("weights-bell."):])
+        except OSError:
+            pass  # held: the engine lives
+        finally:
+            os.close(fd)
+    now = time.time()
+    for name in names:
+        if not name.startswith("weights-board."):
+            continue
+        engine_id = name[len("weights-board."):].rpartition(".")[0]
+        try:
+            if engine_id == own_engine_id:
+                continue
+            if engine_id not in gone and (bell_name(engine_id) in names
+                                          or now - rd.lstat(name).st_mtime < ORPHAN_BOARD_S):
+                continue
+            rd.unlink(name)
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _ring(engine_id: str, rank: int, stamp: int) -> None:
+    m = _bell(engine_id) if rank < BELL_RANKS else None
+    if m is not None:
+        m[8 * rank:8 * rank + 8] = stamp.to_bytes(8, "little")
 
 
 def board_stamp(engine_id: str, rank: int) -> tuple[int, int] | None:
-    """(inode, mtime) of a board: a new one is a new file (written, renamed)."""
+    """What changes whenever the rank's board is written: its bell stamp (a
+    memory read), else (inode, mtime) of the board file (written, renamed)."""
+    m = _bell(engine_id) if rank < BELL_RANKS else None
+    if m is not None:
+        ring = int.from_bytes(m[8 * rank:8 * rank + 8], "little")
+        return (0, ring) if ring else None
     try:
         st = runtime_dir().lstat(board_name(engine_id, rank))
     except OSError:
@@ -357,11 +472,16 @@ def read_board(engine_id: str, rank: int) -> dict[str, Any] | None:
 
 def remove_boards(engine_id: str, tp_size: int) -> None:
     rd = runtime_dir()
-    for r in range(tp_size):
+    for name in [board_name(engine_id, r) for r in range(tp_size)] + [f"weights-bell.{engine_id}"]:
         try:
-            rd.unlink(board_name(engine_id, r))
+            rd.unlink(name)
         except OSError:
             pass
+    with _bells_lock:
+        held = _bells.pop((runtime_dir_path(), engine_id), None)
+    if held is not None:
+        held[1].close()
+        os.close(held[0])
 
 
 class EngineWeights:
@@ -373,6 +493,14 @@ class EngineWeights:
     def __init__(self, engine_id: str, tp_size: int, files: FilesIdentity) -> None:
         self.engine_id, self.tp_size = engine_id, tp_size
         self.files = files
+        _bell(engine_id)  # held from the start: no sweep takes it while this engine lives
+        try:
+            swept = sweep_stale(engine_id)
+        except OSError as e:
+            log.warning("shmkv: sweeping the weights boards of engines that are gone failed: %s", e)
+        else:
+            if swept:
+                log.info("shmkv: removed %d weights board(s) of engines that are gone", swept)
         self._start: list[str | None] = [None] * tp_size  # each rank's fingerprint at registration
         self._now: list[str | None] = [None] * tp_size
         self._answered = [0] * tp_size
