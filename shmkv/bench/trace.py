@@ -158,3 +158,13 @@ def lru_ceiling(prompts: Sequence[Sequence[int]], unit: int, capacity_units: int
 def working_set_units(prompts: Sequence[Sequence[int]], unit: int) -> int:
     """Distinct units of the slice: a cache this large holds all of it."""
     return len({k for p in prompts for k in _keys(p, unit)})
+
+
+def write_slice(reqs: Sequence[TraceRequest], outputs: Sequence[int], path: str) -> None:
+    """A slice as a Mooncake-format file for vLLM's timed_trace dataset:
+    timestamps from 0 (ms), each request's output length as replayed."""
+    t0 = reqs[0].timestamp_ms if reqs else 0.0
+    with open(path, "w") as f:
+        for r, out in zip(reqs, outputs):
+            f.write(json.dumps({"timestamp": r.timestamp_ms - t0, "input_length": r.input_length,
+                                "output_length": out, "hash_ids": list(r.hash_ids)}) + "\n")

@@ -1,10 +1,12 @@
 """`python -m shmkv.bench trace`: a production request trace (Mooncake
 format; the conversation trace in shared/traces by default) replayed with
-vLLM's own client (`vllm bench serve`, a custom dataset of the expanded
-prompts, each row with its own output length) against two `vllm serve`
-behind a round-robin proxy, `--max-concurrency` requests at a time (closed
-loop, trace order), each arm on fresh servers of the same model and the same
-small vLLM KV cache (`--kv-blocks`, as on a loaded GPU):
+vLLM's own client (`vllm bench serve`) against two `vllm serve` behind a
+proxy, `--max-concurrency` requests at a time at most: closed loop in trace
+order (a custom dataset of the expanded prompts, each row with its own
+output length), or with `--speed S` each request sent at its timestamp / S
+(vLLM's own timed_trace dataset, which expands the hash ids itself). Each
+arm runs on fresh servers of the same model and the same small vLLM KV
+cache (`--kv-blocks`, as on a loaded GPU):
 
   vllm            vLLM alone (its prefix cache on)
   shmkv           shmkv, one shared segment of the budget
@@ -35,14 +37,17 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from shmkv.bench import trace
 from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, words, write_llama, write_tokenizer
 from shmkv.bench.serve_bench import COUNTERS, VLLM_BLOCK, Run, Workload, _counters
-from shmkv.bench.vllm_server import RoundRobinProxy, StickyRouter
+from shmkv.bench.vllm_server import CLIENT_HASH_SEED, RoundRobinProxy, StickyRouter
 
 MIN_BUDGET = 64 << 20  # the smallest segment a budget asks for
 
@@ -86,7 +91,14 @@ class TraceRun(Run):
         self.data = os.path.join(a.workdir, f"data-{os.getpid()}")
         os.makedirs(self.logs, exist_ok=True)
         os.makedirs(self.data, exist_ok=True)
-        self.prompts = [trace.prompt_tokens(r, self.block, self.spec.vocab_size, a.seed) for r in reqs]
+        if a.speed:
+            # vLLM's own timed_trace dataset sends each request at its timestamp; its prompts are its own
+            # expansion of the hash ids (seeded by Python's hash(): PYTHONHASHSEED fixed in every process)
+            self.slice_path = os.path.join(self.data, "slice.jsonl")
+            trace.write_slice(reqs, self.outputs, self.slice_path)
+            self.prompts = expand_timed_trace(self.model, self.slice_path, self.block, len(reqs))
+        else:
+            self.prompts = [trace.prompt_tokens(r, self.block, self.spec.vocab_size, a.seed) for r in reqs]
         self.kv_blocks = max(a.kv_blocks, self.max_model_len // VLLM_BLOCK)
         self.per_token = kv_bytes_per_token(self.spec)
         self.working_set = trace.working_set_units(self.prompts, CHUNK) * CHUNK * self.per_token
@@ -98,13 +110,18 @@ class TraceRun(Run):
         self._started, self._started_segments = {}, []
 
     # ------------------------------------------------------------ routing --
-    def conversation_key(self, words_: list[str]) -> tuple[str, ...]:
+    def conversation_key(self, prompt: Sequence[Any]) -> tuple[Any, ...]:
         """A prompt's conversation as a router sees it: its first block after
-        the system block (TraceRequest.conversation, read from the text)."""
-        return tuple(words_[self.block:2 * self.block] if len(words_) > self.block else words_[:self.block])
+        the system block (TraceRequest.conversation), of its words or token ids."""
+        return tuple(prompt[self.block:2 * self.block] if len(prompt) > self.block else prompt[:self.block])
 
-    def affinity(self, body: bytes) -> tuple[str, ...]:
-        return self.conversation_key(str(json.loads(body).get("prompt", "")).split())
+    def affinity(self, body: bytes) -> tuple[Any, ...]:
+        prompt = json.loads(body).get("prompt", "")
+        return self.conversation_key(prompt if isinstance(prompt, list) else str(prompt).split())
+
+    def sent(self, p: list[int]) -> Sequence[Any]:
+        """A prompt as the client sends it: token ids (timed_trace) or words (the custom dataset)."""
+        return p if self.a.speed else words(p).split()
 
     def homes(self, arm: str) -> list[int]:
         """The server each request goes to, in the client's order: the proxy's
@@ -112,7 +129,7 @@ class TraceRun(Run):
         if not arm.endswith("_affinity"):
             return [i % 2 for i in range(len(self.prompts))]
         router = StickyRouter(2)
-        return [router.home(self.conversation_key(words(p).split())) for p in self.prompts]
+        return [router.home(self.conversation_key(self.sent(p))) for p in self.prompts]
 
     # ----------------------------------------------------------- ceilings --
     def arm_budget(self, arm: str) -> int:
@@ -164,15 +181,23 @@ class TraceRun(Run):
             proxy = RoundRobinProxy([s.url for s in servers],
                                     affinity=self.affinity if name.endswith("_affinity") else None)
             try:
-                dataset = self.dataset([{"prompt": words(p), "output_tokens": o}
-                                        for p, o in zip(self.prompts, self.outputs)], f"trace-{name}")
+                if self.a.speed:
+                    result = os.path.join(self.data, f"trace-{name}.result.json")
+                    data_args = ["--dataset-name", "timed_trace", "--dataset-path", self.slice_path,
+                                 "--timed-trace-chunk-hash-size", str(self.block),
+                                 "--timed-trace-sec-multiplier", repr(0.001 / self.a.speed)]
+                else:
+                    dataset = self.dataset([{"prompt": words(p), "output_tokens": o}
+                                            for p, o in zip(self.prompts, self.outputs)], f"trace-{name}")
+                    result = dataset[:-6] + ".result.json"
+                    data_args = ["--dataset-name", "custom", "--dataset-path", dataset, "--disable-shuffle",
+                                 "--custom-output-len", "-1"]
                 self.warm_up(servers)
                 before = _counters(servers)
                 t0 = time.perf_counter()
-                r = self.client().run(proxy.url, self.model, dataset, dataset[:-6] + ".result.json",
-                                      requests=len(self.prompts), output_tokens=-1,
-                                      max_concurrency=self.a.max_concurrency, metrics="ttft,tpot,e2el",
-                                      percentiles="50,90,99")
+                r = self.client().run_dataset(proxy.url, self.model, data_args, result, requests=len(self.prompts),
+                                              max_concurrency=self.a.max_concurrency, metrics="ttft,tpot,e2el",
+                                              percentiles="50,90,99")
                 wall = time.perf_counter() - t0
                 after = _counters(servers)
             finally:
@@ -204,6 +229,34 @@ class TraceRun(Run):
                 "ttfts_ms": [round(t * 1e3, 2) for t in r["ttfts"]]}  # per request, in the client's order
 
 
+_EXPAND = """
+import json, sys
+from vllm.benchmarks.datasets.datasets import TimedTrace
+from vllm.tokenizers import get_tokenizer
+model, path, block, n = sys.argv[1:5]
+ds = TimedTrace(dataset_path=path, random_seed=0, timed_trace_chunk_hash_size=int(block),
+                timed_trace_sec_multiplier=1, timed_trace_label_timestamp="timestamp",
+                timed_trace_label_input_length="input_length", timed_trace_label_output_length="output_length",
+                timed_trace_label_hash_ids="hash_ids")
+print(json.dumps([list(s.prompt) for s in ds.sample(get_tokenizer(model), int(n))]))
+"""
+
+
+def expand_timed_trace(model: str, path: str, block: int, n: int) -> list[list[int]]:
+    """The prompts vLLM's timed_trace dataset makes of a trace file, made the
+    way its client makes them (same tokenizer, PYTHONHASHSEED=0): what the
+    ceilings and the affinity router's replay are computed on."""
+    env = {**os.environ, "PYTHONHASHSEED": CLIENT_HASH_SEED}
+    r = subprocess.run([sys.executable, "-c", _EXPAND, model, path, str(block), str(n)], capture_output=True,
+                       text=True, env=env, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"expanding {path} with vLLM's timed_trace dataset failed: {r.stderr[-2000:]}")
+    prompts = json.loads(r.stdout.strip().splitlines()[-1])
+    if len(prompts) != n:
+        raise RuntimeError(f"vLLM's timed_trace dataset made {len(prompts)} prompts of {path}, not {n}")
+    return prompts
+
+
 def run(argv: list[str]) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m shmkv.bench trace", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,7 +265,10 @@ def run(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--conversations", type=int, default=12, help="conversations sampled with all their turns")
     ap.add_argument("--minutes", type=float, default=0, help="instead: the trace's first minutes")
     ap.add_argument("--max-output", type=int, default=32, help="output tokens at most per request")
-    ap.add_argument("--max-concurrency", type=int, default=2)
+    ap.add_argument("--max-concurrency", type=int, default=2, help="requests in flight at most")
+    ap.add_argument("--speed", type=float, default=0,
+                    help="send each request at its trace timestamp divided by this (vLLM's timed_trace dataset; "
+                         "still at most --max-concurrency in flight); 0: closed loop, in trace order")
     ap.add_argument("--kv-blocks", type=int, default=96, help="vLLM's KV cache per server, in blocks")
     ap.add_argument("--budget-mib", type=int, default=0,
                     help="the external caches' host memory (default: the slice's working set and a quarter)")
@@ -251,7 +307,7 @@ def run(argv: list[str]) -> dict[str, Any]:
         r.cleanup()
     out = {"bench": "trace", "trace": os.path.basename(a.trace), "scale": a.scale, "block_tokens": r.block,
            "requests": len(r.prompts), "conversations": len({q.conversation for q in r.requests}),
-           "max_concurrency": a.max_concurrency, "kv_blocks": r.kv_blocks, "model": "small" if a.small else "timing",
+           "max_concurrency": a.max_concurrency, "speed": a.speed or None, "kv_blocks": r.kv_blocks, "model": "small" if a.small else "timing",
            "ceilings": r.ceilings(), "arms": arms, "left_out": left_out}
     out["ratios_to_vllm"] = _ratios(arms, "vllm")
     out["ratios_to_lmcache"] = _ratios(arms, "lmcache")

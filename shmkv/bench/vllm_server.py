@@ -207,6 +207,7 @@ class RoundRobinProxy:
         self._thread.join(30)
 
 
+CLIENT_HASH_SEED = "0"
 _CLIENT_LOOP = """
 import json, sys, traceback
 from vllm.benchmarks.serve import add_cli_args, main
@@ -234,8 +235,11 @@ class BenchServeClient:
 
     def __init__(self, log_path: str) -> None:
         self.log = open(log_path, "ab")
+        # NOTE: datasets that seed prompts with Python's hash() of a string (timed_trace) make the same
+        # prompts in every run only with a fixed hash seed
         self.proc = subprocess.Popen([sys.executable, "-c", _CLIENT_LOOP], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env={**os.environ, "PYTHONHASHSEED": CLIENT_HASH_SEED})
         self._expect("ready")
 
     def _expect(self, word: str) -> None:

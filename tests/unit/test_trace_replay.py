@@ -83,3 +83,16 @@ def test_the_shared_trace_loads_with_its_published_ceiling():
             reused += r.hash_ids[:k] in seen
         seen.update(r.hash_ids[:k] for k in range(1, len(r.hash_ids) + 1))
     assert (blocks, reused) == (288500, 105710)
+
+
+def test_a_slice_is_written_for_vllms_timed_trace_from_time_zero(tmp_path):
+    reqs = trace.scaled(trace.load(write(tmp_path, [
+        {"timestamp": 5000, "input_length": 1500, "output_length": 400, "hash_ids": [0, 7, 8]},
+        {"timestamp": 6500, "input_length": 1100, "output_length": 300, "hash_ids": [0, 7]},
+    ])), 16)
+    path = tmp_path / "slice.jsonl"
+    trace.write_slice(reqs, [4, 5], str(path))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"timestamp": 0.0, "input_length": 94, "output_length": 4, "hash_ids": [0, 7, 8]},
+                    {"timestamp": 1500.0, "input_length": 69, "output_length": 5, "hash_ids": [0, 7]}]
+    assert trace.load(str(path))[1].timestamp_ms == 1500.0, "a Mooncake-format file again"
