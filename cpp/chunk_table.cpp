@@ -266,6 +266,13 @@ Status ChunkTable::do_reserve_locked(const Key& key, uint64_t size, uint64_t nee
     Entry& ex = ent[existing];
     if (ex.state.load(std::memory_order_relaxed) == kEntryReady) {
       c().put_exists.fetch_add(1, std::memory_order_relaxed);
+      // A put of a chunk held is a use (an engine computed it again, or its own
+      // prefix cache served it): the newest in the LRU, as a read would make it.
+      if (ex.refcount == 0 && ex.pin_count == 0) {
+        do_lru_unlink_locked(existing);
+        ex.last_use = ++hd->use_clock;
+        do_lru_link_head_locked(existing);
+      }
       return Status::kExists;
     }
     // WRITING: by a live process -> busy; by a dead one -> reclaim and go on.

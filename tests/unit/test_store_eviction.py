@@ -41,6 +41,18 @@ def test_least_recently_used_goes_first(store):
     assert store.stats()["evictions"] == 1
 
 
+def test_a_put_of_a_chunk_held_makes_it_the_newest(store):
+    """An engine whose own prefix cache served a prefix puts its chunks again
+    (EXISTS): shmkv's copy is in use, so it must not age out first."""
+    n = units(store)
+    for i in range(n):
+        store.put(key(i), b"x" * UNIT)
+    assert store.put(key(0), b"x" * UNIT) is PutResult.EXISTS
+    store.put(key("new"), b"y" * UNIT)  # evicts exactly one: key 1, not key 0
+    assert store.contains([key(0), key(1), key(2)]) == [True, False, True]
+    assert store.check_consistency() == []
+
+
 def test_leased_and_pinned_entries_are_not_evicted(store):
     n = units(store)
     for i in range(n):

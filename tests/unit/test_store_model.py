@@ -50,6 +50,7 @@ class StoreModel(RuleBasedStateMachine):
         got = self.store.put(key(k), data)
         if k in self.data:
             assert got is PutResult.EXISTS
+            self._touch(k)  # a put of a chunk held is a use
             return
         if self._occupied() >= self.capacity:
             if not self.lru:
