@@ -113,8 +113,7 @@ class LMCacheServer:
             except ProcessLookupError:
                 pass
         self._log.close()
-        for leftover in (f"/dev/shm/{self.shm_name}",):
-            try:
-                os.unlink(leftover)
-            except OSError:
-                pass
+        try:
+            os.unlink(f"/dev/shm/{self.shm_name}")  # its region, if the server left it
+        except OSError:
+            pass

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -149,6 +150,7 @@ class TraceRun(Run):
         return sum(trace.lru_ceiling([p for p, h in zip(self.prompts, homes) if h == i], CHUNK, units // 2)
                    for i in range(2))
 
+    @functools.cached_property
     def ceilings(self) -> dict[str, Any]:
         return {"prompt_tokens": sum(map(len, self.prompts)),
                 "unlimited_vllm_block": trace.ceiling(self.prompts, VLLM_BLOCK),
@@ -214,7 +216,7 @@ class TraceRun(Run):
         got = {k: int(after[k] - before[k]) for k in COUNTERS}
         reused = got["vllm_cache_tokens"] + got["connector_tokens"]
         lru = self.lru_ceiling(name)
-        c = self.ceilings()
+        c = self.ceilings
         return {**got, "reused_tokens": reused,
                 "reused_fraction": round(reused / max(1, got["prompt_tokens"]), 4),
                 "budget_bytes": None if name.startswith("vllm") else budget,
@@ -308,7 +310,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     out = {"bench": "trace", "trace": os.path.basename(a.trace), "scale": a.scale, "block_tokens": r.block,
            "requests": len(r.prompts), "conversations": len({q.conversation for q in r.requests}),
            "max_concurrency": a.max_concurrency, "speed": a.speed or None, "kv_blocks": r.kv_blocks, "model": "small" if a.small else "timing",
-           "ceilings": r.ceilings(), "arms": arms, "left_out": left_out}
+           "ceilings": r.ceilings, "arms": arms, "left_out": left_out}
     out["ratios_to_vllm"] = _ratios(arms, "vllm")
     out["ratios_to_lmcache"] = _ratios(arms, "lmcache")
     if a.plot:

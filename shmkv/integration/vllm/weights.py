@@ -472,7 +472,7 @@ def read_board(engine_id: str, rank: int) -> dict[str, Any] | None:
 
 def remove_boards(engine_id: str, tp_size: int) -> None:
     rd = runtime_dir()
-    for name in [board_name(engine_id, r) for r in range(tp_size)] + [f"weights-bell.{engine_id}"]:
+    for name in [board_name(engine_id, r) for r in range(tp_size)] + [bell_name(engine_id)]:
         try:
             rd.unlink(name)
         except OSError:
