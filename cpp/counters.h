@@ -168,13 +168,16 @@ inline constexpr CounterInfo kCounters[] = {
     {"remote_damaged", &Counters::remote_damaged, "counter", "remote", true,
      "Remote values rejected by the chunk checks", "damaged"},
     {"remote_foreign", &Counters::remote_foreign, "counter", "remote", true,
-     "Remote values signed with another remote_secret_file (misses here, left for the hosts that hold it)",
+     "Remote values under our key id's names that carry another key id (planted without the secret), removed",
      "foreign"},
     {"remote_expired", &Counters::remote_expired, "counter", "remote", true,
      "Remote values past the expiry their writer signed (remote_ttl), removed", "expired"},
     {"remote_stale", &Counters::remote_stale, "counter", "remote", true,
      "Remote values signed before a clear of their namespace or of everything (an older generation), removed",
      "stale"},
+    {"remote_healed", &Counters::remote_healed, "counter", "remote", true,
+     "Clear-generation records found erased or rolled back (a signed value or this host knew a newer one), "
+     "written back", "healed"},
 };
 
 }  // namespace shmkv

@@ -42,7 +42,7 @@
 namespace shmkv {
 
 constexpr uint64_t kMagic = 0x31564b4d48535f5fULL;  // "__SHMKV1" little-endian
-constexpr uint32_t kFormatVersion = 9;  // 9: the spill guard (Header::spill_guard_until_ns), put_bytes, put_spill_behind
+constexpr uint32_t kFormatVersion = 10;  // 10: remote_healed; 9: the spill guard (Header::spill_guard_until_ns), put_bytes, put_spill_behind
 constexpr uint32_t kNone = 0xffffffffu;       // null record index
 constexpr uint32_t kIndexEmpty = 0xffffffffu;  // index slot never used
 constexpr uint32_t kIndexTomb = 0xfffffffeu;   // index slot whose entry left
@@ -202,6 +202,7 @@ struct Counters {
   std::atomic<uint64_t> remote_stale;       // remote values signed before a clear (an older generation)
   std::atomic<uint64_t> put_bytes;          // payload bytes committed (the write rate the maintainer logs)
   std::atomic<uint64_t> put_spill_behind;   // puts refused while the spill guard kept unspilled chunks
+  std::atomic<uint64_t> remote_healed;      // clear-generation records found erased or rolled back, written back
   // gauges (maintained under the lock, rebuilt on recovery)
   std::atomic<uint64_t> bytes_used;       // sum of alloc_size of non-FREE entries
   std::atomic<uint64_t> entries;          // non-FREE entries

@@ -42,7 +42,11 @@ def parse_size(key: str, value: Any) -> int:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _SIZE_UNITS:
             raise ConfigError(f"{key}={value!r}: expected a byte size such as 8GiB, 512MiB or 1073741824")
-        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+        exact = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+        if not exact.is_integer() and exact < (1 << 20):  # 1.5 bytes; 1.5GiB is a size, 1.7 KB rounds
+            raise ConfigError(f"{key}={value!r}: not a whole number of bytes; expected a size such as 8GiB, "
+                              "512MiB or 1073741824")
+        n = int(exact)
     if n <= 0:
         raise ConfigError(f"{key}={value!r}: must be positive")
     if n > MAX_SIZE:
@@ -167,7 +171,7 @@ class ShmkvConfig:
             "lossy_form": lambda k, v: "" if v in (None, "") else _parse_choice(k, v, LOSSY_FORMS),
             "log_level": lambda k, v: _parse_choice(k, v, ("debug", "info", "warning", "error")),
             "log_summary_s": lambda k, v: _parse_float(k, v, lambda x: 0 <= x <= 86400, "seconds in [0, 86400]"),
-            "disk_dir": lambda k, v: os.path.expanduser(str(v)),
+            "disk_dir": _parse_path,
             "disk_capacity": parse_size,
             "disk_level": lambda k, v: _parse_int(k, v, 1, 22),
             "disk_codec": lambda k, v: _parse_choice(k, v, CODEC_SETTINGS),
@@ -178,7 +182,7 @@ class ShmkvConfig:
             "remote_ttl": lambda k, v: _parse_int(k, v, 0, 1 << 31),
             "remote_capacity": lambda k, v: 0 if str(v) == "0" else parse_size(k, v),
             "remote_write_through": _parse_bool,
-            "remote_secret_file": lambda k, v: os.path.expanduser(str(v)),
+            "remote_secret_file": _parse_path,
             "low_watermark": lambda k, v: _parse_fraction(k, v),
             "spill_ahead": lambda k, v: _parse_fraction(k, v),
             "maintainer": _parse_bool,
@@ -186,7 +190,7 @@ class ShmkvConfig:
             "cuda_store_copy": lambda k, v: _parse_choice(k, v, ("auto", "dma", "kernel")),
             "cuda_load_copy": lambda k, v: _parse_choice(k, v, ("auto", "kernel", "dma")),
             "listen": _parse_listen,
-            "controller_token_file": lambda k, v: os.path.expanduser(str(v)),
+            "controller_token_file": _parse_path,
             "controller_open_metrics": _parse_bool,
             "controller_allow_uids": _parse_uids,
             "debug_digest_file": lambda k, v: str(v),
@@ -195,6 +199,18 @@ class ShmkvConfig:
             "debug_worker_off": lambda k, v: str(v),
             "config_file": lambda k, v: str(v),
         }
+
+
+def _parse_path(key: str, value: Any) -> str:
+    """An absolute path (~ expanded), or empty: a relative one would depend
+    on the directory each process happens to start in."""
+    s = os.path.expanduser(str(value).strip()) if value is not None else ""
+    if not s:
+        return ""
+    if "\0" in s or not os.path.isabs(s):
+        raise ConfigError(f"{key}={value!r}: expected an absolute path (or empty), not one relative to the "
+                          "directory a process starts in")
+    return s
 
 
 def _parse_regex(key: str, value: Any) -> str:
@@ -209,6 +225,10 @@ def _parse_regex(key: str, value: Any) -> str:
 
 def _parse_remote_url(key: str, value: Any) -> str:
     s = str(value).strip()
+    bad = next((i for i, c in enumerate(s) if c.isspace() or not c.isprintable()), None)
+    if bad is not None:
+        raise ConfigError(f"{key}: {s[bad]!r} at character {bad} of the URL; a URL holds no space, newline or "
+                          "control character")
     parts = [p.strip() for p in s.split(",")] if s else []
     if any(not p.startswith(("redis://", "rediss://", "unix://")) for p in parts):
         raise ConfigError(f"{redact_url(s)!r} for {key}: expected a redis://, rediss:// or unix:// URL, or a "
@@ -332,7 +352,7 @@ def load_config(explicit: dict[str, Any] | None = None, env: dict[str, str] | No
             raise ConfigError(str(e)) from None
         try:
             with open(path) as f:
-                loaded = yaml.safe_load(f) or {}
+                loaded = yaml.load(f, Loader=_unique_key_loader()) or {}
         except OSError as e:
             raise ConfigError(f"config_file={path!r}: cannot read it: {e}") from e
         except yaml.YAMLError as e:
@@ -349,6 +369,35 @@ def load_config(explicit: dict[str, Any] | None = None, env: dict[str, str] | No
         for k, v in source.items():
             merged[k] = parsers[k](k, v)
     return dataclasses.replace(ShmkvConfig(), **merged)
+
+
+def _unique_mapping(loader: Any, node: Any, deep: bool = False) -> dict:
+    """A YAML mapping whose keys are all different: a key given twice is an
+    error naming it and both lines (YAML's own loader keeps the last one)."""
+    import yaml
+
+    seen: dict[Any, int] = {}
+    for key_node, _value in node.value:
+        k = loader.construct_object(key_node, deep=deep)
+        try:
+            first = seen.setdefault(k, key_node.start_mark.line + 1)
+        except TypeError:  # an unhashable key: the settings check names it
+            continue
+        if first != key_node.start_mark.line + 1:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"setting {k!r} is given twice (lines {first} and {key_node.start_mark.line + 1})",
+                key_node.start_mark)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+def _unique_key_loader() -> type:
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        pass
+
+    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+    return UniqueKeyLoader
 
 
 _warned_env: set[str] = set()

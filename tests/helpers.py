@@ -201,6 +201,32 @@ class DaemonProcess:
 CONTROLLER_TOKENS: dict[str, str] = {}  # controller URL -> its daemon's token (DaemonProcess.wait_ready)
 
 
+def serve_in_process(cfg):
+    """A daemon of `cfg` serving its controller on a thread of this process:
+    (daemon, thread); on TCP `daemon.addr` is (host, port). Its token is
+    known to `http`. Stop it with stop_in_process."""
+    import threading
+
+    from shmkv.services.daemon import Daemon
+
+    d = Daemon(cfg)
+    assert d.lock.try_acquire()
+    d.start()
+    CONTROLLER_TOKENS[d.url] = d.token  # helpers.http sends it, as `shmkv ctl` does
+    t = threading.Thread(target=d.serve, daemon=True)
+    t.start()
+    if d.url.startswith("http://"):
+        host, port = d.url.removeprefix("http://").rsplit(":", 1)
+        d.addr = (host.strip("[]"), int(port))
+    return d, t
+
+
+def stop_in_process(d, t) -> None:
+    d.request_stop()
+    t.join(timeout=30)
+    d.close()
+
+
 def http(url: str, method: str, path: str, body=None, *, raw: bytes | None = None,
          headers: dict | None = None, token: bool = True) -> tuple[int, object]:
     """One controller request (http://host:port or unix:/path); (status, JSON

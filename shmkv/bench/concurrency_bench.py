@@ -63,7 +63,8 @@ def measure(run: Run, server: VllmServer, name: str, a: argparse.Namespace, conc
     if r.get("completed") != requests:
         raise RuntimeError(f"{label}: vLLM's client completed {r.get('completed')} of {requests} requests; "
                            f"see {run.logs}")
-    return {"requests": requests, "ttft_p50_ms": round(r["median_ttft_ms"], 2), "ttft_p99_ms": round(r["p99_ttft_ms"], 2),
+    return {"requests": requests, "ttft_p50_ms": round(r["median_ttft_ms"], 2),
+            "ttft_p99_ms": round(r["p99_ttft_ms"], 2),
             "tpot_p50_ms": round(r["median_tpot_ms"], 2), "total_tokens_per_s": round(r["total_token_throughput"], 2),
             **{k: int(after[k] - before[k]) for k in COUNTERS}}
 
@@ -140,7 +141,8 @@ def _summary(name: str, level: int, got: dict[str, list[dict[str, Any]]]) -> dic
                                                                    "total_tokens_per_s")}
         out[v].update({k: sum(m[k] for m in ms) for k in COUNTERS})
         out[v]["per_run"] = ms
-    ratio = {k: round(out["shmkv"][k] / out["vllm"][k], 3) for k in ("total_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms")}
+    ratio = {k: round(out["shmkv"][k] / out["vllm"][k], 3)
+             for k in ("total_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms")}
     key, goal, how = GOALS[name]
     met = ratio[key] >= goal if how == "at least" else ratio[key] <= goal
     out["shmkv_over_vllm"] = ratio

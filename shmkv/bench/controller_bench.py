@@ -8,9 +8,13 @@
   attack            with --attack-uids N (root, setpriv): N other uids (as one
                     user's subuid range gives) each keep 16 connections sending
                     bodies nobody authenticated (a declared 16 MiB, trickled) for
-                    --attack-seconds, reconnecting as they are closed; meanwhile
-                    the owner's GET /stats and /health latency (ms), and the
-                    daemon's RSS growth (MiB, peak over before)
+                    --attack-seconds, reconnecting as they are closed; with
+                    --attack-kind pipeline instead each keeps 16 connections
+                    pipelining GET /health (no token needed) as fast as it can,
+                    reading every answer; meanwhile the owner's GET /stats and
+                    /health latency (ms) as `shmkv ctl` asks them (its own
+                    socket) and /health on TCP, the daemon's RSS growth (MiB,
+                    peak over before) and its CPU seconds over the attack
 
 The daemon is `python -m shmkv.daemon` with a private cache name, started and
 stopped by the benchmark (its segment is unlinked afterwards).
@@ -32,7 +36,7 @@ from shmkv import Store
 from shmkv.bench.engines import start_daemon
 from shmkv.config import load_config
 from shmkv.services.controller_auth import read_token
-from shmkv.services.controller_client import request
+from shmkv.services.controller_client import request, url_of
 
 
 def _percentiles(xs: list[float]) -> dict[str, float]:
@@ -73,7 +77,39 @@ while time.monotonic() < end:
             conns.remove(s)
             s.close()
     time.sleep(0.2)
-print(opened)
+print(opened, 0)
+"""
+
+PIPELINER = r"""
+import selectors, socket, sys, time
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+burst = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode() * 64
+sel, opened, answers, end = selectors.DefaultSelector(), 0, 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    while len(sel.get_map()) < 16:
+        try:
+            s = socket.create_connection((host, port), timeout=2)
+        except OSError:
+            break
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ | selectors.EVENT_WRITE)
+        opened += 1
+    for key, events in sel.select(0.05):
+        s = key.fileobj
+        try:
+            if events & selectors.EVENT_READ:
+                data = s.recv(1 << 16)
+                if not data:
+                    raise OSError
+                answers += data.count(b"HTTP/1.1 ")
+            if events & selectors.EVENT_WRITE:
+                s.send(burst)
+        except BlockingIOError:
+            pass
+        except OSError:
+            sel.unregister(s)
+            s.close()
+print(opened, answers)
 """
 
 
@@ -85,8 +121,14 @@ def _rss_mib(pid: int) -> float:
     return 0.0
 
 
-def _attack(url: str, token: str, pid: int, uids: int, seconds: float) -> dict:
-    """Other uids' unauthenticated bodies against the owner's requests (module doc)."""
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _attack(url: str, owner_url: str, token: str, pid: int, uids: int, seconds: float, kind: str = "bodies") -> dict:
+    """Other uids' unauthenticated bodies, or pipelined /health, against the owner's requests (module doc)."""
     import shutil
 
     setpriv = shutil.which("setpriv")
@@ -94,22 +136,31 @@ def _attack(url: str, token: str, pid: int, uids: int, seconds: float) -> dict:
         raise SystemExit("--attack-uids needs root and setpriv (other uids)")
     host, port = url.removeprefix("http://").rsplit(":", 1)
     before = peak = _rss_mib(pid)
+    cpu_before, t_before = _cpu_s(pid), time.monotonic()
+    script = PIPELINER if kind == "pipeline" else ATTACKER
     attackers = [subprocess.Popen([setpriv, f"--reuid={u}", f"--regid={u}", "--clear-groups", sys.executable, "-c",
-                                   ATTACKER, host, port, str(seconds)], stdout=subprocess.PIPE, text=True, cwd="/")
+                                   script, host, port, str(seconds)], stdout=subprocess.PIPE, text=True, cwd="/")
                  for u in range(300001, 300001 + uids)]
-    stats, health = [], []
+    stats, health, tcp_health = [], [], []
     end = time.monotonic() + seconds
     time.sleep(min(1.0, seconds / 4))  # the attack under way first (pacing of the benchmark itself)
     while time.monotonic() < end - 0.5:
-        stats.append(_request(url, token, "GET", "/stats", None))
-        health.append(_request(url, token, "GET", "/health", None))
+        stats.append(_request(owner_url, token, "GET", "/stats", None))
+        health.append(_request(owner_url, token, "GET", "/health", None))
+        tcp_health.append(_request(url, token, "GET", "/health", None))
         peak = max(peak, _rss_mib(pid))
         time.sleep(0.1)
-    opened = sum(int((a.communicate(timeout=seconds + 30)[0] or "0").strip() or 0) for a in attackers)
-    return {"uids": uids, "seconds": seconds, "attacker_connections": opened,
+    outs = [(a.communicate(timeout=seconds + 30)[0] or "0 0").split() for a in attackers]
+    cpu, wall = _cpu_s(pid) - cpu_before, time.monotonic() - t_before
+    return {"kind": kind, "uids": uids, "seconds": seconds,
+            "attacker_connections": sum(int(o[0]) for o in outs if o),
+            "attacker_answers": sum(int(o[1]) for o in outs if len(o) > 1),
+            "daemon_cpu_s": round(cpu, 2), "daemon_cpu_fraction": round(cpu / wall, 3),
             "owner_stats_ms": _percentiles([t for _, t in stats]),
             "owner_health_ms": _percentiles([t for _, t in health]),
-            "owner_all_answered": all(st == 200 for st, _ in stats + health),
+            "owner_url": owner_url,
+            "owner_tcp_health_ms": _percentiles([t for _, t in tcp_health]),
+            "owner_all_answered": all(st == 200 for st, _ in stats + health + tcp_health),
             "daemon_rss_growth_mib": round(peak - before, 1)}
 
 
@@ -120,6 +171,8 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--idle", type=int, default=200, help="silent connections held open")
     ap.add_argument("--attack-uids", type=int, default=0, help="other uids sending unauthenticated bodies (root)")
     ap.add_argument("--attack-seconds", type=float, default=20.0)
+    ap.add_argument("--attack-kind", choices=("bodies", "pipeline"), default="bodies",
+                    help="bodies: unauthenticated bodies trickled; pipeline: GET /health pipelined as fast as possible")
     args = ap.parse_args(argv)
 
     cache = f"shmkv-bench-ctl-{uuid.uuid4().hex[:8]}"
@@ -127,7 +180,8 @@ def run(argv: list[str]) -> dict:
     try:
         host, port_s = url.removeprefix("http://").rsplit(":", 1)
         port = int(port_s)
-        token = read_token(load_config({"cache_name": cache}))
+        cfg = load_config({"cache_name": cache})
+        token, owner_url = read_token(cfg), url_of(cfg)
         body = json.dumps({"tokens": list(range(4096)), "namespace": {
             "model_id": "bench", "dtype": "bfloat16", "num_layers": 2, "num_kv_heads": 2, "head_size": 64,
             "chunk_size": 256, "block_size": 128}}).encode()
@@ -143,7 +197,8 @@ def run(argv: list[str]) -> dict:
         finally:
             for s in idle:
                 s.close()
-        attack = _attack(url, token, proc.pid, args.attack_uids, args.attack_seconds) if args.attack_uids else None
+        attack = _attack(url, owner_url, token, proc.pid, args.attack_uids, args.attack_seconds,
+                         args.attack_kind) if args.attack_uids else None
         return {
             "attack": attack,
             "clients": args.clients, "requests": len(results), "idle_connections": args.idle,
@@ -167,8 +222,10 @@ def report(r: dict) -> None:
     print(f"all answered: {r['all_answered']}")
     a = r.get("attack")
     if a:
-        print(f"attack: {a['uids']} other uids, {a['attacker_connections']} connections with unauthenticated bodies "
-              f"in {a['seconds']:g} s; owner /stats p50 {a['owner_stats_ms']['p50']} ms, p99 "
+        what = "pipelining /health" if a.get("kind") == "pipeline" else "with unauthenticated bodies"
+        print(f"attack: {a['uids']} other uids, {a['attacker_connections']} connections {what} "
+              f"({a.get('attacker_answers', 0)} answers) in {a['seconds']:g} s, daemon CPU "
+              f"{a.get('daemon_cpu_fraction')} of a core; owner /stats p50 {a['owner_stats_ms']['p50']} ms, p99 "
               f"{a['owner_stats_ms']['p99']} ms, max {a['owner_stats_ms']['max']} ms; /health max "
               f"{a['owner_health_ms']['max']} ms; all answered: {a['owner_all_answered']}; daemon RSS "
               f"+{a['daemon_rss_growth_mib']} MiB")

@@ -309,7 +309,8 @@ def run(argv: list[str]) -> dict[str, Any]:
         r.cleanup()
     out = {"bench": "trace", "trace": os.path.basename(a.trace), "scale": a.scale, "block_tokens": r.block,
            "requests": len(r.prompts), "conversations": len({q.conversation for q in r.requests}),
-           "max_concurrency": a.max_concurrency, "speed": a.speed or None, "kv_blocks": r.kv_blocks, "model": "small" if a.small else "timing",
+           "max_concurrency": a.max_concurrency, "speed": a.speed or None, "kv_blocks": r.kv_blocks,
+           "model": "small" if a.small else "timing",
            "ceilings": r.ceilings, "arms": arms, "left_out": left_out}
     out["ratios_to_vllm"] = _ratios(arms, "vllm")
     out["ratios_to_lmcache"] = _ratios(arms, "lmcache")

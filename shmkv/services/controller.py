@@ -175,7 +175,8 @@ class Controller:
                                          low_watermark=cfg.low_watermark, spill_ahead=cfg.spill_ahead)
         self.chain = self.maintainer.chain  # the one chain of this process's tiers: every tier is reached through it
         self.started = time.time()
-        self.counters = {"requests": 0, "bad_requests": 0, "refused_requests": 0, "errors": 0}
+        self.counters = {"requests": 0, "bad_requests": 0, "refused_requests": 0, "errors": 0,
+                         "throttled_connections": 0, "write_timeouts": 0}
         self._count_lock = threading.Lock()
         self._mutate = threading.Lock()  # one changing operation at a time
         # path -> (method, request model or None for GET, endpoint)
@@ -249,6 +250,12 @@ class Controller:
                 self.counters["bad_requests"] += 1
             elif status >= 500:
                 self.counters["errors"] += 1
+
+    def count_transport(self, what: str) -> None:
+        """Count one connection the transport ended itself: `throttled_connections`
+        (another uid over its budget) or `write_timeouts` (an answer not read)."""
+        with self._count_lock:
+            self.counters[what] += 1
 
     # ---------------------------------------------------------- endpoints --
     def health(self, _args: None) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from shmkv.config import ShmkvConfig, parse_listen
 from shmkv.errors import ConfigError, PermissionDeniedError
-from shmkv.paths import read_secret_file, runtime_dir
+from shmkv.paths import read_secret_file, runtime_dir, runtime_dir_path
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -49,10 +49,21 @@ def token_path(cfg: ShmkvConfig) -> str:
     return os.path.join(runtime_dir().path, f"{cfg.cache_name}.controller-token")
 
 
+def owner_socket_path(cfg: ShmkvConfig) -> str | None:
+    """The owner's own controller socket (0600, in the private runtime
+    directory), served beside a TCP listener or a unix one open to other
+    uids; None when the configured listener is already the owner's alone."""
+    kind, _where, _port = parse_listen(cfg.listen)
+    if kind == "unix" and not cfg.controller_allow_uids:
+        return None
+    return os.path.join(runtime_dir_path(), f"{cfg.cache_name}.controller.sock")
+
+
 def read_token(cfg: ShmkvConfig) -> str:
     """The controller token, for a client. Raises ConfigError naming the file
     when there is none (no daemon has started with this configuration)."""
     path = token_path(cfg)
+    _check_token_dir(path)
     try:
         token = read_secret_file(path, "controller token file",
                                  fix=f"remove it (the daemon writes a new one) or `chmod 600 {path}`")
@@ -65,11 +76,28 @@ def read_token(cfg: ShmkvConfig) -> str:
     return token.decode("ascii", "replace")
 
 
+def _check_token_dir(path: str) -> None:
+    """The token file's directory (and its parents) must be ones no other
+    user can change: whoever can, can remove or replace the token (a daemon
+    nobody can reach, or clients sending the token to a file they chose)."""
+    from shmkv.paths import check_trusted_dir
+
+    directory = os.path.dirname(path) or "."
+    try:
+        check_trusted_dir(directory)
+    except FileNotFoundError:
+        raise ConfigError(f"controller token file {path}: its directory {directory} does not exist") from None
+    except PermissionDeniedError as e:
+        raise PermissionDeniedError(f"controller token file {path}: {e}") from None
+
+
 def check_token_place(cfg: ShmkvConfig) -> None:
-    """Before a daemon starts anything: what is at the token path, if
-    anything, must be a token file of ours that nobody else can read or write
+    """Before a daemon starts anything: the token path's directory must be
+    one no other user can change, and what is at the path, if anything, must
+    be a token file of ours that nobody else can read or write
     (PermissionDeniedError naming it otherwise)."""
     path = token_path(cfg)
+    _check_token_dir(path)
     try:
         read_secret_file(path, "controller token file",
                          fix=f"remove it (the daemon writes a new one at each start) or `chmod 600 {path}`")

@@ -17,12 +17,13 @@ import http.client
 import json
 import os
 import socket
+import stat
 import sys
 from typing import Any
 
 from shmkv.config import ShmkvConfig, load_config, parse_listen
 from shmkv.errors import PermissionDeniedError, ShmkvError
-from shmkv.services.controller_auth import peer_uid, read_token, tcp_peer_uid
+from shmkv.services.controller_auth import owner_socket_path, peer_uid, read_token, tcp_peer_uid
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -44,7 +45,18 @@ def connect(url: str, timeout: float = 60.0) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
 
 
-def url_of(cfg: ShmkvConfig) -> str:
+def url_of(cfg: ShmkvConfig, *, owner_socket: bool = True) -> str:
+    """Where to reach the daemon of `cfg`: its owner socket when there is one
+    of ours (no other uid's connections queue before ours there), else the
+    configured listener."""
+    owner = owner_socket_path(cfg) if owner_socket else None
+    if owner is not None:
+        try:
+            st = os.lstat(owner)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid():
+            return f"unix:{owner}"
     kind, where, port = parse_listen(cfg.listen)
     if kind == "unix":
         return f"unix:{where}"

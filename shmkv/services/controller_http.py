@@ -5,7 +5,11 @@ shared host needs; the answers themselves are shmkv.controller's.
 
 Invariants:
   * it listens only on loopback TCP or on a unix socket that is born 0600 in
-    a directory only we can change (checked before binding);
+    a directory only we can change (checked before binding); beside a TCP
+    listener (or a unix one open to other uids) it also serves the owner's
+    own socket (owner_socket_path: 0600 in the private runtime directory),
+    so that no other uid's connections stand between the owner and its
+    daemon: `shmkv ctl` uses it when it is there;
   * every request passes shmkv.services.controller_auth's gate (token, Host,
     Origin; a unix socket's peer uid when it connects) before its body is read;
   * a body is read whole, as its headers frame it (uvicorn's parser: chunked
@@ -22,6 +26,13 @@ Invariants:
     free, and each gets FOREIGN_HEAD_TIMEOUT_S for each request head; at the
     cap, a connection of ours or root's closes another uid's oldest, busy or
     not, and anyone else is answered 503;
+  * a uid other than ours and root's gets one answer per connection (then
+    the connection closes: pipelined requests behind it are dropped unread)
+    and FOREIGN_RATE connections a second (FOREIGN_BURST at once); over that
+    budget a connection closes unanswered, counted `throttled_connections`;
+  * an answer that is not written out within IO_TIMEOUT_S (another uid's:
+    FOREIGN_HEAD_TIMEOUT_S) aborts its connection, counted
+    `write_timeouts`: a client that does not read holds nothing;
   * a request that needs no token (/health) takes no body: refused from its
     head, so nobody unauthenticated makes the server read or buffer a body;
   * /health is answered on the event loop itself, never behind busy workers;
@@ -71,6 +82,8 @@ FOREIGN_HEAD_TIMEOUT_S = 2.0  # for each request head of another uid's connectio
 MAX_CONNECTIONS = 256
 MAX_FOREIGN_CONNECTIONS = 16  # per other uid: one neighbour cannot fill the connection cap
 RESERVED_CONNECTIONS = 64  # of the cap, never given to other uids (many uids together cannot fill it either)
+FOREIGN_RATE = 20.0  # connections a second per other uid (each gets one answer), refilled continuously
+FOREIGN_BURST = 20  # ... and at most this many at once
 BACKLOG = 128
 
 
@@ -227,35 +240,63 @@ class _BodyLimits:
 
 
 # ------------------------------------------------------------ transport --
+class _UidBudget:
+    """Token buckets of connections per uid (FOREIGN_RATE a second, FOREIGN_BURST at once)."""
+
+    def __init__(self, rate: float = FOREIGN_RATE, burst: int = FOREIGN_BURST) -> None:
+        self.rate, self.burst = rate, burst
+        self.buckets: dict[int | None, tuple[float, float]] = {}  # uid -> (tokens, when)
+
+    def take(self, uid: int | None, now: float) -> bool:
+        tokens, then = self.buckets.get(uid, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        if len(self.buckets) > 4096:  # uids long quiet are full again: forget them
+            self.buckets = {u: b for u, b in self.buckets.items() if b[0] + (now - b[1]) * self.rate < self.burst}
+        if tokens < 1.0:
+            self.buckets[uid] = (tokens, now)
+            return False
+        self.buckets[uid] = (tokens - 1.0, now)
+        return True
+
+
 class _HeadDeadline(H11Protocol):
     """uvicorn's h11 protocol, plus: each request head must arrive within
     IO_TIMEOUT_S of the connection opening or of the last answer (uvicorn's
     keep-alive timer stops at the first byte, so a client sending one byte a
-    second would otherwise hold its connection for ever); and the requests
-    h11 refuses as malformed are counted with the controller's."""
+    second would otherwise hold its connection for ever); an answer must be
+    written out within a deadline too; another uid's connection gets one
+    answer, within its uid's connection budget; and the requests h11 refuses
+    as malformed are counted with the controller's."""
 
     controller: Controller  # set on the subclass ControllerServer makes
     gate: Gate | None
     live: dict  # this server's open connections (protocol -> None), oldest first
     cap: int
+    budget: _UidBudget  # other uids' connections
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
         self.peer: int | None = None
         self.trusted = True  # a client that can hold the token: ours, root's, or a unix peer let in
+        self.one_answer = False  # another uid than ours and root's: the connection closes after one answer
+        self.lost = False
         self.head_timeout_s = IO_TIMEOUT_S
-        if self.gate is not None and self.gate.kind == "unix":
+        if self.gate is not None and sock is not None and sock.family == socket.AF_UNIX:
             uid = peer_uid(sock)
-            if not self.gate.uid_allowed(uid):
+            allowed = self.gate.uid_allowed(uid) if self.gate.kind == "unix" else Gate.trusted_uid(uid)
+            if not allowed:
                 self.controller.count(403)
                 log.warning("shmkv: controller refused a connection from uid %s (allowed: ours, root, "
                             "controller_allow_uids)", uid)
                 transport.close()
                 return
+            self.peer = uid
+            self.one_answer = not Gate.trusted_uid(uid)
         elif self.gate is not None:
             self.peer = tcp_peer_uid(sock)
             self.trusted = Gate.trusted_uid(self.peer)
+            self.one_answer = not self.trusted
             if not self.trusted:
                 self.head_timeout_s = min(FOREIGN_HEAD_TIMEOUT_S, IO_TIMEOUT_S)
                 mine = [p for p in self.live if p.peer == self.peer]
@@ -264,6 +305,10 @@ class _HeadDeadline(H11Protocol):
                 foreign = [p for p in self.live if not p.trusted]
                 if len(foreign) >= self.cap - min(RESERVED_CONNECTIONS, self.cap // 2) and not self._make_room(foreign):
                     return
+        if self.one_answer and not self.budget.take(self.peer, self.loop.time()):
+            self.controller.count_transport("throttled_connections")
+            transport.abort()  # nothing written: the cheapest answer to a uid over its budget
+            return
         if len(self.live) >= self.cap:
             # the owner always gets in: at the cap, its connection closes another uid's oldest, busy or not
             foreign = [p for p in self.live if not p.trusted] if self.trusted else []
@@ -281,15 +326,24 @@ class _HeadDeadline(H11Protocol):
             out = b'{"error": "the controller is at its connection limit; try again"}\n'
             self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                                  b"Content-Length: " + str(len(out)).encode() + b"\r\nConnection: close\r\n\r\n" + out)
-            self.transport.close()
+            self._close_within(self.head_timeout_s)
             return False
-        victim.transport.close()
+        victim.transport.abort() if victim.transport.get_write_buffer_size() else victim.transport.close()
         self.live.pop(victim, None)
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
         self.live.pop(self, None)
         super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.one_answer and self.cycle is not None and self.cycle.keep_alive:
+            # one answer: it says so (Connection: close), and whatever was pipelined behind it is never parsed
+            self.cycle.keep_alive = False
+            if (b"connection", b"close") not in self.headers:
+                self.headers.append((b"connection", b"close"))
 
     def _idle(self) -> bool:
         """No request of this connection is running (its head is not complete, or it waits for the next)."""
@@ -297,7 +351,38 @@ class _HeadDeadline(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._arm()
+        if self.transport.is_closing():
+            self._close_within(self.head_timeout_s)
+        else:
+            self._arm()
+            if self.transport.get_write_buffer_size():
+                self._write_deadline()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._write_deadline()
+
+    def _write_deadline(self) -> None:
+        """Within the deadline the client must read (the buffer shrink), or the connection is aborted."""
+        self.loop.call_later(self.head_timeout_s, self._abort_if_unwritten, self.transport.get_write_buffer_size())
+
+    def _abort_if_unwritten(self, buffered_then: int) -> None:
+        unread = self.transport.get_write_buffer_size()
+        if not self.lost and not self.transport.is_closing() and unread and unread >= buffered_then:
+            self.controller.count_transport("write_timeouts")
+            log.info("shmkv: controller aborted a connection of uid %s that did not read its answer in %g s",
+                     self.peer, self.head_timeout_s)
+            self.transport.abort()
+
+    def _close_within(self, seconds: float) -> None:
+        """Close after the answer is written; abort if it is not written within `seconds`."""
+        self.transport.close()
+        self.loop.call_later(seconds, self._abort_if_open)
+
+    def _abort_if_open(self) -> None:
+        if not self.lost:
+            self.controller.count_transport("write_timeouts")
+            self.transport.abort()
 
     def send_400_response(self, msg: str) -> None:
         if self.cycle is None or self.cycle.response_complete:  # else _BodyLimits counts the disconnect
@@ -327,16 +412,28 @@ class _Server(uvicorn.Server):
 class ControllerServer:
     """A bound controller server: serve() blocks until stop(); close() removes the socket."""
 
-    def __init__(self, listen: str, controller: Controller, token: str | None = None) -> None:
+    def __init__(self, listen: str, controller: Controller, token: str | None = None,
+                 owner_socket: str | None = None) -> None:
         """`token`: the bearer token TCP clients must send (None: no gate, for
-        in-process tests of the transport alone)."""
+        in-process tests of the transport alone). `owner_socket`: a path for
+        the owner's own unix socket (0600; only our uid and root's connections
+        are served there), beside `listen`."""
         self.controller = controller
         allow = tuple(controller.cfg.controller_allow_uids) if token is not None else ()
         self.sock, self.url = _bind(listen, allow)
+        self.owner_sock: socket.socket | None = None
+        self.owner_url = ""
+        if owner_socket is not None:
+            try:
+                self.owner_sock, self.owner_url = _bind(f"unix:{owner_socket}")
+            except OSError as e:  # the configured listener still serves; the owner's tools fall back to it
+                log.warning("shmkv: controller: cannot serve the owner's socket %s (%s); clients use %s",
+                            owner_socket, e, self.url)
         gate = Gate.for_listener(controller.cfg, self.url, token) if token is not None else None
         cap = _connection_cap()
         protocol = type("ControllerProtocol", (_HeadDeadline,),
-                        {"controller": controller, "gate": gate, "live": {}, "cap": cap})
+                        {"controller": controller, "gate": gate, "live": {}, "cap": cap,
+                         "budget": _UidBudget()})
         config = uvicorn.Config(make_app(controller, gate), http=protocol, lifespan="off", access_log=False,
                                 log_config=None, log_level=logging.WARNING, limit_concurrency=None,  # our cap: above
                                 timeout_keep_alive=int(IO_TIMEOUT_S), server_header=False, backlog=BACKLOG,
@@ -344,16 +441,19 @@ class ControllerServer:
         self.server = _Server(config)
 
     def serve(self) -> None:
-        self.server.run(sockets=[self.sock])
+        self.server.run(sockets=[self.sock, *([self.owner_sock] if self.owner_sock is not None else [])])
 
     def stop(self) -> None:
         self.server.stop()
 
     def close(self) -> None:
-        self.sock.close()
-        if self.url.startswith("unix:"):
-            with contextlib.suppress(OSError):
-                os.unlink(self.url[5:])
+        for sock, url in ((self.sock, self.url), (self.owner_sock, self.owner_url)):
+            if sock is None:
+                continue
+            sock.close()
+            if url.startswith("unix:"):
+                with contextlib.suppress(OSError):
+                    os.unlink(url[5:])
 
 
 def _bind(listen: str, allow_uids: tuple[int, ...] = ()) -> tuple[socket.socket, str]:

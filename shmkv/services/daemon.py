@@ -34,7 +34,7 @@ from shmkv.config import ShmkvConfig, load_config
 from shmkv.errors import ShmkvError
 from shmkv.paths import daemon_lock, open_private_log, runtime_dir
 from shmkv.services.controller import Controller
-from shmkv.services.controller_auth import check_token_place, rotate_token, token_path
+from shmkv.services.controller_auth import check_token_place, owner_socket_path, rotate_token, token_path
 from shmkv.services.controller_http import ControllerServer
 from shmkv.services.maintainer import MaintainerRole
 from shmkv.store import OpenOutcome, Role, Store, open_store
@@ -79,7 +79,11 @@ class Daemon:
             self.chain = open_tiers(cfg, self.store)
             self.role = MaintainerRole(cfg, self.chain, standby_s=0.2, yield_to_daemon=False)
             self.role.start()
-            self.server = ControllerServer(cfg.listen, Controller(cfg, self.store, self.chain, self.role), token)
+            owner = owner_socket_path(cfg)
+            if owner is not None:
+                runtime_dir()  # made and checked (0700, ours) before a socket is bound in it
+            self.server = ControllerServer(cfg.listen, Controller(cfg, self.store, self.chain, self.role), token,
+                                           owner_socket=owner)
         except BaseException:
             self._undo_start()
             raise

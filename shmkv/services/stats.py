@@ -52,6 +52,8 @@ CONTROLLER_METRICS = [
     ("bad_requests", "Requests refused with a 4xx (malformed or out of range)", "counter"),
     ("refused_requests", "Requests refused for their credentials, Host or Origin (401, 403)", "counter"),
     ("errors", "Requests that failed inside the daemon (5xx)", "counter"),
+    ("throttled_connections", "Other uids' connections closed unanswered, over their per-uid budget", "counter"),
+    ("write_timeouts", "Connections aborted because their client did not read an answer in time", "counter"),
     ("uptime_seconds", "Seconds since the daemon started", "gauge"),
 ]
 
@@ -206,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.watch is not None and args.watch <= 0:
         ap.error("--watch needs a positive number of seconds")
+    if args.disk_dir:
+        where = os.path.join(args.disk_dir, args.cache)
+        if not os.path.isdir(args.disk_dir):
+            ap.error(f"--disk-dir {args.disk_dir}: not a directory (the disk tier's directory: disk_dir)")
+        if os.path.lexists(where) and not (os.path.isdir(where) and not os.path.islink(where)):
+            ap.error(f"--disk-dir {args.disk_dir}: {where} is not a directory of disk-tier chunks")
 
     shown = 0
     try:

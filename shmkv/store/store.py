@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmkv import _C
-from shmkv.errors import InvalidArgumentError, PayloadTooLargeError, StoreInUseError
+from shmkv.errors import InvalidArgumentError, PayloadTooLargeError, PermissionDeniedError, StoreInUseError
 from shmkv.store.handles import _DEFERRED, Lease, Reservation, retry_deferred_aborts
 from shmkv.store.results import (
     _PRESENCE,
@@ -117,6 +117,27 @@ def default_cache_name() -> str:
     return f"shmkv-{os.getuid()}"
 
 
+
+_checked_segment_dirs: set[str] = set()
+
+
+def _check_segment_dir_parents() -> None:
+    """SHMKV_SEGMENT_DIR's parent directories must be ones no other user can
+    change (the directory itself the core checks: ours, 0700, a tmpfs):
+    otherwise another user could swap a parent and point us at another
+    directory between two opens. Once per process and value."""
+    from shmkv.names import SEGMENT_DIR_ENV
+    from shmkv.paths import check_trusted_dir
+
+    where = os.environ.get(SEGMENT_DIR_ENV)
+    if not where or where in _checked_segment_dirs or not os.path.isabs(where):
+        return  # unset: POSIX shm; relative: the core refuses it, naming it
+    try:
+        check_trusted_dir(os.path.dirname(os.path.normpath(where)) or "/")
+    except PermissionDeniedError as e:
+        raise PermissionDeniedError(f"{SEGMENT_DIR_ENV}={where}: {e}") from None
+    _checked_segment_dirs.add(where)
+
 class Store:
     """One process's attachment to a shmkv shared-memory segment.
 
@@ -143,6 +164,7 @@ class Store:
         if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, (int, float)) \
                 or not 0 < lock_timeout_s <= 3600:
             raise InvalidArgumentError(f"lock_timeout_s={lock_timeout_s!r}: expected seconds in (0, 3600]")
+        _check_segment_dir_parents()
         code, msg, table, outcome = _C.open_table(
             name, mode, g.capacity_bytes, g.max_payload_bytes, g.alignment,
             g.max_entries, g.max_leases, g.max_procs, populate, float(lock_timeout_s), float(init_wait_s),

@@ -59,7 +59,10 @@ FP8_SOURCES = {"bfloat16": 1, "float16": 2, "float32": 3}  # dtype -> header cod
 FP8_DTYPES = {v: k for k, v in FP8_SOURCES.items()}
 _HEADER = struct.Struct("<8sHBBi16s16sQQ16s")  # 80 bytes
 HEADER_BYTES = _HEADER.size + 8
-MAX_RAW = 1 << 34  # the bound of a reader that names none (16 GiB); readers pass the chunk they can hold
+# The bound of a reader that names none (a tier built alone: an operator's tool, a benchmark): 512 MiB, above a
+# 256-token chunk of any model served today (a 405B model's is 126 MiB); a tier chain passes its segment's
+# largest payload instead, and DiskTier / RemoteTier take `max_raw` for chunks beyond it.
+MAX_RAW = 1 << 29
 assert _HEADER.size == 80
 
 

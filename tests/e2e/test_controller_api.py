@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 
 import pytest
-from helpers import CONTROLLER_TOKENS, http, payload_for
+from helpers import http, payload_for, serve_in_process, stop_in_process
 
 from shmkv import Store
 from shmkv.chunking import Chunker
 from shmkv.config import load_config
 from shmkv.keys import Namespace
 from shmkv.namespaces import namespace_to_dict, register
-from shmkv.services.daemon import Daemon
 
 CHUNK, BLOCK, NBYTES = 32, 16, 4096
 NS = Namespace(model_id="test-model", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=64,
@@ -35,13 +33,7 @@ def start_daemon(cache_name, tmp_path, listen="127.0.0.1:0", disk=True, remote="
     cfg = load_config({"cache_name": cache_name, "capacity": "8MiB", "chunk_size": CHUNK, "listen": listen,
                        "disk_dir": str(tmp_path / "disk") if disk else "", "populate": False,
                        "spill_ahead": 0.0, "low_watermark": 0.0, "remote_url": remote})
-    d = Daemon(cfg)
-    assert d.lock.try_acquire()
-    d.start()
-    CONTROLLER_TOKENS[d.url] = d.token  # helpers.http sends it, as `shmkv ctl` does
-    t = threading.Thread(target=d.serve, daemon=True)
-    t.start()
-    return d, t
+    return serve_in_process(cfg)
 
 
 @pytest.fixture
@@ -49,9 +41,7 @@ def served(cache_name, tmp_path):
     d, t = start_daemon(cache_name, tmp_path)
     register(cache_name, NS)
     yield d
-    d.request_stop()
-    t.join(timeout=30)
-    d.close()
+    stop_in_process(d, t)
 
 
 def put_units(store, us, ns=NS):

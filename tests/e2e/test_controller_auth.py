@@ -13,10 +13,9 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 
 import pytest
-from helpers import AS_ANOTHER_USER, CONTROLLER_TOKENS, as_nobody, http, payload_for
+from helpers import AS_ANOTHER_USER, as_nobody, http, payload_for, serve_in_process, stop_in_process
 
 from shmkv.config import load_config
 from shmkv.errors import PermissionDeniedError
@@ -26,20 +25,7 @@ from shmkv.services.daemon import EXIT_CANNOT_SERVE, AlreadyServedError, Daemon
 NS = b"N" * 16
 
 
-def start(cfg) -> tuple[Daemon, threading.Thread]:
-    d = Daemon(cfg)
-    assert d.lock.try_acquire()
-    d.start()
-    CONTROLLER_TOKENS[d.url] = d.token
-    t = threading.Thread(target=d.serve, daemon=True)
-    t.start()
-    return d, t
-
-
-def stop(d: Daemon, t: threading.Thread) -> None:
-    d.request_stop()
-    t.join(timeout=30)
-    d.close()
+start, stop = serve_in_process, stop_in_process
 
 
 def config(cache_name, **kw):
@@ -168,6 +154,27 @@ def test_a_token_file_others_could_read_or_write_is_refused(cache_name, tmp_path
     with pytest.raises(PermissionDeniedError, match=f"{path}.*mode 0{mode:o}"):
         Daemon(cfg).start()
     assert not os.path.exists(f"/dev/shm/{cache_name}"), "refused before the segment exists"
+
+
+def test_a_token_file_in_a_directory_others_can_change_is_refused(cache_name, tmp_path):
+    """Whoever can change the token's directory can remove or replace the
+    token: the daemon refuses to start there, and a client to read it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # writable by everyone, not sticky
+    cfg = config(cache_name, controller_token_file=str(shared / "token"))
+    with pytest.raises(PermissionDeniedError,
+                       match=f"controller token file {shared / 'token'}: .*mode 0777; shmkv only uses directories"):
+        Daemon(cfg).start()
+    assert not os.path.exists(f"/dev/shm/{cache_name}"), "refused before the segment exists"
+    with pytest.raises(PermissionDeniedError, match="controller token file"):
+        read_token(cfg)
+    os.chmod(shared, 0o1777)  # sticky, as /tmp: nobody else can remove or replace our file
+    d, t = start(cfg)
+    try:
+        assert read_token(cfg) == d.token
+    finally:
+        stop(d, t)
 
 
 def test_metrics_can_be_opened_to_scrapers(cache_name):

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import CONTROLLER_TOKENS, http, payload_for
+from helpers import CONTROLLER_TOKENS, http, payload_for, serve_in_process, stop_in_process
 
 import shmkv.services.controller_http as transport
 from shmkv.config import load_config
@@ -28,17 +28,8 @@ NS = [Namespace(model_id=f"m{i}", dtype="bfloat16", num_layers=2, num_kv_heads=2
 
 def start_daemon(cache_name: str) -> tuple[Daemon, threading.Thread]:
     """A daemon serving in this process on a loopback port (d.addr)."""
-    cfg = load_config({"cache_name": cache_name, "capacity": "8MiB", "listen": "127.0.0.1:0", "populate": False},
-                      env={})
-    d = Daemon(cfg)
-    assert d.lock.try_acquire()
-    d.start()
-    CONTROLLER_TOKENS[d.url] = d.token  # helpers.http sends it, as `shmkv ctl` does
-    t = threading.Thread(target=d.serve, daemon=True)
-    t.start()
-    host, port = d.url.removeprefix("http://").rsplit(":", 1)
-    d.addr = (host, int(port))
-    return d, t
+    return serve_in_process(load_config({"cache_name": cache_name, "capacity": "8MiB", "listen": "127.0.0.1:0",
+                                         "populate": False}, env={}))
 
 
 def serve_filled(cache_name: str):
@@ -48,9 +39,7 @@ def serve_filled(cache_name: str):
         k = bytes([i]) * 16
         d.store.put(k, payload_for(k, 4096), namespace=NS[i % 2].root_key())
     yield d
-    d.request_stop()
-    t.join(timeout=30)
-    d.close()
+    stop_in_process(d, t)
 
 
 @pytest.fixture

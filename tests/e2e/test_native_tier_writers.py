@@ -2,10 +2,14 @@
 the native tier's lookup answers RETRY (vLLM asks again next step) instead
 of MISS, HIT once the writer commits, and MISS once a writer has held it
 past WRITING_RETRY_S (a frozen or killed writer never stalls a request); a
-store of a chunk another engine is writing is not reported stored."""
+writer that aborted leaves the next writer of the chunk a window of its own;
+a store of a chunk another engine is writing is not reported stored."""
 
 # ruff: noqa: E402  (vLLM's imports follow the skip where vLLM is not installed)
 from __future__ import annotations
+
+import time
+import types
 
 import pytest
 
@@ -52,6 +56,30 @@ def test_a_writer_that_never_commits_turns_into_a_miss(engine, cache_name, monke
         monkeypatch.setattr(native_tier, "WRITING_RETRY_S", 0.0)  # as if WRITING_RETRY_S had passed
         assert engine.tier.lookup(k, engine.ctx) is LookupResult.MISS
         r.abort()
+    finally:
+        writer.close()
+
+
+def test_an_aborted_writer_leaves_the_next_writer_its_own_window(engine, cache_name, monkeypatch):
+    """A writer that holds the chunk and aborts (a hostile neighbour, or a
+    store that failed) must not spend the window of the honest writer after it."""
+    (k,) = engine.keys(1, seed=4)
+    shm_key = engine.tier.key_of(k)
+    clock = [1000.0]  # the tier's monotonic clock, moved by hand
+    monkeypatch.setattr(native_tier, "time", types.SimpleNamespace(
+        **{**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")}, "monotonic": lambda: clock[0]}))
+    writer = Store.attach(cache_name)
+    try:
+        r = writer.reserve(shm_key, engine.tier.chunk_bytes, namespace=engine.tier.root)
+        assert engine.tier.lookup(k, engine.ctx) is LookupResult.RETRY
+        r.abort()
+        assert engine.tier.lookup(k, engine.ctx) is LookupResult.MISS  # nobody writes it now
+        clock[0] += 10 * native_tier.WRITING_RETRY_S  # long after the first writer's window would have closed
+        r = writer.reserve(shm_key, engine.tier.chunk_bytes, namespace=engine.tier.root)
+        assert engine.tier.lookup(k, engine.ctx) is LookupResult.RETRY, "the honest writer's own window"
+        r.view()[:] = b"\x02" * engine.tier.chunk_bytes
+        assert r.commit() is PutResult.OK
+        assert engine.tier.lookup(k, engine.ctx) is LookupResult.HIT
     finally:
         writer.close()
 

@@ -1,10 +1,10 @@
 """With a shared secret (`remote_secret_file`) every remote chunk carries an
-HMAC of it and the id of the key that signed it: hosts holding the secret
-share chunks; a value of our key id whose MAC fails (a wrong MAC, another
-key's value moved) is a miss, counted and unlinked; a value signed with
-another secret (or with no head at all) is a miss, counted, and left for the
-hosts that hold that secret, and a host whose secret differs says so once at
-start; a value written back after the expiry its writer signed, or after a
+HMAC of it and the id of the key that signed it, and its name carries that
+key id: hosts holding the secret share chunks; a value of our key id whose
+MAC fails (a wrong MAC, another key's value moved) is a miss, counted and
+unlinked; a value under our names without our key id (no head at all) was
+planted: a miss, counted, unlinked; a host whose secret differs says so once
+at start and never touches the others' names; a value written back after the expiry its writer signed, or after a
 clear of everything or of its namespace, is a miss and removed; hosts with
 and without the secret never see each other's chunks.
 Without a secret the start-up log says that anyone who can write to the
@@ -38,6 +38,7 @@ def store(small_store):
 
 
 SECRET = b"0123456789abcdef0123456789abcdef"
+SIGNER = key_id(SECRET)
 
 
 def secret_file(tmp_path, name="secret", data=SECRET, mode=0o600):
@@ -60,7 +61,7 @@ def test_hosts_with_the_secret_share_chunks(store, redis_server, tmp_path):
     c = chain(store, redis_server.url, secret_file(tmp_path))
     stored(store, 1)
     assert c.remote.write(key(1), NS, payload_for(key(1), SIZE))
-    raw = redis_server.client().get(chunk_key(key(1), NS, authenticated=True))
+    raw = redis_server.client().get(chunk_key(key(1), NS, SIGNER))
     assert raw is not None and raw[:KEY_ID_BYTES] == key_id(SECRET), "the id of the key that signed it"
     assert raw[SIGNED_HEAD:SIGNED_HEAD + 8] == fmt.MAGIC, "the key id, the expiry, the MAC, then the chunk"
     assert not redis_server.client().exists(chunk_key(key(1), NS)), "not under the unauthenticated name"
@@ -72,45 +73,47 @@ def test_hosts_with_the_secret_share_chunks(store, redis_server, tmp_path):
 def test_a_value_of_our_key_whose_mac_fails_is_a_counted_miss_and_unlinked(store, redis_server, tmp_path, forge):
     c = chain(store, redis_server.url, secret_file(tmp_path))
     client = redis_server.client()
-    victim = chunk_key(key(2), NS, authenticated=True)
+    victim = chunk_key(key(2), NS, SIGNER)
     good = fmt.encode(key(2), NS, payload_for(key(2), SIZE))
     if forge == "wrong_mac":
         client.set(victim, key_id(SECRET) + bytes(8) + b"\0" * MAC_BYTES + good)
     else:  # a genuine value of another key, copied under this key's name
         assert c.remote.write(key(3), NS, payload_for(key(2), SIZE))
-        client.set(victim, client.get(chunk_key(key(3), NS, authenticated=True)))
+        client.set(victim, client.get(chunk_key(key(3), NS, SIGNER)))
     assert c.remote.contains([key(2)], [NS]) == [True]
     assert c.promote([key(2)], [NS]) == 0
     assert store.stats()["remote_damaged"] == 1 and not client.exists(victim)
     c.close()
 
 
-def test_a_value_without_our_key_id_is_a_miss_left_in_place(store, redis_server, tmp_path):
+def test_a_value_under_our_name_without_our_key_id_is_a_counted_miss_and_unlinked(store, redis_server, tmp_path):
     c = chain(store, redis_server.url, secret_file(tmp_path))
     client = redis_server.client()
-    victim = chunk_key(key(2), NS, authenticated=True)
-    client.set(victim, fmt.encode(key(2), NS, payload_for(key(2), SIZE)))  # no head: not ours to judge
+    victim = chunk_key(key(2), NS, SIGNER)
+    client.set(victim, fmt.encode(key(2), NS, payload_for(key(2), SIZE)))  # no head: only we write our names
     assert c.promote([key(2)], [NS]) == 0
-    assert (store.stats()["remote_foreign"], store.stats()["remote_damaged"]) == (1, 0) and client.exists(victim)
+    assert (store.stats()["remote_foreign"], store.stats()["remote_damaged"]) == (1, 0)
+    assert not client.exists(victim)
     c.close()
 
 
-def test_a_host_with_another_secret_leaves_every_chunk_of_the_others(store, redis_server, tmp_path, caplog):
-    """A stale secret mid-rotation, or a typo: host B misses A's chunks and
-    removes none of them, and says so once at start and once on a chunk."""
+def test_a_host_with_another_secret_never_touches_the_others_names(store, redis_server, tmp_path, caplog):
+    """A stale secret mid-rotation, or a typo: host B misses A's chunks,
+    writes its own under its own names, and says so once at start."""
     a = chain(store, redis_server.url, secret_file(tmp_path))
     for i in range(5):
         assert a.remote.write(key(10 + i), NS, payload_for(key(10 + i), SIZE))
     client = redis_server.client()
-    before = sorted(client.keys(b"shmkv:v1:s:*"))
+    ours = sorted(client.keys(b"shmkv:v1:s:" + SIGNER.hex().encode() + b":*"))
+    before = [client.get(k) for k in ours]
     with caplog.at_level(logging.WARNING, logger="shmkv.remote"):
         b = chain(store, redis_server.url, secret_file(tmp_path, "other", b"another secret, 32 bytes long..."))
         assert [b.remote.fetch(key(10 + i), NS) for i in range(5)] == [None] * 5
-    assert sorted(client.keys(b"shmkv:v1:s:*")) == before and len(before) == 5, "every chunk of A is still there"
-    assert store.stats()["remote_foreign"] == 5 and store.stats()["remote_damaged"] == 0
+        assert b.remote.write(key(10), NS, payload_for(key(99), SIZE)), "its own chunk, under its own name"
+    assert len(ours) == 5 and [client.get(k) for k in ours] == before, "every chunk of A as it was"
+    assert store.stats()["remote_foreign"] == 0 and store.stats()["remote_damaged"] == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert sum("sign with another remote_secret_file" in w for w in warnings) == 1, warnings
-    assert sum("signed with another remote_secret_file" in w for w in warnings) == 1, warnings
     assert all(SECRET.decode() not in w for w in warnings)
     assert a.promote([key(10)], [NS]) == 1, "A still reads its own"
     a.close()
@@ -123,7 +126,7 @@ def test_a_value_written_back_after_its_signed_expiry_is_a_miss(store, redis_ser
     c = chain(store, redis_server.url, secret_file(tmp_path), remote_ttl=60)
     client = redis_server.client()
     assert c.remote.write(key(7), NS, payload_for(key(7), SIZE))
-    rkey = chunk_key(key(7), NS, authenticated=True)
+    rkey = chunk_key(key(7), NS, SIGNER)
     captured = client.get(rkey)
     client.set(rkey, captured)  # written back with no TTL
     now = time.time()
@@ -140,7 +143,10 @@ def test_with_and_without_the_secret_never_meet(store, redis_server, tmp_path):
     assert plain.remote.contains([key(4), key(5)], [NS, NS]) == [True, False]
     assert mac.remote.contains([key(4), key(5)], [NS, NS]) == [False, True]
     assert store.stats()["remote_damaged"] == 0
-    assert mac.remote.clear(NS) == 2, "clear removes both key spaces"
+    assert plain.remote.clear(NS) == 1, "a host without the secret clears only the unauthenticated names"
+    assert mac.remote.contains([key(5)], [NS]) == [True]
+    assert plain.remote.write(key(4), NS, payload_for(key(4), SIZE))
+    assert mac.remote.clear(NS) == 2, "a host with it clears its own names and the unauthenticated ones"
     plain.close()
     mac.close()
 
@@ -184,15 +190,15 @@ def test_a_value_written_back_after_a_clear_is_a_miss(store, redis_server, tmp_p
     client = redis_server.client()
     for i, ns in ((20, NS), (21, b"M" * 16)):
         assert c.remote.write(key(i), ns, payload_for(key(i), SIZE))
-    captured = {i: client.get(chunk_key(key(i), ns, authenticated=True)) for i, ns in ((20, NS), (21, b"M" * 16))}
+    captured = {i: client.get(chunk_key(key(i), ns, SIGNER)) for i, ns in ((20, NS), (21, b"M" * 16))}
     assert c.remote.clear(NS) == 1
-    rk = chunk_key(key(20), NS, authenticated=True)
+    rk = chunk_key(key(20), NS, SIGNER)
     client.set(rk, captured[20])
     assert c.remote.fetch(key(20), NS) is None and not client.exists(rk)
     assert store.stats()["remote_stale"] == 1
     assert c.remote.fetch(key(21), b"M" * 16) is not None, "another namespace's clear generation did not move"
     assert c.remote.clear() == 1  # everything
-    rk = chunk_key(key(21), b"M" * 16, authenticated=True)
+    rk = chunk_key(key(21), b"M" * 16, SIGNER)
     client.set(rk, captured[21])
     assert c.remote.fetch(key(21), b"M" * 16) is None and store.stats()["remote_stale"] == 2
     assert c.remote.write(key(22), NS, payload_for(key(22), SIZE))
@@ -214,7 +220,7 @@ def test_another_hosts_clear_is_seen_and_a_rolled_back_generation_heals(store, r
     b = chain(store, redis_server.url, secret_file(tmp_path))
     client = redis_server.client()
     assert a.remote.write(key(30), NS, payload_for(key(30), SIZE))
-    rk = chunk_key(key(30), NS, authenticated=True)
+    rk = chunk_key(key(30), NS, SIGNER)
     captured, gen_key = client.get(rk), a.remote._gen_key(None)
     old_record = client.get(gen_key)
     assert b.remote.clear() == 1

@@ -1,6 +1,7 @@
 """The narrowest host grant: segments in a directory of their own
 (SHMKV_SEGMENT_DIR: a tmpfs, 0700, of the cache's uid), so a container
-mounts that one directory instead of the host's /dev/shm or IPC namespace.
+mounts that one directory instead of the host's /dev/shm or IPC namespace;
+its parents must be directories no other user can change.
 Containers here are `unshare --pid --fork --mount-proc` with a private
 /dev/shm mounted over the host's: only the segment directory is shared."""
 
@@ -57,6 +58,24 @@ def test_a_directory_that_is_not_safe_memory_is_refused_naming_it(cache_name, tm
     finally:
         if bad == "group-readable":
             subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_a_directory_under_a_parent_others_can_change_is_refused(cache_name, tmp_path, monkeypatch):
+    """Whoever can change a parent can swap the directory between two opens:
+    the segment directory must hang below directories no other user can change."""
+    parent = tmp_path / "open"
+    parent.mkdir()
+    os.chmod(parent, 0o777)  # writable by everyone, not sticky
+    d = parent / "segments"
+    d.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "shmkv-segments", str(d)], check=True)
+    monkeypatch.setenv("SHMKV_SEGMENT_DIR", str(d))
+    try:
+        with pytest.raises(PermissionDeniedError, match=re.escape(f"SHMKV_SEGMENT_DIR={d}: {parent}: ")):
+            Store.create(cache_name, 8 << 20, populate=False)
+        assert os.listdir(d) == [], "refused before anything is created"
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def test_a_link_planted_at_the_segments_name_is_refused(segment_dir, cache_name, tmp_path):

