@@ -34,7 +34,8 @@ from shmkv.bench.engines import container_argv, signal_container
 
 DEPLOY = os.path.join(REPO, "deploy")
 COMPOSE = os.path.join(DEPLOY, "compose.yaml")
-KUBERNETES = [os.path.join(DEPLOY, "kubernetes", f) for f in ("shmkv-daemonset.yaml", "vllm-deployment.yaml")]
+KUBERNETES = [os.path.join(DEPLOY, "kubernetes", f)
+              for f in ("shmkv-daemonset.yaml", "node-volumes.yaml", "vllm-deployment.yaml")]
 SHARED = {"/run/shmkv", "/var/lib/shmkv"}  # the host directories the recipes share, and nothing else
 
 
@@ -56,6 +57,50 @@ def pod_specs() -> dict[str, dict[str, Any]]:
             if d["kind"] in ("DaemonSet", "Deployment")}
 
 
+def host_paths(pod: dict[str, Any], namespace: str, docs: list[dict[str, Any]]) -> dict[str, str]:
+    """{volume name: the host directory it is}: a hostPath's path, or the
+    local path of the PersistentVolume bound to a claim's name."""
+    local = {(v["spec"]["claimRef"]["namespace"], v["spec"]["claimRef"]["name"]): v["spec"]["local"]["path"]
+             for v in docs if v["kind"] == "PersistentVolume"}
+    out = {}
+    for v in pod["volumes"]:
+        if "hostPath" in v:
+            out[v["name"]] = v["hostPath"]["path"]
+        elif "persistentVolumeClaim" in v:
+            out[v["name"]] = local[(namespace, v["persistentVolumeClaim"]["claimName"])]
+    return out
+
+
+# What Pod Security's "restricted" level refuses in a pod, as its rules read
+# (kubernetes.io/docs/concepts/security/pod-security-standards): the subset a
+# recipe could break. None of them: the pod may run in a restricted namespace.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def restricted_violations(pod: dict[str, Any]) -> list[str]:
+    bad = [f for f in ("hostIPC", "hostPID", "hostNetwork") if pod.get(f)]
+    bad += [f"volume {v['name']}: {k}" for v in pod.get("volumes", []) for k in v
+            if k != "name" and k not in RESTRICTED_VOLUMES]
+    psc = pod.get("securityContext", {})
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        sc = {**psc, **c.get("securityContext", {})}
+        if not sc.get("runAsNonRoot") or sc.get("runAsUser") == 0:
+            bad.append(f"{c['name']}: may run as root")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{c['name']}: allowPrivilegeEscalation is not false")
+        if sc.get("privileged"):
+            bad.append(f"{c['name']}: privileged")
+        if sc.get("capabilities", {}).get("drop") != ["ALL"] or set(sc.get("capabilities", {}).get("add", [])) - {
+                "NET_BIND_SERVICE"}:
+            bad.append(f"{c['name']}: capabilities are not drop ALL")
+        if sc.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{c['name']}: no seccomp profile")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{c['name']}: a host port")
+    return bad
+
+
 def env_of(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", [])}
 
@@ -70,7 +115,8 @@ def test_the_kubernetes_manifests_pass_kubernetes_schemas():
     from kubernetes_validate.utils import latest_version
 
     docs = k8s_docs()
-    assert {d["kind"] for d in docs} == {"Namespace", "ConfigMap", "DaemonSet", "Deployment"}
+    assert {d["kind"] for d in docs} == {"Namespace", "ConfigMap", "DaemonSet", "Deployment", "StorageClass",
+                                         "PersistentVolume", "PersistentVolumeClaim"}
     for doc in docs:
         kubernetes_validate.validate(doc, latest_version(), strict=True)
     daemonset = next(d for d in docs if d["kind"] == "DaemonSet")
@@ -97,19 +143,21 @@ def test_the_compose_file_passes_the_compose_specification(tmp_path):
 
 # ------------------------------------------------------------ the grant ---
 def test_every_container_shares_two_host_directories_and_nothing_else():
+    docs = k8s_docs()
+    workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("DaemonSet", "Deployment")}
     for name, pod in pod_specs().items():
         for field in ("hostIPC", "hostPID", "hostNetwork", "shareProcessNamespace"):
             assert not pod.get(field), (name, field)
-        host = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-        assert host == SHARED, (name, host)
+        paths = host_paths(pod, workloads[name]["metadata"]["namespace"], docs)
+        assert set(paths.values()) == SHARED, (name, paths)
         (container,) = pod["containers"]
         assert not container.get("securityContext", {}).get("privileged"), name
         assert container["securityContext"]["capabilities"]["drop"] == ["ALL"], name
         volumes = {v["name"]: v for v in pod["volumes"]}
         for m in container["volumeMounts"]:
             v = volumes[m["name"]]
-            if "hostPath" in v:
-                assert m["mountPath"] == v["hostPath"]["path"], (name, m)  # the host's paths, inside too
+            if m["name"] in paths:
+                assert m["mountPath"] == paths[m["name"]], (name, m)  # the host's paths, inside too
             elif m["mountPath"] == "/dev/shm":
                 assert v["emptyDir"]["medium"] == "Memory", (name, v)  # vLLM's own shared memory, private
     for name, svc in compose()["services"].items():
@@ -120,6 +168,34 @@ def test_every_container_shares_two_host_directories_and_nothing_else():
         assert host == SHARED, (name, host)
         assert all(inside == h for h, inside, *_ in binds if h.startswith("/")), (name, binds)
         assert svc["cap_drop"] == ["ALL"], name
+
+
+def test_only_the_daemon_runs_where_pod_security_is_privileged():
+    """The engines' namespace enforces "restricted" and its pods keep its
+    rules (a hostPath added to a copy breaks them); the daemon, the one pod
+    that mounts host directories, has the privileged namespace to itself.
+    The local volumes are the host's directories, on the node they name."""
+    docs = k8s_docs()
+    levels = {d["metadata"]["name"]: d["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+              for d in docs if d["kind"] == "Namespace"}
+    assert levels == {"shmkv-system": "privileged", "shmkv": "restricted"}, levels
+    workloads = [d for d in docs if d["kind"] in ("DaemonSet", "Deployment")]
+    assert {d["metadata"]["name"] for d in workloads if levels[d["metadata"]["namespace"]] == "privileged"} == {
+        "shmkv-daemon"}
+    for d in workloads:
+        if levels[d["metadata"]["namespace"]] == "restricted":
+            pod = d["spec"]["template"]["spec"]
+            assert restricted_violations(pod) == [], d["metadata"]["name"]
+            mutated = json.loads(json.dumps(pod))
+            mutated["volumes"].append({"name": "host", "hostPath": {"path": "/run/shmkv"}})
+            assert restricted_violations(mutated) == ["volume host: hostPath"]
+    for pv in (d for d in docs if d["kind"] == "PersistentVolume"):
+        assert pv["spec"]["persistentVolumeReclaimPolicy"] == "Retain", pv["metadata"]["name"]
+        (term,) = pv["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"]
+        assert term["matchExpressions"][0]["key"] == "kubernetes.io/hostname"
+    claims = {(c["metadata"]["namespace"], c["metadata"]["name"]) for c in docs if c["kind"] == "PersistentVolumeClaim"}
+    assert claims == {(pv["spec"]["claimRef"]["namespace"], pv["spec"]["claimRef"]["name"])
+                      for pv in docs if pv["kind"] == "PersistentVolume"}
 
 
 def test_the_recipes_agree_on_the_uid_the_settings_and_the_commands():
@@ -142,8 +218,8 @@ def test_the_recipes_agree_on_the_uid_the_settings_and_the_commands():
     # one settings file: the ConfigMap carries config/shmkv.yaml's text
     with open(os.path.join(DEPLOY, "config", "shmkv.yaml")) as f:
         text = f.read()
-    (config_map,) = [d for d in k8s_docs() if d["kind"] == "ConfigMap"]
-    assert config_map["data"]["shmkv.yaml"] == text
+    config_maps = [d for d in k8s_docs() if d["kind"] == "ConfigMap"]  # one per namespace
+    assert len(config_maps) == 2 and all(c["data"]["shmkv.yaml"] == text for c in config_maps)
     settings = yaml.safe_load(text)
     shared_state = os.path.dirname(env["SHMKV_RUNTIME_DIR"])
     assert settings["disk_dir"].startswith(shared_state + "/")
