@@ -139,3 +139,30 @@ def test_an_answer_nobody_reads_aborts_its_connection(served, monkeypatch):
     wait_until(cut_off, "the unread connection aborted", timeout=60)
     s.close()
     assert http(served.url, "GET", "/health")[0] == 200
+
+
+def test_the_owner_has_a_socket_of_its_own(cache_name):
+    """Beside its TCP listener the daemon serves the owner's own socket (0600
+    in the private runtime directory): `shmkv ctl` reaches the daemon there,
+    behind no other uid's connections; it is gone when the daemon stops."""
+    import os
+    import stat
+
+    from shmkv.services.controller_auth import owner_socket_path
+    from shmkv.services.controller_client import request, url_of
+
+    cfg = load_config({"cache_name": cache_name, "capacity": "8MiB", "populate": False, "listen": "127.0.0.1:0"},
+                      env={})
+    d, t = serve_in_process(cfg)
+    path = owner_socket_path(cfg)
+    try:
+        st = os.lstat(path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        assert url_of(cfg) == f"unix:{path}"
+        assert request(url_of(cfg), d.token, "GET", "/stats")[0] == 200
+        assert request(d.url, d.token, "GET", "/health")[0] == 200, "the configured listener as before"
+    finally:
+        stop_in_process(d, t)
+    assert not os.path.lexists(path)
+    assert url_of(cfg).startswith("http://"), "no owner socket: the configured listener"
