@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -361,6 +362,10 @@ class Harness:
             for rk in self.ranks:
                 rk.device.step = self.step
             so = self.scheduler.schedule()
+            # each rank's own copy, as vLLM's workers each deserialize the step's SchedulerOutput
+            # (one process: the scheduler's own object)
+            self._rank_so = {rk.tp_rank: so if len(self.ranks) == 1 else pickle.loads(pickle.dumps(so))
+                             for rk in self.ranks}
             out = self.execute_v2(so) if self.runner == "v2" else self.execute_v1(so)
             self.kv_outputs.append(out.kv_connector_output)
             engine_outputs = self.scheduler.update_from_output(so, out)
@@ -579,31 +584,32 @@ class Harness:
         self._bookkeeping(so)
         if so.total_num_scheduled_tokens == 0:
             outs = []
-            for _ in self._each_rank():
-                self._zero_and_copy(so)
-                outs.append(self.kvc.no_forward(so))
+            for rk in self._each_rank():
+                self._zero_and_copy(self._rank_so[rk.tp_rank])
+                outs.append(self.kvc.no_forward(self._rank_so[rk.tp_rank]))
             return self._combined(outs)
         batch = _InputBatch(list(so.num_scheduled_tokens), so.total_num_scheduled_tokens)
         plan = self._plan(so)
         sums_by_rank = []
-        for _ in self._each_rank():
-            self._zero_and_copy(so)  # update_requests
-            self._precopy(so)  # model_state.preprocess_state, before pre_forward
-            if self._uniform_decode(so):  # the FULL CUDA-graph branch: no forward context, no per-layer hook
-                self.kvc.pre_forward(so, batch, attn_metadata={"full": True})
+        for rk in self._each_rank():
+            rso = self._rank_so[rk.tp_rank]
+            self._zero_and_copy(rso)  # update_requests
+            self._precopy(rso)  # model_state.preprocess_state, before pre_forward
+            if self._uniform_decode(rso):  # the FULL CUDA-graph branch: no forward context, no per-layer hook
+                self.kvc.pre_forward(rso, batch, attn_metadata={"full": True})
                 sums = self._forward(plan, layer_waits=False)
             else:
                 with set_forward_context({}, self.vllm_config, num_tokens=so.total_num_scheduled_tokens,
                                          cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE):
-                    self.kvc.pre_forward(so, batch)
+                    self.kvc.pre_forward(rso, batch)
                     sums = self._forward(plan, layer_waits=True)
             self.kvc.finish_forward()
             sums_by_rank.append(sums)
         out = self._sample(so, sums_by_rank)
         outs = []
-        for _ in self._each_rank():
+        for rk in self._each_rank():
             self._draft(plan)  # sample_tokens: the speculator proposes, then post_forward
-            outs.append(self._rank_output(out, self.kvc.post_forward(so.finished_req_ids)))
+            outs.append(self._rank_output(out, self.kvc.post_forward(self._rank_so[rk.tp_rank].finished_req_ids)))
         return self._combined(outs)
 
     # ------------------------------------------------------------ runner: V1 --
@@ -612,26 +618,26 @@ class Harness:
         from vllm.forward_context import get_forward_context, set_forward_context
         from vllm.v1.outputs import KVConnectorOutput
 
-        for _ in self._each_rank():
-            self.worker.handle_preemptions(so.kv_connector_metadata)
+        for rk in self._each_rank():
+            self.worker.handle_preemptions(self._rank_so[rk.tp_rank].kv_connector_metadata)
         self._bookkeeping(so)
         full = self._uniform_decode(so)
         mode = CUDAGraphMode.FULL if full else CUDAGraphMode.PIECEWISE
         plan = self._plan(so)
         defer = bool(self.drafter_layers)  # with a drafter, wait_for_save comes after its forward
         sums_by_rank, kv_outs = [], []
-        for _ in self._each_rank():
-            conn = self.worker
-            self._zero_and_copy(so)
+        for rk in self._each_rank():
+            conn, rso = self.worker, self._rank_so[rk.tp_rank]
+            self._zero_and_copy(rso)
             if so.total_num_scheduled_tokens:
-                self._precopy(so)  # preprocess_mamba, before the forward context (bind, loads)
+                self._precopy(rso)  # preprocess_mamba, before the forward context (bind, loads)
             kv_out = KVConnectorOutput()
             sums: dict[str, list[int]] = {}
             ctx = set_forward_context({}, self.vllm_config, num_tokens=so.total_num_scheduled_tokens,
                                       cudagraph_runtime_mode=mode) if so.total_num_scheduled_tokens else \
                 set_forward_context(None, self.vllm_config)
             with ctx:
-                conn.bind_connector_metadata(so.kv_connector_metadata)
+                conn.bind_connector_metadata(rso.kv_connector_metadata)
                 if so.has_sync_kv_loads:
                     conn.start_load_kv(get_forward_context())
                 try:
