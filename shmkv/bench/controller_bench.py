@@ -52,7 +52,7 @@ def _request(url: str, token: str, method: str, path: str, body: bytes | None) -
 
 
 ATTACKER = r"""
-import socket, sys, time
+import json, socket, sys, time
 host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 head = f"POST /health HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: 16777216\r\n\r\n".encode()
 conns, opened, end = [], 0, time.monotonic() + seconds
@@ -77,16 +77,18 @@ while time.monotonic() < end:
             conns.remove(s)
             s.close()
     time.sleep(0.2)
-print(opened, 0)
+print(json.dumps({"opened": opened, "answers": 0}))
 """
 
 PIPELINER = r"""
-import selectors, socket, sys, time
+import json, selectors, socket, sys, time
 host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+conns = int(sys.argv[4]) if len(sys.argv) > 4 else 16
 burst = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode() * 64
-sel, opened, answers, end = selectors.DefaultSelector(), 0, 0, time.monotonic() + seconds
-while time.monotonic() < end:
-    while len(sel.get_map()) < 16:
+sel, opened, answers = selectors.DefaultSelector(), 0, 0
+t0 = time.monotonic()
+while time.monotonic() - t0 < seconds:
+    while len(sel.get_map()) < conns:
         try:
             s = socket.create_connection((host, port), timeout=2)
         except OSError:
@@ -101,7 +103,7 @@ while time.monotonic() < end:
                 data = s.recv(1 << 16)
                 if not data:
                     raise OSError
-                answers += data.count(b"HTTP/1.1 ")
+                answers += data.count(b"HTTP/1.1 200")
             if events & selectors.EVENT_WRITE:
                 s.send(burst)
         except BlockingIOError:
@@ -109,7 +111,7 @@ while time.monotonic() < end:
         except OSError:
             sel.unregister(s)
             s.close()
-print(opened, answers)
+print(json.dumps({"opened": opened, "answers": answers, "seconds": time.monotonic() - t0}))
 """
 
 
@@ -150,11 +152,11 @@ def _attack(url: str, owner_url: str, token: str, pid: int, uids: int, seconds: 
         tcp_health.append(_request(url, token, "GET", "/health", None))
         peak = max(peak, _rss_mib(pid))
         time.sleep(0.1)
-    outs = [(a.communicate(timeout=seconds + 30)[0] or "0 0").split() for a in attackers]
+    outs = [json.loads((a.communicate(timeout=seconds + 30)[0] or "{}").strip() or "{}") for a in attackers]
     cpu, wall = _cpu_s(pid) - cpu_before, time.monotonic() - t_before
     return {"kind": kind, "uids": uids, "seconds": seconds,
-            "attacker_connections": sum(int(o[0]) for o in outs if o),
-            "attacker_answers": sum(int(o[1]) for o in outs if len(o) > 1),
+            "attacker_connections": sum(o.get("opened", 0) for o in outs),
+            "attacker_answers": sum(o.get("answers", 0) for o in outs),
             "daemon_cpu_s": round(cpu, 2), "daemon_cpu_fraction": round(cpu / wall, 3),
             "owner_stats_ms": _percentiles([t for _, t in stats]),
             "owner_health_ms": _percentiles([t for _, t in health]),
