@@ -328,10 +328,31 @@ def _check_name(key: str, value: Any) -> str:
 
 def load_config(explicit: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> ShmkvConfig:
     """Merge explicit settings, SHMKV_* environment variables and the YAML file."""
+    parsers = ShmkvConfig.parsers()
+    merged: dict[str, Any] = {}
+    for _where, values in _layers(explicit, env):
+        for k, v in values.items():
+            merged[k] = parsers[k](k, v)
+    return dataclasses.replace(ShmkvConfig(), **merged)
+
+
+def config_sources(explicit: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Where each setting's effective value comes from: "default", "file
+    PATH", "environment SHMKV_KEY" or "explicit" (what load_config with the
+    same arguments merges)."""
+    out = {k: "default" for k in ShmkvConfig.parsers()}
+    for where, values in _layers(explicit, env):
+        for k in values:
+            out[k] = f"environment SHMKV_{k.upper()}" if where == "environment" else where
+    return out
+
+
+def _layers(explicit: dict[str, Any] | None, env: dict[str, str] | None) -> list[tuple[str, dict[str, Any]]]:
+    """The sources of settings, lowest precedence first: ("file PATH", the
+    YAML file's), ("environment", SHMKV_* variables'), ("explicit", ...)."""
     explicit = dict(explicit or {})
     env = dict(os.environ if env is None else env)
-    parsers = ShmkvConfig.parsers()
-    known = set(parsers)
+    known = set(ShmkvConfig.parsers())
 
     unknown = sorted(set(explicit) - known)
     if unknown:
@@ -339,36 +360,35 @@ def load_config(explicit: dict[str, Any] | None = None, env: dict[str, str] | No
     env_values = {k: env[f"SHMKV_{k.upper()}"] for k in known if f"SHMKV_{k.upper()}" in env}
     _warn_unknown_env(env, known)
 
-    file_values: dict[str, Any] = {}
+    layers: list[tuple[str, dict[str, Any]]] = []
     path = explicit.get("config_file") or env_values.get("config_file")
     if path:
-        import yaml
+        layers.append((f"file {path}", _read_config_file(path, known)))
+    return layers + [("environment", env_values), ("explicit", explicit)]
 
-        from shmkv.paths import check_private_file
 
-        try:
-            check_private_file(path, "config_file")
-        except PermissionError as e:
-            raise ConfigError(str(e)) from None
-        try:
-            with open(path) as f:
-                loaded = yaml.load(f, Loader=_unique_key_loader()) or {}
-        except OSError as e:
-            raise ConfigError(f"config_file={path!r}: cannot read it: {e}") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config_file={path!r}: not valid YAML: {e}") from e
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config_file={path!r}: expected a mapping of settings at the top level")
-        bad = sorted(set(loaded) - known)
-        if bad:
-            raise ConfigError(f"config_file={path!r}: unknown setting(s) {bad}; known: {', '.join(sorted(known))}")
-        file_values = loaded
+def _read_config_file(path: str, known: set[str]) -> dict[str, Any]:
+    import yaml
 
-    merged: dict[str, Any] = {}
-    for source in (file_values, env_values, explicit):
-        for k, v in source.items():
-            merged[k] = parsers[k](k, v)
-    return dataclasses.replace(ShmkvConfig(), **merged)
+    from shmkv.paths import check_private_file
+
+    try:
+        check_private_file(path, "config_file")
+    except PermissionError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        with open(path) as f:
+            loaded = yaml.load(f, Loader=_unique_key_loader()) or {}
+    except OSError as e:
+        raise ConfigError(f"config_file={path!r}: cannot read it: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config_file={path!r}: not valid YAML: {e}") from e
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config_file={path!r}: expected a mapping of settings at the top level")
+    bad = sorted(set(loaded) - known)
+    if bad:
+        raise ConfigError(f"config_file={path!r}: unknown setting(s) {bad}; known: {', '.join(sorted(known))}")
+    return loaded
 
 
 def _unique_mapping(loader: Any, node: Any, deep: bool = False) -> dict:

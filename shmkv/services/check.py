@@ -1,0 +1,409 @@
+"""`shmkv check`: what an operator runs on a host before serving.
+
+    shmkv check                      the configuration in force and the host's checks
+    shmkv check --json               the same as one JSON object
+    shmkv check --vllm MODEL_DIR     also two vLLM engines: the second must hit the first's prompt
+    shmkv check --vllm tiny          ... on a random-weight model it writes (nothing downloaded)
+
+It prints the effective configuration with where each value came from (the
+same settings the daemon and the engines read: --config, SHMKV_* variables),
+then one line per check: ok, warn, fail or skip, and for each warning or
+failure the fix. Checks: the segment directory (a memory filesystem of ours,
+its parents nobody else can change), the capacity against the memory the
+host can give it, huge pages, what other users can reach (segment, runtime
+directory, disk directory), the segment itself (created or attached, as the
+daemon would, and a timed put/get of one chunk under a namespace of the
+check's own, removed after), and each visible GPU (the CUDA part against the
+driver, pinning of host memory, host<->device copies; skipped with the
+reason where there is none). Exit status: 1 when a check failed, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import stat
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shmkv.config import ShmkvConfig, config_sources, default_capacity, load_config
+from shmkv.errors import ShmkvError
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+PROBE_BYTES = 4 << 20  # the timed put/get's chunk
+TMPFS_MAGIC, HUGETLBFS_MAGIC = 0x01021994, 0x958458F6
+
+
+@dataclass
+class Finding:
+    """One check's outcome: what was looked at, how it went, and the fix."""
+
+    check: str
+    status: str  # ok / warn / fail / skip
+    detail: str
+    fix: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------ the checks --
+def check_segment_dir(cfg: ShmkvConfig) -> Finding:
+    """The directory segments live in: a memory filesystem; with
+    SHMKV_SEGMENT_DIR, ours with mode 0700 below parents nobody else can change."""
+    from shmkv.names import SEGMENT_DIR_ENV, segments_dir
+    from shmkv.paths import check_trusted_dir
+
+    where = segments_dir()
+    try:
+        st, fs = os.stat(where), os.statvfs(where)
+    except OSError as e:
+        return Finding("segment directory", FAIL, f"{where}: {e.strerror}",
+                       f"create it: a tmpfs of this uid, mode 0700 (README \"Containers\"), or unset {SEGMENT_DIR_ENV}")
+    data = {"path": where, "size_bytes": fs.f_blocks * fs.f_frsize, "free_bytes": fs.f_bavail * fs.f_frsize}
+    fs_type = _fs_type(where)
+    if fs_type not in ("tmpfs", "hugetlbfs"):
+        return Finding("segment directory", FAIL, f"{where} is on {fs_type or 'an unknown filesystem'}, not memory",
+                       f"mount a tmpfs there (mount -t tmpfs -o mode=0700,uid={os.geteuid()} shmkv {where})", data)
+    if where != "/dev/shm":
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            return Finding("segment directory", FAIL,
+                           f"{where} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}",
+                           f"chown {os.geteuid()} {where} && chmod 700 {where}", data)
+        try:
+            check_trusted_dir(os.path.dirname(os.path.normpath(where)) or "/")
+        except (ShmkvError, OSError) as e:
+            return Finding("segment directory", FAIL, str(e),
+                           "move the directory below ones only root or this uid can change", data)
+    return Finding("segment directory", OK, f"{where}: {fs_type}, {_gib(data['size_bytes'])} "
+                   f"({_gib(data['free_bytes'])} free)", data=data)
+
+
+def check_capacity(cfg: ShmkvConfig) -> Finding:
+    """The segment's size against what the host can give it: free space in
+    the segment directory (an existing segment's bytes count as its own) and
+    the memory available."""
+    from shmkv.names import segments_dir
+
+    where = segments_dir()
+    path = os.path.join(where, cfg.cache_name)
+    existing = os.stat(path).st_size if os.path.exists(path) else 0
+    capacity = cfg.capacity or existing or default_capacity()
+    source = "capacity" if cfg.capacity else ("the existing segment" if existing else "the default capacity")
+    try:
+        fs = os.statvfs(where)
+        room = fs.f_bavail * fs.f_frsize + existing
+    except OSError:
+        room = 0
+    available = _meminfo().get("MemAvailable", 0) + existing
+    data = {"capacity_bytes": capacity, "source": source, "room_bytes": room, "mem_available_bytes": available}
+    if room and capacity > room:
+        return Finding("capacity", FAIL, f"{_gib(capacity)} ({source}) does not fit: {_gib(room)} free in {where}",
+                       f"set capacity at most {_gib(room)}, or mount {where} larger (size=)", data)
+    if available and capacity > available:
+        return Finding("capacity", WARN, f"{_gib(capacity)} ({source}) is more than the {_gib(available)} of "
+                       "memory available now: filling it would push the host into swap or the OOM killer",
+                       f"set capacity below {_gib(available)}, or free memory", data)
+    return Finding("capacity", OK, f"{_gib(capacity)} ({source}); {_gib(room)} free for it, "
+                   f"{_gib(available)} of memory available", data=data)
+
+
+def check_huge_pages(cfg: ShmkvConfig) -> Finding:
+    """Whether the segment's pages can be huge: the tmpfs's huge= option
+    (SHMKV_SEGMENT_DIR), a hugetlbfs, or transparent huge pages for shared
+    memory (/sys/kernel/mm/transparent_hugepage/shmem_enabled)."""
+    from shmkv.names import segments_dir
+
+    where = segments_dir()
+    opts = _mount_options(where)
+    thp = _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    chosen = thp.split("[", 1)[1].split("]", 1)[0] if "[" in thp else thp.strip()
+    data = {"mount_options": opts, "shmem_enabled": chosen}
+    if _fs_type(where) == "hugetlbfs" or any(o.startswith("huge=") and o != "huge=never" for o in opts):
+        return Finding("huge pages", OK, f"{where} is mounted with {', '.join(opts) or 'hugetlbfs'}", data=data)
+    if chosen == "force":
+        return Finding("huge pages", OK, "every tmpfs uses transparent huge pages (shmem_enabled force)", data=data)
+    # NOTE: a tmpfs mount's own huge= option decides (shmem_enabled covers SysV shm and memfd, and
+    # only its deny/force override mounts)
+    return Finding("huge pages", WARN, f"the segment gets 4 KiB pages ({where} is mounted without huge=): "
+                   "pinning it for a GPU costs more per GiB",
+                   f"mount -o remount,huge=within_size {where} (or a tmpfs of its own for SHMKV_SEGMENT_DIR, "
+                   "mounted with huge=within_size)", data)
+
+
+def check_access(cfg: ShmkvConfig) -> Finding:
+    """What other users can reach: the segment file, the runtime directory
+    and the disk tier's directory must be this uid's alone."""
+    from shmkv.names import segments_dir
+    from shmkv.paths import open_private_dir, runtime_dir
+
+    problems, fixes = [], []
+    seg = os.path.join(segments_dir(), cfg.cache_name)
+    if os.path.lexists(seg):
+        st = os.lstat(seg)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            problems.append(f"segment {seg}: uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}")
+            fixes.append(f"remove {seg} once nothing uses it (shmkv makes its segments 0600)")
+    checked = []
+    for what, opener in (("runtime directory", runtime_dir),
+                         ("disk directory", (lambda: open_private_dir(cfg.disk_dir, create=False))
+                          if cfg.disk_dir and os.path.exists(cfg.disk_dir) else None)):
+        if opener is None:
+            continue
+        try:
+            checked.append(opener().path)
+        except (ShmkvError, OSError) as e:
+            problems.append(f"{what}: {e}")
+            fixes.append(f"give shmkv a {what} of this uid, mode 0700")
+    if problems:
+        return Finding("other users", FAIL, "; ".join(problems), "; ".join(fixes))
+    seen = [f"segment {seg} 0600" if os.path.lexists(seg) else "no segment yet"] + [f"{p} 0700" for p in checked]
+    return Finding("other users", OK, "this uid's alone: " + ", ".join(seen))
+
+
+def check_segment(cfg: ShmkvConfig) -> Finding:
+    """The segment as the daemon opens it (created or attached), and one
+    timed put and get of a chunk under a namespace of the check's own."""
+    from shmkv.keys import KEY_BYTES
+    from shmkv.store.opening import open_store
+
+    try:
+        t0 = time.perf_counter()
+        store = open_store(cfg, populate=False)
+        opened_s = time.perf_counter() - t0
+    except (ShmkvError, OSError) as e:
+        return Finding("segment", FAIL, f"cannot open '{cfg.cache_name}': {e}", _fix_for(e))
+    key = os.urandom(KEY_BYTES)
+    payload = os.urandom(PROBE_BYTES)
+    try:
+        t0 = time.perf_counter()
+        put = store.put(key, payload, namespace=b"shmkv-check\0\0\0\0\0")
+        put_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        got = store.get(key)
+        get_s = time.perf_counter() - t0
+        store.delete(key)
+        st = store.stats()
+        data = {"outcome": store.outcome.name.lower(), "open_s": round(opened_s, 4), "put": put.name.lower(),
+                "put_gbps": round(PROBE_BYTES / put_s / 1e9, 2), "get_gbps": round(PROBE_BYTES / get_s / 1e9, 2),
+                "capacity_bytes": st["capacity_bytes"], "ready_entries": st["ready_entries"]}
+    finally:
+        store.close()
+    if got is None or bytes(got) != payload:
+        return Finding("segment", FAIL, f"the probe chunk did not come back ({put.name.lower()})",
+                       "the segment is full of pinned or leased chunks, or damaged: `shmkv stats`, then "
+                       "`shmkv ctl POST /clear`", data)
+    return Finding("segment", OK, f"'{cfg.cache_name}' {data['outcome']} ({_gib(data['capacity_bytes'])}); a "
+                   f"{PROBE_BYTES >> 20} MiB chunk put at {data['put_gbps']} GB/s, read at {data['get_gbps']} GB/s",
+                   data=data)
+
+
+def check_gpus(cfg: ShmkvConfig) -> list[Finding]:
+    """Each visible GPU: the CUDA part against the driver, pinning host
+    memory (cudaHostRegister, s/GiB), host<->device copies (GB/s)."""
+    if not any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl")):
+        return [Finding("gpu", SKIP, "no NVIDIA driver on this host (neither /proc/driver/nvidia nor "
+                        "/dev/nvidiactl)")]
+    try:
+        import torch
+    except ImportError:
+        return [Finding("gpu", SKIP, "PyTorch is not installed")]
+    if not torch.cuda.is_available():
+        return [Finding("gpu", SKIP, "no GPU visible (torch.cuda.is_available() is False)")]
+    try:
+        from shmkv import _C_cuda  # noqa: F401
+    except ImportError as e:
+        return [Finding("gpu", FAIL, f"GPUs are visible but shmkv's CUDA part is not built ({e})",
+                        "reinstall shmkv where nvcc is found (README \"GPU hosts\")")]
+    out = []
+    for i in range(torch.cuda.device_count()):
+        out.append(_check_gpu(torch, i))
+    return out
+
+
+def _check_gpu(torch: Any, index: int) -> Finding:
+    name = torch.cuda.get_device_name(index)
+    size = 1 << 30
+    host = torch.empty(size, dtype=torch.uint8).numpy()  # pageable memory, as a segment's mapping is
+    host[::4096] = 1  # faulted in: registration times the pinning, not the page faults
+    cudart = torch.cuda.cudart()
+    t0 = time.perf_counter()
+    err = cudart.cudaHostRegister(host.ctypes.data, size, 0)
+    register_s = time.perf_counter() - t0
+    if int(err) != 0:
+        return Finding(f"gpu {index}", FAIL, f"{name}: cudaHostRegister failed ({err})",
+                       "check the memlock limit (ulimit -l) and the driver")
+    try:
+        src = torch.from_numpy(host)
+        dev = torch.empty(size, dtype=torch.uint8, device=f"cuda:{index}")
+        dev.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(index)
+        t0 = time.perf_counter()
+        dev.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(index)
+        h2d = size / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        src.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize(index)
+        d2h = size / (time.perf_counter() - t0) / 1e9
+    finally:
+        cudart.cudaHostUnregister(host.ctypes.data)
+    data = {"name": name, "register_s_per_gib": round(register_s, 3), "h2d_gbps": round(h2d, 1),
+            "d2h_gbps": round(d2h, 1), "torch_cuda": torch.version.cuda}
+    return Finding(f"gpu {index}", OK, f"{name}: pinning {register_s:.2f} s/GiB, host->device {h2d:.1f} GB/s, "
+                   f"device->host {d2h:.1f} GB/s (torch built for CUDA {torch.version.cuda})", data=data)
+
+
+def check_vllm(cfg: ShmkvConfig, model: str, workdir: str) -> Finding:
+    """Two vLLM engines, one after the other: the second must load the
+    first's prompt from the cache and give the same greedy output."""
+    import random
+
+    try:
+        from shmkv.bench.engines import EngineProcess, EngineSpec
+        from shmkv.bench.models import TEST_MODEL, write_llama
+    except ImportError as e:
+        return Finding("vllm", FAIL, f"the engine harness cannot load ({e})", "pip install 'shmkv[vllm,bench]'")
+    if model == "tiny":
+        model = write_llama(os.path.join(workdir, "model-tiny"), TEST_MODEL)
+    elif not os.path.isdir(model):
+        return Finding("vllm", FAIL, f"--vllm {model}: not a model directory", "give a local model directory "
+                       "(config.json and weights) or `tiny` for a random-weight model")
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(ShmkvConfig(), k)}
+    prompt = [random.Random(0).randrange(3, 500) for _ in range(1200)]
+    rows = []
+    try:
+        for i in (1, 2):
+            spec = EngineSpec(model, shmkv=settings, in_process=True)  # each engine one process: a faster start
+            with EngineProcess(spec, os.path.join(workdir, f"engine{i}.log")) as e:
+                r = e.generate([prompt], max_tokens=8)
+                rows.append((r["outputs"][0], r["num_cached_tokens"][0]))
+    except (RuntimeError, OSError, TimeoutError) as e:
+        return Finding("vllm", FAIL, f"an engine did not serve: {str(e)[-500:]}",
+                       f"read the engine logs in {workdir}")
+    (out1, _), (out2, hit) = rows
+    data = {"model": model, "hit_tokens": hit, "outputs_equal": out1 == out2}
+    if hit <= 0:
+        return Finding("vllm", FAIL, "the second engine found nothing of the first's prompt in the cache",
+                       f"read {workdir}/engine2.log (shmkv logs why it is off, if it is)", data)
+    if out1 != out2:
+        return Finding("vllm", FAIL, f"the second engine loaded {hit} tokens but its output differs",
+                       "report it with both engine logs: a loaded prefix must give the same greedy output", data)
+    return Finding("vllm", OK, f"engine 2 loaded {hit} of {len(prompt)} prompt tokens; outputs equal", data=data)
+
+
+# --------------------------------------------------------------- helpers --
+def _gib(n: float) -> str:
+    from shmkv.services.stats import _fmt_bytes
+
+    return _fmt_bytes(n)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    for line in _read("/proc/meminfo").splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[name] = int(parts[0]) * 1024
+    return out
+
+
+def _mount_of(path: str) -> tuple[str, list[str]]:
+    """(filesystem type, mount and super options) of the mount holding `path`."""
+    best, found = "", ("", [])
+    real = os.path.realpath(path)
+    for line in _read("/proc/self/mountinfo").splitlines():
+        left, _, right = line.partition(" - ")
+        fields, rest = left.split(), right.split()
+        if len(fields) < 6 or len(rest) < 3:
+            continue
+        point = fields[4].replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, found = point, (rest[0], fields[5].split(",") + rest[2].split(","))
+    return found
+
+
+def _fs_type(path: str) -> str:
+    return _mount_of(path)[0]
+
+
+def _mount_options(path: str) -> list[str]:
+    return [o for o in _mount_of(path)[1] if o.startswith(("huge=", "size=", "mode=", "uid="))]
+
+
+def _fix_for(e: BaseException) -> str:
+    from shmkv.errors import PermissionDeniedError, SegmentMismatchError
+
+    if isinstance(e, PermissionDeniedError):
+        return "every process sharing a cache runs as the uid that owns it (README \"Containers of different uids\")"
+    if isinstance(e, SegmentMismatchError):
+        return "leave capacity unset to use the live segment as it is, or stop its users first"
+    return "see the message; `shmkv stats` shows the segment's state"
+
+
+def run_checks(cfg: ShmkvConfig, *, vllm: str | None = None, workdir: str | None = None) -> list[Finding]:
+    findings = [check_segment_dir(cfg), check_capacity(cfg), check_huge_pages(cfg), check_access(cfg)]
+    findings.append(check_segment(cfg) if findings[0].status != FAIL else
+                    Finding("segment", SKIP, "the segment directory failed its check"))
+    findings += check_gpus(cfg)
+    if vllm:
+        import tempfile
+
+        findings.append(check_vllm(cfg, vllm, workdir or tempfile.mkdtemp(prefix="shmkv-check-")))
+    return findings
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="shmkv check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML file of shmkv settings (the daemon's)")
+    ap.add_argument("--cache", help="cache name (default shmkv-<uid>)")
+    ap.add_argument("--json", action="store_true", help="one JSON object")
+    ap.add_argument("--vllm", metavar="MODEL_DIR", help="also run two vLLM engines on this model (`tiny`: a "
+                    "random-weight model written here)")
+    ap.add_argument("--workdir", help="where --vllm writes its model and logs")
+    args = ap.parse_args(argv)
+    explicit = {k: v for k, v in (("config_file", args.config), ("cache_name", args.cache)) if v is not None}
+    try:
+        cfg = load_config(explicit)
+        sources = config_sources(explicit)
+    except ShmkvError as e:
+        print(f"shmkv check: {e}", file=sys.stderr)
+        return 2
+    findings = run_checks(cfg, vllm=args.vllm, workdir=args.workdir)
+    failed = any(f.status == FAIL for f in findings)
+    settings = {k: {"value": _plain(getattr(cfg, k)), "source": sources[k]} for k in sources}
+    if args.json:
+        print(json.dumps({"ok": not failed, "settings": settings,
+                          "checks": [dataclasses.asdict(f) for f in findings]}, sort_keys=True))
+        return 1 if failed else 0
+    width = max(len(k) for k in settings)
+    print("settings (value, from):")
+    for k, v in settings.items():
+        print(f"  {k:<{width}}  {v['value']!r:<40} {v['source']}")
+    print("\nchecks:")
+    for f in findings:
+        print(f"  [{f.status:4}] {f.check}: {f.detail}")
+        if f.fix and f.status in (WARN, FAIL):
+            print(f"         fix: {f.fix}")
+    print("\n" + ("FAILED: fix the lines marked fail before serving" if failed else "ready to serve"))
+    return 1 if failed else 0
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+if __name__ == "__main__":
+    sys.exit(main())
