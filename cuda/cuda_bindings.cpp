@@ -47,6 +47,11 @@ using Index = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 PYBIND11_MODULE(_C_cuda, m) {
   m.doc() = "shmkv CUDA gather/scatter kernels";
+#ifdef SHMKV_CUDA_ARCHITECTURES
+  // What this build carries: machine code per "NN-real" entry, PTX per "NN-virtual" (CMakeLists.txt).
+  m.attr("ARCHITECTURES") = SHMKV_CUDA_ARCHITECTURES;
+#endif
+  m.attr("CUDA_RUNTIME_BUILT") = CUDART_VERSION;  // the runtime's version this module was built against
   // One KV-cache group on the device, built once (shmkv.transfer.copy_backends.CudaCopy).
   struct CudaLayout {
     std::vector<uint64_t> bases;
