@@ -21,6 +21,7 @@ BENCHES = {
     "compress": "shmkv.bench.compress_bench",
     "lossy": "shmkv.bench.lossy_bench",
     "segment": "shmkv.bench.segment_bench",
+    "pages": "shmkv.bench.pages_bench",
     "gpu": "shmkv.bench.gpu_bench",
     "native-tier": "shmkv.bench.native_tier",
     "fleet": "shmkv.bench.fleet_bench",

@@ -52,8 +52,9 @@ def bench_cpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: i
         # rotate through SLOTS chunks of the segment, as a store of many chunks does
         rs = [store.reserve(bytes([i + 1]) * 16, nbytes) for i in range(SLOTS)]
         payloads = [r.numpy() for r in rs]
-        for p in payloads:
-            p[:] = 0  # faulted in, like the store's populate
+        for view in payloads:
+            view[:] = 0  # faulted in, like the store's populate
+        del view  # NOTE: a view left alive keeps its reservation open: close() would refuse
         base = memcpy_baselines(nbytes, SLOTS, repeats * 2)
         id_sets = [rng.permutation(blocks)[: chunk // bs].astype(np.int64) for _ in range(repeats)]
         it = iter(range(1 << 30))

@@ -35,7 +35,6 @@ from shmkv.errors import ShmkvError
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 PROBE_BYTES = 4 << 20  # the timed put/get's chunk
-TMPFS_MAGIC, HUGETLBFS_MAGIC = 0x01021994, 0x958458F6
 
 
 @dataclass
@@ -111,24 +110,19 @@ def check_capacity(cfg: ShmkvConfig) -> Finding:
 
 
 def check_huge_pages(cfg: ShmkvConfig) -> Finding:
-    """Whether the segment's pages can be huge: the tmpfs's huge= option
-    (SHMKV_SEGMENT_DIR), a hugetlbfs, or transparent huge pages for shared
-    memory (/sys/kernel/mm/transparent_hugepage/shmem_enabled)."""
+    """Whether the segment's pages can be huge (shmkv.hostmem)."""
+    from shmkv.hostmem import segment_pages, shmem_enabled
     from shmkv.names import segments_dir
 
     where = segments_dir()
-    opts = _mount_options(where)
-    thp = _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-    chosen = thp.split("[", 1)[1].split("]", 1)[0] if "[" in thp else thp.strip()
-    data = {"mount_options": opts, "shmem_enabled": chosen}
-    if _fs_type(where) == "hugetlbfs" or any(o.startswith("huge=") and o != "huge=never" for o in opts):
-        return Finding("huge pages", OK, f"{where} is mounted with {', '.join(opts) or 'hugetlbfs'}", data=data)
-    if chosen == "force":
-        return Finding("huge pages", OK, "every tmpfs uses transparent huge pages (shmem_enabled force)", data=data)
-    # NOTE: a tmpfs mount's own huge= option decides (shmem_enabled covers SysV shm and memfd, and
-    # only its deny/force override mounts)
-    return Finding("huge pages", WARN, f"the segment gets 4 KiB pages ({where} is mounted without huge=): "
-                   "pinning it for a GPU costs more per GiB",
+    pages = segment_pages(where)
+    data = {"huge": pages.huge, "how": pages.how, "mount_options": [o for o in pages.options if
+                                                                    o.startswith(("huge=", "size="))],
+            "shmem_enabled": shmem_enabled()}
+    if pages.huge:
+        return Finding("huge pages", OK, f"the segment gets huge pages: {pages.how}", data=data)
+    return Finding("huge pages", WARN, f"the segment gets 4 KiB pages ({pages.how}): pinning it for a GPU "
+                   "costs more per GiB",
                    f"mount -o remount,huge=within_size {where} (or a tmpfs of its own for SHMKV_SEGMENT_DIR, "
                    "mounted with huge=within_size)", data)
 
@@ -319,27 +313,10 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def _mount_of(path: str) -> tuple[str, list[str]]:
-    """(filesystem type, mount and super options) of the mount holding `path`."""
-    best, found = "", ("", [])
-    real = os.path.realpath(path)
-    for line in _read("/proc/self/mountinfo").splitlines():
-        left, _, right = line.partition(" - ")
-        fields, rest = left.split(), right.split()
-        if len(fields) < 6 or len(rest) < 3:
-            continue
-        point = fields[4].replace("\\040", " ")
-        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, found = point, (rest[0], fields[5].split(",") + rest[2].split(","))
-    return found
-
-
 def _fs_type(path: str) -> str:
-    return _mount_of(path)[0]
+    from shmkv.hostmem import mount_of
 
-
-def _mount_options(path: str) -> list[str]:
-    return [o for o in _mount_of(path)[1] if o.startswith(("huge=", "size=", "mode=", "uid="))]
+    return mount_of(path)[1]
 
 
 def _fix_for(e: BaseException) -> str:

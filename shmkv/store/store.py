@@ -119,6 +119,25 @@ def default_cache_name() -> str:
 
 
 _checked_segment_dirs: set[str] = set()
+_pages_said: set[str] = set()
+
+
+def _say_page_size() -> None:
+    """One log line per process and segment directory: the page size its
+    segments get (shmkv.hostmem), and how to get huge pages where they are 4 KiB."""
+    from shmkv.hostmem import segment_pages
+    from shmkv.names import segments_dir
+
+    where = segments_dir()
+    if where in _pages_said:
+        return
+    _pages_said.add(where)
+    pages = segment_pages(where)
+    if pages.huge:
+        log.info("shmkv: segments in %s get huge pages (%s)", where, pages.how)
+    else:
+        log.info("shmkv: segments in %s get 4 KiB pages (%s); a tmpfs mounted with huge=within_size gives huge "
+                 "pages (fewer to pin for a GPU): `shmkv check` says more", where, pages.how)
 
 
 def _check_segment_dir_parents() -> None:
@@ -172,6 +191,7 @@ class Store:
         if code:
             _raise(code, msg)
         store = cls(table, OpenOutcome(outcome))
+        _say_page_size()
         st = table.stats()
         if background_reserve and st["arena_reserved_bytes"] < st["arena_bytes"]:
             store._reserver = threading.Thread(target=store._reserve_rest, args=(populate,),
