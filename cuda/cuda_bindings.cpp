@@ -147,12 +147,23 @@ PYBIND11_MODULE(_C_cuda, m) {
              b.released = true;
            },
            py::arg("stream"), "Free the device arrays, ordered after the work queued on `stream`.");
+  // Pinning faults in and locks every page (seconds per many GiB): other Python threads run meanwhile.
   m.def("register_host", [](uintptr_t ptr, uint64_t bytes) {
     std::string err;
-    check(register_host_memory(reinterpret_cast<void*>(ptr), bytes, &err), err);
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = register_host_memory(reinterpret_cast<void*>(ptr), bytes, &err);
+    }
+    check(s, err);
   });
   m.def("unregister_host", [](uintptr_t ptr) {
     std::string err;
-    check(unregister_host_memory(reinterpret_cast<void*>(ptr), &err), err);
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = unregister_host_memory(reinterpret_cast<void*>(ptr), &err);
+    }
+    check(s, err);
   });
 }

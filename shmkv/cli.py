@@ -3,7 +3,7 @@
     shmkv daemon [...]     the maintainer and controller (python -m shmkv.daemon)
     shmkv stats [...]      what the cache is doing (python -m shmkv.stats)
     shmkv ctl METHOD PATH  one request to the daemon's controller, with its token
-    shmkv check [...]      the host's checks before serving (python -m shmkv.services.check)
+    shmkv check [...]      the host's checks before serving (python -m shmkv.check)
     shmkv bench NAME [...] benchmarks (python -m shmkv.bench)
 
 Each subcommand takes the same options as its `python -m` module, which keeps
@@ -19,7 +19,7 @@ SUBCOMMANDS = {
     "daemon": ("shmkv.services.daemon", "the cache's maintainer and controller API"),
     "stats": ("shmkv.services.stats", "what the cache is doing, read from the segment"),
     "ctl": ("shmkv.services.controller_client", "one request to the daemon's controller API (sends its token)"),
-    "check": ("shmkv.services.check", "what an operator runs on a host before serving: settings and checks"),
+    "check": ("shmkv.check", "what an operator runs on a host before serving: settings and checks"),
     "bench": ("shmkv.bench.__main__", "benchmarks: store, kernels, ttft, disk, remote, soak, controller"),
 }
 

@@ -221,7 +221,7 @@ def _layout_cases(repeats: int, layers: int = 8, chunks: int = 8) -> list[dict]:
         name = f"shmkv-bench-gpu-case-{uuid.uuid4().hex[:8]}"
         store = Store.create(name, 4 * chunks * chunk_bytes + 256 * MiB, max_payload_bytes=chunk_bytes)
         store.wait_reserved(timeout_s=600)
-        gpu.register_segment(store)
+        gpu.register_segment(store, wait=True)
         try:
             layout = KVLayout("hnd", views, [f"l{i}" for i in range(layers)], block_size=BS)
             eng = TransferEngine(store, layout, 0)
@@ -282,7 +282,7 @@ def _segment_figures(gib: int) -> dict:
     try:
         store.wait_reserved(timeout_s=600)
         t0 = time.perf_counter()
-        gpu.register_segment(store)
+        gpu.register_segment(store, wait=True)
         reg = time.perf_counter() - t0
         gpu.unregister_segment(store)
     finally:

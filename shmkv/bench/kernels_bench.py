@@ -100,7 +100,7 @@ def bench_gpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: i
     nbytes = layout.payload_bytes(chunk)
     name = f"shmkv-bench-{uuid.uuid4().hex[:8]}"
     store = Store.create(name, nbytes + 64 * MiB, max_payload_bytes=nbytes)
-    gpu.register_segment(store)
+    gpu.register_segment(store, wait=True)
     try:
         r = store.reserve(b"\x02" * 16, nbytes)
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -29,6 +29,7 @@ import torch
 
 from shmkv import _C
 from shmkv.errors import InvalidArgumentError
+from shmkv.transfer import gpu
 
 
 def as_index(x: Any, what: str) -> np.ndarray:
@@ -133,6 +134,8 @@ class CudaBatch:
         self._copier = copier
         self.broken: set[int] = set()  # a failed launch raises instead: every unit is recomputed
         spans = [(idx, *copier.span(payload, options.get("part"))) for idx, payload, options in entries]
+        for _idx, address, nbytes in spans:
+            gpu.ensure_registered(address, nbytes)  # pinned before any copy addresses it
         self.dma = copier.use_dma("load", [idx for idx, _, _ in entries], (0, 1))
         self._c = copier._c.prepare_batch(spans, _stream_handle(stream))
 
@@ -210,6 +213,7 @@ class CudaCopy:
             raise InvalidArgumentError("block windows are CPU-only (the CUDA path copies token payloads)")
         l0, l1 = layers if layers is not None else (0, -1)
         address, nbytes = self.span(payload, part)
+        gpu.ensure_registered(address, nbytes)  # pinned before any copy addresses it
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
         dma = self.use_dma("store" if gather else "load", [idx], (l0, l1))
