@@ -195,8 +195,11 @@ def check_segment(cfg: ShmkvConfig) -> Finding:
 
 
 def check_gpus(cfg: ShmkvConfig) -> list[Finding]:
-    """Each visible GPU: the CUDA part against the driver, pinning host
-    memory (cudaHostRegister, s/GiB), host<->device copies (GB/s)."""
+    """Each visible GPU: the CUDA part against the GPU (machine code or PTX for
+    its architecture) and the driver (as new as the runtime it was built
+    for); on the first, pinning the segment (cudaHostRegister, s/GiB) and
+    shmkv's own store and load copies against cudaMemcpy of the same bytes
+    (bench gpu's measurements)."""
     if not any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl")):
         return [Finding("gpu", SKIP, "no NVIDIA driver on this host (neither /proc/driver/nvidia nor "
                         "/dev/nvidiactl)")]
@@ -207,47 +210,71 @@ def check_gpus(cfg: ShmkvConfig) -> list[Finding]:
     if not torch.cuda.is_available():
         return [Finding("gpu", SKIP, "no GPU visible (torch.cuda.is_available() is False)")]
     try:
-        from shmkv import _C_cuda  # noqa: F401
+        from shmkv import _C_cuda
     except ImportError as e:
         return [Finding("gpu", FAIL, f"GPUs are visible but shmkv's CUDA part is not built ({e})",
-                        "reinstall shmkv where nvcc is found (README \"GPU hosts\")")]
-    out = []
-    for i in range(torch.cuda.device_count()):
-        out.append(_check_gpu(torch, i))
+                        "install the wheel (scripts/build_wheel.sh) or reinstall where nvcc is found "
+                        "(README \"GPU hosts\")")]
+    driver = _driver_version()
+    out = [_check_gpu_build(torch, _C_cuda, i, driver) for i in range(torch.cuda.device_count())]
+    if all(f.status == OK for f in out):
+        out.append(_measure_gpu())
     return out
 
 
-def _check_gpu(torch: Any, index: int) -> Finding:
+def _driver_version() -> int:
+    """The CUDA version the driver supports (12080: 12.8), or 0 when it cannot be read."""
+    import ctypes
+
+    for lib in ("libcuda.so.1", "libcuda.so"):
+        try:
+            v = ctypes.c_int(0)
+            if ctypes.CDLL(lib).cuDriverGetVersion(ctypes.byref(v)) == 0:
+                return v.value
+        except OSError:
+            continue
+    return 0
+
+
+def _check_gpu_build(torch: Any, cuda_part: Any, index: int, driver: int) -> Finding:
     name = torch.cuda.get_device_name(index)
-    size = 1 << 30
-    host = torch.empty(size, dtype=torch.uint8).numpy()  # pageable memory, as a segment's mapping is
-    host[::4096] = 1  # faulted in: registration times the pinning, not the page faults
-    cudart = torch.cuda.cudart()
-    t0 = time.perf_counter()
-    err = cudart.cudaHostRegister(host.ctypes.data, size, 0)
-    register_s = time.perf_counter() - t0
-    if int(err) != 0:
-        return Finding(f"gpu {index}", FAIL, f"{name}: cudaHostRegister failed ({err})",
-                       "check the memlock limit (ulimit -l) and the driver")
+    major, minor = torch.cuda.get_device_capability(index)
+    arch = major * 10 + minor
+    archs = getattr(cuda_part, "ARCHITECTURES", "").split()
+    real = {int(a.split("-")[0]) for a in archs if a.endswith("-real")}
+    ptx = [int(a.split("-")[0]) for a in archs if a.endswith("-virtual")]
+    built = int(getattr(cuda_part, "CUDA_RUNTIME_BUILT", 0))
+    data = {"name": name, "sm": arch, "architectures": archs, "driver_cuda": driver, "runtime_built": built}
+    if arch not in real and not any(p <= arch for p in ptx):
+        return Finding(f"gpu {index}", FAIL, f"{name} (sm_{arch}): shmkv's CUDA part carries {' '.join(archs)}",
+                       f"build it for this GPU: CMAKE_ARGS=\"-DCMAKE_CUDA_ARCHITECTURES={arch}-real\" pip install "
+                       "--no-build-isolation .", data)
+    if driver and built and driver < built:
+        return Finding(f"gpu {index}", FAIL, f"{name}: the driver supports CUDA {driver // 1000}.{driver % 1000 // 10}"
+                       f", shmkv's CUDA part was built for {built // 1000}.{built % 1000 // 10}",
+                       "update the NVIDIA driver, or build shmkv from source with the toolkit this driver supports",
+                       data)
+    how = "machine code" if arch in real else "PTX, compiled by the driver at first use"
+    return Finding(f"gpu {index}", OK, f"{name} (sm_{arch}): {how}; driver CUDA "
+                   f"{driver // 1000}.{driver % 1000 // 10}" if driver else f"{name} (sm_{arch}): {how}", data=data)
+
+
+def _measure_gpu() -> Finding:
+    """On the first GPU: pinning a 1 GiB segment, and shmkv's store and load
+    copies against cudaMemcpy (bench gpu's measurements, fewer repeats)."""
+    from shmkv.bench.gpu_bench import _segment_figures, _worker_figures
+
     try:
-        src = torch.from_numpy(host)
-        dev = torch.empty(size, dtype=torch.uint8, device=f"cuda:{index}")
-        dev.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(index)
-        t0 = time.perf_counter()
-        dev.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(index)
-        h2d = size / (time.perf_counter() - t0) / 1e9
-        t0 = time.perf_counter()
-        src.copy_(dev, non_blocking=True)
-        torch.cuda.synchronize(index)
-        d2h = size / (time.perf_counter() - t0) / 1e9
-    finally:
-        cudart.cudaHostUnregister(host.ctypes.data)
-    data = {"name": name, "register_s_per_gib": round(register_s, 3), "h2d_gbps": round(h2d, 1),
-            "d2h_gbps": round(d2h, 1), "torch_cuda": torch.version.cuda}
-    return Finding(f"gpu {index}", OK, f"{name}: pinning {register_s:.2f} s/GiB, host->device {h2d:.1f} GB/s, "
-                   f"device->host {d2h:.1f} GB/s (torch built for CUDA {torch.version.cuda})", data=data)
+        seg = _segment_figures(1)
+        w = _worker_figures(2, 2048)
+    except Exception as e:  # noqa: BLE001 - the measurement failing is the finding
+        return Finding("gpu copies", FAIL, f"{type(e).__name__}: {e}", "run `python -m shmkv.bench gpu` for the "
+                       "whole picture, and report it")
+    data = {"register_s_per_gib": round(seg["register_s_per_gib"], 3),
+            **{k: round(w[k], 1) for k in ("store_gbps", "load_gbps", "h2d_gbps", "d2h_gbps")}}
+    return Finding("gpu copies", OK, f"pinning {data['register_s_per_gib']} s/GiB; store {data['store_gbps']} GB/s "
+                   f"(cudaMemcpy device->host {data['d2h_gbps']}), load {data['load_gbps']} GB/s (host->device "
+                   f"{data['h2d_gbps']})", data=data)
 
 
 def check_vllm(cfg: ShmkvConfig, model: str, workdir: str) -> Finding:
