@@ -1,8 +1,8 @@
 """`shmkv check` on a GPU host judges the CUDA part against each GPU and the
 driver (shown here on stand-ins for torch and _C_cuda: no GPU needed): a GPU
 whose architecture the build carries as machine code passes, one covered by
-PTX only passes saying the driver compiles it, one newer than nothing it
-carries... fails naming the build flag; a driver older than the runtime the
+PTX only passes saying the driver compiles it, one it carries neither
+machine code nor older PTX for fails naming the build flag; a driver older than the runtime the
 part was built for fails naming the update."""
 
 from __future__ import annotations
