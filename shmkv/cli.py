@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "stats": ("shmkv.services.stats", "what the cache is doing, read from the segment"),
     "ctl": ("shmkv.services.controller_client", "one request to the daemon's controller API (sends its token)"),
     "check": ("shmkv.check", "what an operator runs on a host before serving: settings and checks"),
-    "bench": ("shmkv.bench.__main__", "benchmarks: store, kernels, ttft, disk, remote, soak, controller"),
+    "bench": ("shmkv.bench.__main__", "benchmarks (`shmkv bench --help` lists them)"),
 }
 
 

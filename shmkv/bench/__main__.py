@@ -30,10 +30,15 @@ BENCHES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shmkv.bench", description=__doc__)
-    p.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    # NOTE: no -h of its own once a benchmark is named: `bench trace --help` is the trace benchmark's help
+    p = argparse.ArgumentParser(prog="python -m shmkv.bench", description=__doc__, add_help=False,
+                                epilog="`python -m shmkv.bench NAME --help`: that benchmark's options")
+    p.add_argument("name", nargs="?", choices=sorted(BENCHES), help="which benchmark")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args, rest = p.parse_known_args(argv)
+    if args.name is None:
+        p.print_help()
+        return 0 if any(a in ("-h", "--help") for a in rest) else 2
     mod = importlib.import_module(BENCHES[args.name])
     result = mod.run(rest)
     if "skipped" in result:  # e.g. `bench gpu` without a GPU: one line, and success
