@@ -123,8 +123,9 @@ _pages_said: set[str] = set()
 
 
 def _say_page_size() -> None:
-    """One log line per process and segment directory: the page size its
-    segments get (shmkv.hostmem), and how to get huge pages where they are 4 KiB."""
+    """One log line per process and segment directory, from a process that
+    makes a segment: the page size its segments get (shmkv.hostmem), and how
+    to get huge pages where they are 4 KiB."""
     from shmkv.hostmem import segment_pages
     from shmkv.names import segments_dir
 
@@ -191,7 +192,8 @@ class Store:
         if code:
             _raise(code, msg)
         store = cls(table, OpenOutcome(outcome))
-        _say_page_size()
+        if store.outcome is not OpenOutcome.ATTACHED:  # whoever makes (or remakes) the segment says its pages
+            _say_page_size()
         st = table.stats()
         if background_reserve and st["arena_reserved_bytes"] < st["arena_bytes"]:
             store._reserver = threading.Thread(target=store._reserve_rest, args=(populate,),

@@ -113,7 +113,8 @@ def test_restart_while_a_process_puts_and_gets(daemon, cache_name, tmp_path, chi
 def test_embedded_maintainer_hands_the_role_over(daemon, cache_name, child):
     embedded = child(f"""
         import logging, sys, time
-        logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+        logging.getLogger("shmkv.maintainer").setLevel(logging.INFO)  # the role's own lines, in order
         from shmkv import Store
         from shmkv.config import load_config
         from shmkv.services.maintainer import MaintainerRole
