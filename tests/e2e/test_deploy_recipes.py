@@ -39,6 +39,9 @@ KUBERNETES = [os.path.join(DEPLOY, "kubernetes", f)
 SHARED = {"/run/shmkv", "/var/lib/shmkv"}  # the host directories the recipes share, and nothing else
 
 
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="containers (unshare) and mounts need root, as in CI")
+
+
 def k8s_docs() -> list[dict[str, Any]]:
     docs = []
     for path in KUBERNETES:
@@ -148,7 +151,9 @@ def test_every_container_shares_two_host_directories_and_nothing_else():
     for name, pod in pod_specs().items():
         for field in ("hostIPC", "hostPID", "hostNetwork", "shareProcessNamespace"):
             assert not pod.get(field), (name, field)
-        paths = host_paths(pod, workloads[name]["metadata"]["namespace"], docs)
+        mounted = {m["name"] for c in pod["containers"] for m in c["volumeMounts"]}
+        paths = {v: p for v, p in host_paths(pod, workloads[name]["metadata"]["namespace"], docs).items()
+                 if v in mounted}
         assert set(paths.values()) == SHARED, (name, paths)
         (container,) = pod["containers"]
         assert not container.get("securityContext", {}).get("privileged"), name
@@ -198,6 +203,53 @@ def test_only_the_daemon_runs_where_pod_security_is_privileged():
                       for pv in docs if pv["kind"] == "PersistentVolume"}
 
 
+def test_the_node_is_prepared_by_the_daemons_init_container_alone():
+    """Without systemd on the node: the daemon pod's one init container runs
+    deploy/host/prepare-node.sh (the ConfigMap carries its text), privileged,
+    with the host's /run (propagation Bidirectional) and /var/lib, the
+    parents of the two shared directories and nothing else; the daemon sees
+    the tmpfs mounted after its volumes (HostToContainer). No other pod has
+    an init container or a privileged container."""
+    docs = k8s_docs()
+    pods = pod_specs()
+    with open(os.path.join(DEPLOY, "host", "prepare-node.sh")) as f:
+        script = f.read()
+    (prep_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "shmkv-node-prep"]
+    assert prep_map["data"]["prepare-node.sh"] == script
+    daemon = pods["shmkv-daemon"]
+    (init,) = daemon["initContainers"]
+    assert init["securityContext"]["privileged"] and init["command"] == ["sh", "/opt/shmkv/prepare-node.sh"]
+    host = {v["name"]: v["hostPath"]["path"] for v in daemon["volumes"] if "hostPath" in v}
+    mounts = {m["name"]: m for m in init["volumeMounts"]}
+    assert {host[n] for n in mounts if n in host} == {os.path.dirname(p) for p in SHARED}
+    assert mounts["host-run"]["mountPropagation"] == "Bidirectional"
+    (seg,) = [m for m in daemon["containers"][0]["volumeMounts"] if m["mountPath"] == "/run/shmkv"]
+    assert seg["mountPropagation"] == "HostToContainer"
+    for name, pod in pods.items():
+        if name != "shmkv-daemon":
+            assert not pod.get("initContainers"), name
+        assert not any(c.get("securityContext", {}).get("privileged") for c in pod["containers"]), name
+
+
+@ROOT_ONLY
+def test_the_node_preparation_is_idempotent(tmp_path):
+    """prepare-node.sh in a mount namespace of its own over a stand-in host
+    root: a tmpfs of the uid, mode 0700, at run/shmkv (huge=within_size where
+    the kernel has it) and the state directory; a second run changes nothing."""
+    script = os.path.join(DEPLOY, "host", "prepare-node.sh")
+    run = f"HOST_ROOT={tmp_path} SHMKV_SEGMENTS_SIZE=16m sh {script} && HOST_ROOT={tmp_path} sh {script} && " \
+          f"grep ' {tmp_path}/run/shmkv ' /proc/self/mounts && stat -c %u:%a {tmp_path}/var/lib/shmkv"
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", run], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert sum(ln.startswith("prepare-node: mounted") for ln in lines) == 1, lines  # the second run mounts nothing
+    assert sum(ln.startswith("prepare-node: ready") for ln in lines) == 2, lines
+    mount = next(ln for ln in lines if ln.startswith("shmkv ") and " tmpfs " in ln)
+    assert "mode=700" in mount and "uid=1000" in mount, mount
+    assert lines[-1] == "1000:700", lines
+
+
 def test_the_recipes_agree_on_the_uid_the_settings_and_the_commands():
     pods, services = pod_specs(), compose()["services"]
     envs = [env_of(p["containers"][0]) for p in pods.values()] + [s["environment"] for s in services.values()]
@@ -218,7 +270,8 @@ def test_the_recipes_agree_on_the_uid_the_settings_and_the_commands():
     # one settings file: the ConfigMap carries config/shmkv.yaml's text
     with open(os.path.join(DEPLOY, "config", "shmkv.yaml")) as f:
         text = f.read()
-    config_maps = [d for d in k8s_docs() if d["kind"] == "ConfigMap"]  # one per namespace
+    config_maps = [d for d in k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "shmkv-config"]
+    # ^ one per namespace
     assert len(config_maps) == 2 and all(c["data"]["shmkv.yaml"] == text for c in config_maps)
     settings = yaml.safe_load(text)
     shared_state = os.path.dirname(env["SHMKV_RUNTIME_DIR"])
@@ -235,7 +288,7 @@ def test_the_recipes_agree_on_the_uid_the_settings_and_the_commands():
 
 
 # ------------------------------------------------- the recipe, running ---
-ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="containers (unshare) and mounts need root, as in CI")
+ROOT = ROOT_ONLY
 
 
 @pytest.fixture
