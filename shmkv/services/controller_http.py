@@ -328,7 +328,10 @@ class _HeadDeadline(H11Protocol):
                                  b"Content-Length: " + str(len(out)).encode() + b"\r\nConnection: close\r\n\r\n" + out)
             self._close_within(self.head_timeout_s)
             return False
-        victim.transport.abort() if victim.transport.get_write_buffer_size() else victim.transport.close()
+        if victim.transport.get_write_buffer_size():
+            victim.transport.abort()  # a close would wait for a client that does not read
+        else:
+            victim.transport.close()
         self.live.pop(victim, None)
         return True
 
