@@ -560,14 +560,20 @@ class Harness:
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled)
 
-    def _draft(self, plan) -> None:
+    def _draft(self, plan) -> dict[str, list[int]] | None:
         """An EAGLE-style proposer over the same positions: its layers (a FULL
-        CUDA graph: no per-layer hook, unless drafter_full_graph is False)."""
+        CUDA graph: no per-layer hook, unless drafter_full_graph is False),
+        issued; what they read once the host has synchronized
+        (`_take_proposals`)."""
         if not self.drafter_layers or not plan:
-            return
-        sums = self._forward(plan, layer_waits=not self.drafter_full_graph,
+            return None
+        return self._forward(plan, layer_waits=not self.drafter_full_graph,
                              layers=range(self.layers, self.layers + self.drafter_layers))
-        self.device.sync_compute()  # the proposals are read on the host
+
+    def _take_proposals(self, plan, sums: dict[str, list[int]] | None) -> None:
+        """The proposals, read on the host (after it synchronized with the compute)."""
+        if sums is None:
+            return
         for req_id, st, _lo, hi in plan:
             self.proposals.append((st.tokens[:hi], sum(sums[req_id])))
 
@@ -605,12 +611,17 @@ class Harness:
                     sums = self._forward(plan, layer_waits=True)
             self.kvc.finish_forward()
             sums_by_rank.append(sums)
-        out = self._sample(so, sums_by_rank)
-        outs = []
+        # sample_tokens (vLLM 0.32 gpu/model_runner.py): sampling and the speculator's proposal are
+        # issued, post_forward asks the connector, and only then does the host read the sampled tokens
+        # (AsyncOutput.get_output, from the engine core): no host sync before the connector answers
+        kv_outs, drafts = [], []
         for rk in self._each_rank():
-            self._draft(plan)  # sample_tokens: the speculator proposes, then post_forward
-            outs.append(self._rank_output(out, self.kvc.post_forward(self._rank_so[rk.tp_rank].finished_req_ids)))
-        return self._combined(outs)
+            drafts.append(self._draft(plan))
+            kv_outs.append(self.kvc.post_forward(self._rank_so[rk.tp_rank].finished_req_ids))
+        out = self._sample(so, sums_by_rank)
+        for rk, sums in zip(self._each_rank(), drafts):
+            self._take_proposals(plan, sums)
+        return self._combined([self._rank_output(out, kv_out) for kv_out in kv_outs])
 
     # ------------------------------------------------------------ runner: V1 --
     def execute_v1(self, so) -> Any:
@@ -663,7 +674,9 @@ class Harness:
             mode = CUDAGraphMode.FULL if self.drafter_full_graph else CUDAGraphMode.PIECEWISE
             for _ in self._each_rank():
                 with set_forward_context({}, self.vllm_config, cudagraph_runtime_mode=mode):
-                    self._draft(plan)
+                    sums = self._draft(plan)
+                self.device.sync_compute()  # V1's proposer hands its drafts to the host
+                self._take_proposals(plan, sums)
                 self.worker.wait_for_save()
                 self.worker.clear_connector_metadata()
         return self._combined([self._rank_output(out, kv_out) for kv_out in kv_outs])

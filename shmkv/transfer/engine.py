@@ -117,6 +117,11 @@ class LoadJob:
     def done(self) -> bool:
         return not self.events or self.events[-1].query()
 
+    def synchronize(self) -> None:
+        """The host waits until every copy of the job has run."""
+        if self.events:
+            self.events[-1].synchronize()
+
 
 class TransferEngine:
     """Loads and stores units for one worker (one TP rank)."""

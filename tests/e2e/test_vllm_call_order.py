@@ -337,3 +337,41 @@ def test_mla_at_tp2_rank_0_stores_once_and_every_rank_loads(cache_name, mla_dir,
     assert b.violations == [], b.violations[:3]
     assert not continuation_ok(b, {"b": p[:550] + tail})
     assert not b.scheduler.requests
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_load_copy_that_fails_on_the_device_is_recomputed_in_the_step_that_read_it(cache_name, model_dir,
+                                                                                     runner, seed):
+    """A load's copy of one layer fails on the device: like a lease
+    reclaimed meanwhile, it shows only once the copies ran, and the host
+    reaches the connector's answer (V2 post_forward, V1
+    get_block_ids_with_load_errors) with no sync before it. vLLM must find
+    the blocks in that step's invalid blocks (a step later it has emitted
+    the token sampled from them), and the chunk that step completed over
+    them must not be stored: engine C loads what B stored and samples right."""
+    p, tail = prompt(600, seed), prompt(300, seed + 7)
+    serve(cache_name, model_dir, runner, seed, {"a": p}, 2)
+    # NOTE: a polled copy progressed one time in fifty: the host runs far ahead of the device
+    h = Harness(cache_name, model_dir, runner, seed=seed + 10, query_progress=0.02)
+    engine = h.worker._work.worker
+    load_layer, failed_jobs = engine._load_layer, []
+
+    def failing_load_layer(job, group, layer, stream):
+        if layer == 1 and (not failed_jobs or failed_jobs[0] is job):
+            failed_jobs[:] = [job]
+            raise RuntimeError("injected: the copy of layer 1 failed on the device")
+        load_layer(job, group, layer, stream)
+
+    engine._load_layer = failing_load_layer
+    try:
+        h.add("b", p[:512] + tail, 4)
+        h.run()
+    finally:
+        h.close()
+    assert failed_jobs and engine.counters["load_errors"] >= 1, "the hit's load failed on the device"
+    assert h.violations == [], h.violations[:3]
+    assert not continuation_ok(h, {"b": p[:512] + tail})
+    c = serve(cache_name, model_dir, runner, seed + 20, {"c": p[:512] + tail + [5]}, 3)
+    assert loaded(c) >= 512
+    assert not continuation_ok(c, {"c": p[:512] + tail + [5]})

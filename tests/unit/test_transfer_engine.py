@@ -146,22 +146,27 @@ def test_a_preempted_requests_store_reads_its_blocks_before_they_are_reused(stor
     side.shutdown()
 
 
-def test_wait_for_save_never_waits_for_the_loads_copies(store):
-    """Finding 7: on a GPU the forward is only enqueued when wait_for_save
-    runs; blocking there on the last load event stalls the host for the whole
-    load. The leases go back once the copies have run."""
+def test_wait_for_save_knows_how_the_steps_loads_ended_before_vllm_does(store):
+    """A load's failure can show only once its copies ran (a failed copy, a
+    lease reclaimed meanwhile), and vLLM must hear of it in the step that
+    read the blocks. wait_for_save comes after the forward was issued: it
+    waits there for the step's load copies (once), gives the leases back and
+    knows the outcome; finding 7's stall (a wait before the forward) is not
+    back: start_load returns with the copies still queued."""
     a, _ = worker_side(store, 1)
     a.worker.store([stored("r", b"k1" * 8, 3, 5)])
     b, _ = worker_side(store, 2)
     meta = step(loads=[loaded("q", b"k1" * 8, 8, 9)])
     b.bind(meta)
     b.start_load(meta)  # the forward does not wait here (a GPU's compute stream would)
+    assert store.stats()["leases_held"] == 1, "start_load returned with the load's copies still queued"
     b.wait_for_save(meta)
-    assert store.stats()["leases_held"] == 1, "the load's copies have not run: its lease is still held"
+    assert store.stats()["leases_held"] == 0, "the copies ran and the lease went back"
+    assert b.worker.counters["load_outcome_waits"] == 1 and b.worker.counters["loaded_tokens"] == 2 * BS
     assert b.load_errors() == set()
-    b.worker.shutdown()  # the copies run
-    assert b.load_errors() == set()
-    assert store.stats()["leases_held"] == 0
+    b.wait_for_save(step())  # a step without loads: nothing to wait for
+    assert b.worker.counters["load_outcome_waits"] == 1
+    b.shutdown()
     a.shutdown()
 
 

@@ -7,7 +7,11 @@ handle_preemptions (the compute waits for pending stores of preempted
 requests: vLLM reuses their blocks this step), start_load (issue the loads;
 each attention layer waits only for its own, or for all before a forward
 that cannot wait layer by layer), wait_for_save (issue the stores, after the
-forward), get_finished (the delayed-free protocol), load_errors. With
+forward), get_finished (the delayed-free protocol), load_errors. Invariant:
+vLLM hears of every failed block of a synchronous load in the step whose
+forward read it (the host waits for the load stream once, after the forward
+was issued and before the first of wait_for_save / get_finished /
+load_errors), and nothing computed over it is stored. With
 speculative decoding vLLM calls get_finished before that step's
 wait_for_save (defer_kv_connector_finalize): a request whose stores were
 bound but not yet issued is never reported finished.
@@ -42,6 +46,7 @@ skipped; each such path has a counter (the engine's).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,6 +130,8 @@ class WorkerSide:
         self._unsubmitted: set[str] = set()  # bound this step, not yet given to the transfer engine
         self._finished_waiting: set[str] = set()  # finished, stores still copying
         self._loading: tuple[Any, LoadJob] | None = None  # this step's metadata and loads
+        self._load_failed_reqs: set[str] = set()  # a synchronous load of theirs failed: nothing more stored
+        self._settled: LoadJob | None = None  # the last synchronous load job whose outcome is known
         self._async_jobs: dict[int, set[str]] = {}  # id(load job) -> its asynchronous requests
         self._recv_done: set[str] = set()  # asynchronous loads complete (finished_recving)
         self._recv_failed: set[str] = set()  # ... of them, those that failed (failed_recving)
@@ -346,32 +353,53 @@ class WorkerSide:
                       f", {len(failed)} blocks to recompute" if failed else "")
 
     def wait_for_save(self, meta: Any) -> None:
-        """After the forward: issue this step's stores (they complete
-        asynchronously), and take what has completed. Never waits for a
-        copy: the leases of this step's loads go back once their copies
-        have run (on the CPU they have: the forward waited for each layer)."""
-        loading, self._loading = self._loading, None
+        """After the forward was issued: learn how this step's synchronous
+        loads ended (_settle_loading: the one wait for copies), issue this
+        step's stores (they complete asynchronously) except those of requests
+        a load failed, and take what has completed."""
+        self._settle_loading()
+        self._loading = None
         self._unsubmitted = set()
         if self.worker is None:
             return
         stores = list(getattr(meta, "stores", None) or ()) if self.stores else []
-        failed = loading[1].reported if loading is not None else set()
-        if failed and stores:
-            # NOTE: this step computed those requests over blocks nobody filled: vLLM recomputes
-            # them (this step's invalid blocks); what it computed now must not be stored
-            bad = {r for r, items in loading[1].by_request.items()
-                   if any(b in failed for it in items for b in it.block_ids)}
-            kept = [it for it in stores if it.req_id not in bad]
+        if self._load_failed_reqs and stores:
+            # NOTE: those requests were computed over blocks a load did not fill: vLLM recomputes
+            # them (the invalid blocks of the step that read them); what was computed over them, in
+            # that step or in one vLLM scheduled before it heard (asynchronous scheduling), is not stored
+            kept = [it for it in stores if it.req_id not in self._load_failed_reqs]
             if len(kept) < len(stores):
                 self.worker.counters["stores_dropped_after_failed_load"] += len(stores) - len(kept)
                 log.info("shmkv: %d chunks of requests %s not stored: computed over a load that failed",
-                         len(stores) - len(kept), sorted(bad))
+                         len(stores) - len(kept), sorted({it.req_id for it in stores} & self._load_failed_reqs))
                 stores = kept
         if stores and not self._asleep("stores", len(stores)):
             self.worker.submit_store(stores)
         before = self.worker.counters["stored_tokens"]
         self._poll()
         _count(self._transfer, stored_tokens=self.worker.counters["stored_tokens"] - before)
+
+    def _settle_loading(self) -> None:
+        """This step's synchronous loads, ended before vLLM hears anything of
+        the step. Some failures show only once the copies ran (a failed copy,
+        a lease reclaimed meanwhile): vLLM must find their blocks in this
+        step's invalid blocks, or it emits the token it sampled from them
+        before it hears, and no store of those requests may be committed. So
+        the host waits for the load stream here, once per step that loads,
+        after the forward was issued (the forward itself waited for each
+        layer: the copies are near their end); on the CPU they have run."""
+        if self._loading is None or self.worker is None or self._loading[1] is self._settled:
+            return
+        job = self._settled = self._loading[1]
+        if not job.done():
+            t0 = time.perf_counter()
+            job.synchronize()
+            self.worker.counters["load_outcome_waits"] += 1
+            self._transfer["observations"].setdefault("load_outcome_wait_seconds", []).append(
+                time.perf_counter() - t0)
+        self._poll()
+        self._load_failed_reqs |= {r for r, items in job.by_request.items()
+                                   if any(b in job.failed for it in items for b in it.block_ids)}
 
     def take_transfer_stats(self) -> dict[str, Any] | None:
         """What this worker moved since the last call ({"counters", "observations"}), or None."""
@@ -387,6 +415,7 @@ class WorkerSide:
             # the drafter's (which may replay a FULL CUDA graph, with no per-layer hook): the
             # drafter's layers are loaded by then (V2: finish_forward)
             self._loading[1].wait_all()
+            self._settle_loading()
         if self.worker is not None:
             before = self.worker.counters["stored_tokens"]
             self._poll()
@@ -394,6 +423,7 @@ class WorkerSide:
             for req_id in finished_req_ids:
                 self._log_stores(req_id)
         self._finished_waiting |= set(finished_req_ids) & self._storing
+        self._load_failed_reqs -= set(finished_req_ids)
         pending = self.worker.pending_requests() if self.worker is not None else set()
         # NOTE: with speculative decoding vLLM asks before this step's wait_for_save:
         # stores bound this step but not yet issued are pending too
@@ -421,6 +451,7 @@ class WorkerSide:
 
     def load_errors(self) -> set[int]:
         """Blocks vLLM must recompute (and forget them)."""
+        self._settle_loading()
         self._poll()
         out, self._load_errors = self._load_errors, set()
         return out
