@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,6 +129,13 @@ class ReqState:
     prompt_len: int
     blocks: list[list[int]] = field(default_factory=list)  # the block table of each KV-cache group
     num_computed: int = 0
+    # the tokens the host knows of, those whose sampling is issued but has not run included
+    # (asynchronous scheduling: a decode reads the token sampled the step before on the device)
+    length: int = -1
+
+    def __post_init__(self) -> None:
+        if self.length < 0:
+            self.length = len(self.tokens)
 
 
 @dataclass
@@ -159,11 +166,12 @@ class Harness:
                  zeroing: bool = False, full_graphs: bool = True, extra_config: dict | None = None,
                  max_model_len: int = 2048, query_progress: float = 0.2, drafter_layers: int = 0,
                  drafter_full_graph: bool = True, sliding_window: int = 0,
-                 linear_layers: tuple[int, ...] = (), tp: int = 1) -> None:
+                 linear_layers: tuple[int, ...] = (), tp: int = 1, async_scheduling: bool = False) -> None:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import (
             FullAttentionSpec,
@@ -203,7 +211,14 @@ class Harness:
         self.model = ToyModel(self.layers + drafter_layers, self.layers, windows, states)
         self.proposals: list[tuple[list[int], int]] = []  # (tokens the drafter ran over, what it read)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False)
+                             max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False,
+                             async_scheduling=async_scheduling)
+        # vLLM 0.32's default with a KV connector: the engine core schedules step N+1 and runs it
+        # before it processes step N's output (step_with_batch_queue, a queue of two batches); the
+        # runner feeds a decode the token sampled the step before on the device. One rank here: the
+        # toy sampling runs on rank 0's device
+        assert not async_scheduling or tp == 1
+        self.async_scheduling = async_scheduling
         cc = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=prefix_caching,
                          **({"mamba_cache_mode": "align"} if linear_layers else {}))
         ktc = KVTransferConfig(kv_connector="ShmKVConnector", kv_connector_module_path="shmkv.integration.vllm",
@@ -244,7 +259,7 @@ class Harness:
         kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups,
                             kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=names, layer_stride=0,
                                                             block_stride=page) for names in shared])
-        self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
+        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(vc), block_size=block_size)
         if zeroing:  # as vLLM sets it up for Mamba or mixed-precision engines
             self.scheduler.needs_kv_cache_zeroing = True
@@ -356,17 +371,29 @@ class Harness:
         self.scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_ABORTED)
 
     def run(self, max_steps: int = 500, after_step=None) -> dict[str, list[int]]:
-        while self.scheduler.has_requests():
-            self.step += 1
-            assert self.step <= max_steps, f"the engine still holds requests after {max_steps} steps"
-            for rk in self.ranks:
-                rk.device.step = self.step
-            so = self.scheduler.schedule()
-            # each rank's own copy, as vLLM's workers each deserialize the step's SchedulerOutput
-            # (one process: the scheduler's own object)
-            self._rank_so = {rk.tp_rank: so if len(self.ranks) == 1 else pickle.loads(pickle.dumps(so))
-                             for rk in self.ranks}
-            out = self.execute_v2(so) if self.runner == "v2" else self.execute_v1(so)
+        """vLLM's engine core loop: step (one batch at a time), or, with
+        asynchronous scheduling, step_with_batch_queue (vLLM 0.32
+        v1/engine/core.py): schedule and run step N+1 before step N's output
+        is read and processed. `after_step(harness, so)`: once a step's
+        output is processed."""
+        queue: list[tuple[Any, Any]] = []  # (SchedulerOutput, its output once the host reads it)
+        depth = 2 if self.async_scheduling else 1
+        while self.scheduler.has_requests() or queue:
+            if self.scheduler.has_requests():
+                self.step += 1
+                assert self.step <= max_steps, f"the engine still holds requests after {max_steps} steps"
+                for rk in self.ranks:
+                    rk.device.step = self.step
+                so = self.scheduler.schedule()
+                # each rank's own copy, as vLLM's workers each deserialize the step's SchedulerOutput
+                # (one process: the scheduler's own object)
+                self._rank_so = {rk.tp_rank: so if len(self.ranks) == 1 else pickle.loads(pickle.dumps(so))
+                                 for rk in self.ranks}
+                queue.insert(0, (so, self.execute_v2(so) if self.runner == "v2" else self.execute_v1(so)))
+                if len(queue) < depth and (so.total_num_scheduled_tokens or self.scheduler.has_requests()):
+                    continue
+            so, output = queue.pop()
+            out = output()  # the host reads the step's sampled tokens
             self.kv_outputs.append(out.kv_connector_output)
             engine_outputs = self.scheduler.update_from_output(so, out)
             for eco in engine_outputs.values():
@@ -406,12 +433,16 @@ class Harness:
             if req_id in cached.resumed_req_ids:
                 st.blocks = [list(b) for b in new_ids] if new_ids else [[] for _ in st.blocks]
                 st.tokens = list(cached.all_token_ids.get(req_id, st.tokens))
+                st.length = len(st.tokens)
             elif new_ids is not None:
                 for table, ids in zip(st.blocks, new_ids):
                     table.extend(ids)
             st.num_computed = cached.num_computed_tokens[i]
-            # NOTE: a token vLLM took back (sampled from a failed load) is dropped here, as the runners do
-            del st.tokens[st.prompt_len + cached.num_output_tokens[i]:]
+            # NOTE: a token vLLM took back (sampled from a failed load) is dropped here, as the runners
+            # do; asynchronously scheduled, vLLM has not processed the tokens in flight yet
+            if not self.async_scheduling:
+                del st.tokens[st.prompt_len + cached.num_output_tokens[i]:]
+                st.length = len(st.tokens)
 
     def _zero_and_copy(self, so) -> None:
         """vLLM zeroes new blocks and runs the copy-on-write copies (compute stream)."""
@@ -460,11 +491,11 @@ class Harness:
         t = self.caches[name]
         for req_id, st, lo, hi in plan:
             blk = st.blocks[self.group_of[name]][-(-hi // bs) - 1]
-            toks, out = st.tokens[lo:hi], sums[req_id]
+            out = sums[req_id]
 
-            def fn(t=t, blk=blk, lo=lo, toks=toks, out=out, li=li) -> None:
+            def fn(t=t, blk=blk, lo=lo, hi=hi, st=st, out=out, li=li) -> None:
                 s = int((t[blk].float().mean() * 8).round()) if lo else 0  # every byte of the block
-                for p, tok in enumerate(toks, start=lo):
+                for p, tok in enumerate(st.tokens[lo:hi], start=lo):  # as the device has them
                     s = m.state(li, s, tok, p)
                 t[blk] = s / 8  # the whole block: any byte of it loaded wrong is read
                 out.append(s)
@@ -481,7 +512,7 @@ class Harness:
         for req_id, n in so.num_scheduled_tokens.items():
             st = self.reqs[req_id]
             lo, hi = st.num_computed, st.num_computed + n
-            assert hi <= len(st.tokens) + 1, (req_id, lo, hi, len(st.tokens))
+            assert hi <= st.length + 1, (req_id, lo, hi, st.length)
             plan.append((req_id, st, lo, hi))
         return plan
 
@@ -509,7 +540,6 @@ class Harness:
                 ctx = range(m.window_start(li, lo), hi)
                 written = sorted({table[p // bs] for p in range(lo, hi)})
                 read = sorted({table[p // bs] for p in ctx} - set(written))
-                prefix = [sum(st.tokens[:p + 1]) for p in range(lo, hi)]
                 last = range(m.window_start(li, hi - 1), hi)  # what the last query reads: sampled from
                 pos, blk = torch.tensor(last), torch.tensor([table[p // bs] for p in last])
                 out = sums[req_id]
@@ -517,8 +547,10 @@ class Harness:
                 below_table = st.blocks[self.group_of[self.names[li - 1]]] if below_t is not None else []
                 below_blk = sorted({below_table[p // bs] for p in below_ctx})
 
-                def fn(t=t, below_t=below_t, li=li, lo=lo, hi=hi, prefix=prefix, pos=pos, blk=blk, out=out,
+                def fn(t=t, below_t=below_t, li=li, lo=lo, hi=hi, st=st, pos=pos, blk=blk, out=out,
                        table=table, below_ctx=below_ctx, below_table=below_table) -> None:
+                    # the tokens as the device has them (a decode's input: the token sampled before)
+                    prefix = list(itertools.accumulate(st.tokens[:hi]))[lo:hi]
                     below: dict[int, int] = {}
                     if below_t is not None:  # the layer below, over what a query at p reads of it
                         bpos = torch.tensor(below_ctx)
@@ -537,28 +569,46 @@ class Harness:
                 self.device.compute(f"forward {name} of {req_id} [{lo}:{hi})", fn, touches)
         return sums
 
-    def _sample(self, so, sums_by_rank: list[dict[str, list[int]]]) -> Any:
-        """vLLM samples on the host from the ranks' combined output: a rank
-        that read other KV than rank 0 corrupts it (an all-reduce of wrong
-        partial results), so its token is not the right one."""
+    def _sample(self, so, sums_by_rank: list[dict[str, list[int]]]) -> Callable[[], Any]:
+        """Sampling from the ranks' combined output (a rank that read other KV
+        than rank 0 corrupts it: an all-reduce of wrong partial results, so its
+        token is not the right one), issued; returns what the host calls to
+        read the step's tokens (vLLM's AsyncOutput.get_output). Asynchronously
+        scheduled, the sampling runs on the device: the next step's forward,
+        issued before the host reads, takes its token from there."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        for rk in self.ranks:
-            rk.device.sync_compute()  # vLLM reads the sampled tokens on the host
         req_ids = list(so.num_scheduled_tokens)
-        sampled = []
+        picks = []  # (request, its state, the position it samples)
         for req_id in req_ids:
             st = self.reqs[req_id]
             st.num_computed += so.num_scheduled_tokens[req_id]
-            if st.num_computed < len(st.tokens):  # a prefill chunk: nothing sampled
-                sampled.append([])
+            if st.num_computed < st.length:  # a prefill chunk: nothing sampled
                 continue
-            disagree = sum(s[req_id] != sums_by_rank[0][req_id] for s in sums_by_rank[1:])
-            tok = self.model.token(sum(sums_by_rank[0][req_id]) + 7919 * disagree, len(st.tokens))
-            st.tokens.append(tok)
-            sampled.append([tok])
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled)
+            picks.append((req_id, st, st.length))
+            st.length += 1
+        sampled: dict[str, int] = {}
+
+        def sample() -> None:
+            for req_id, st, pos in picks:
+                assert len(st.tokens) == pos, (req_id, len(st.tokens), pos)
+                disagree = sum(s[req_id] != sums_by_rank[0][req_id] for s in sums_by_rank[1:])
+                tok = self.model.token(sum(sums_by_rank[0][req_id]) + 7919 * disagree, pos)
+                st.tokens.append(tok)
+                sampled[req_id] = tok
+
+        if self.async_scheduling:
+            self.device.compute("sample", sample)
+
+        def read() -> Any:
+            for rk in self.ranks:
+                rk.device.sync_compute()  # vLLM reads the sampled tokens on the host
+            if not self.async_scheduling:
+                sample()
+            return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                     sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids])
+
+        return read
 
     def _draft(self, plan) -> dict[str, list[int]] | None:
         """An EAGLE-style proposer over the same positions: its layers (a FULL
@@ -593,7 +643,7 @@ class Harness:
             for rk in self._each_rank():
                 self._zero_and_copy(self._rank_so[rk.tp_rank])
                 outs.append(self.kvc.no_forward(self._rank_so[rk.tp_rank]))
-            return self._combined(outs)
+            return lambda: self._combined(outs)
         batch = _InputBatch(list(so.num_scheduled_tokens), so.total_num_scheduled_tokens)
         plan = self._plan(so)
         sums_by_rank = []
@@ -614,14 +664,19 @@ class Harness:
         # sample_tokens (vLLM 0.32 gpu/model_runner.py): sampling and the speculator's proposal are
         # issued, post_forward asks the connector, and only then does the host read the sampled tokens
         # (AsyncOutput.get_output, from the engine core): no host sync before the connector answers
+        read = self._sample(so, sums_by_rank)
         kv_outs, drafts = [], []
         for rk in self._each_rank():
             drafts.append(self._draft(plan))
             kv_outs.append(self.kvc.post_forward(self._rank_so[rk.tp_rank].finished_req_ids))
-        out = self._sample(so, sums_by_rank)
-        for rk, sums in zip(self._each_rank(), drafts):
-            self._take_proposals(plan, sums)
-        return self._combined([self._rank_output(out, kv_out) for kv_out in kv_outs])
+
+        def output() -> Any:
+            out = read()
+            for _rk, sums in zip(self._each_rank(), drafts):
+                self._take_proposals(plan, sums)
+            return self._combined([self._rank_output(out, kv_out) for kv_out in kv_outs])
+
+        return output
 
     # ------------------------------------------------------------ runner: V1 --
     def execute_v1(self, so) -> Any:
@@ -669,7 +724,7 @@ class Harness:
                         conn.clear_connector_metadata()
             sums_by_rank.append(sums)
             kv_outs.append(kv_out)
-        out = self._sample(so, sums_by_rank) if so.total_num_scheduled_tokens else None
+        read = self._sample(so, sums_by_rank) if so.total_num_scheduled_tokens else None
         if defer:  # V1's spec decoding: sample, propose, then finalize_kv_connector
             mode = CUDAGraphMode.FULL if self.drafter_full_graph else CUDAGraphMode.PIECEWISE
             for _ in self._each_rank():
@@ -679,7 +734,12 @@ class Harness:
                 self._take_proposals(plan, sums)
                 self.worker.wait_for_save()
                 self.worker.clear_connector_metadata()
-        return self._combined([self._rank_output(out, kv_out) for kv_out in kv_outs])
+
+        def output() -> Any:
+            out = read() if read is not None else None
+            return self._combined([self._rank_output(out, kv_out) for kv_out in kv_outs])
+
+        return output
 
 
 @dataclass
