@@ -10,14 +10,22 @@ sampled token says whether the KV it read was right.
       pre_forward (handle_preemptions, bind, sync loads) inside the forward
       context, or outside any (the FULL CUDA-graph branch: a uniform-decode
       batch, which a fully hit prompt with one token left batches as), the
-      forward, finish_forward, sampling, post_forward (async loads,
-      wait_for_save, transfer results, invalid blocks).
+      forward, finish_forward, sample_tokens: sampling and the proposer
+      issued, post_forward (async loads, wait_for_save, transfer results,
+      invalid blocks), and only then the host reads the tokens
+      (AsyncOutput.get_output): no host sync before the connector answers.
   V1  vllm/v1/worker/gpu_model_runner.py execute_model with
       kv_connector_model_runner_mixin: handle_preemptions first, the request
       bookkeeping (zeroing, copy-on-write), then inside the forward context
       bind and sync loads, the forward, (async loads), wait_for_save,
       transfer results; then sampling. FULL graphs replay inside a context
       whose cudagraph_runtime_mode says FULL.
+
+The engine core: vLLM 0.32 v1/engine/core.py step (one batch), or with
+asynchronous scheduling (its default with a connector) step_with_batch_queue
+over AsyncScheduler: step N+1 is scheduled and run before the host reads and
+processes step N's output; the sampling then runs on the device and the next
+forward takes its token from there.
 
 Linear-attention (Mamba/GDN) layers, vLLM's align mode: the runner keeps
 each request's running-state block (mamba_state_idx), copies the state into

@@ -17,7 +17,10 @@ Mamba/GDN hybrid in vLLM's align mode (boundary states stored from the
 blocks vLLM hands over, loaded with the attention KV, the state pre-copy
 before the forward), with preemption while its stores are in flight; an
 engine of linear-attention state alone, refused; MLA at TP=2 (rank 0 stores
-once for the host, both ranks load, their outputs combined as vLLM does).
+once for the host, both ranks load, their outputs combined as vLLM does); a
+load copy that fails on the device, found only once the copies ran, is
+recomputed in the step that read it. The cases whose loads succeed run with
+vLLM's asynchronous scheduling too.
 """
 
 from __future__ import annotations
