@@ -14,6 +14,7 @@ import sys
 import textwrap
 import uuid
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import xxhash
@@ -424,3 +425,54 @@ def as_nobody(code: str, *args: str) -> subprocess.CompletedProcess:
             return subprocess.run([SETPRIV, *NOBODY, py, "-c", code, *args], capture_output=True, text=True,
                                   timeout=120, cwd="/")
     pytest.skip("no Python interpreter the nobody user can execute")
+
+
+# ------------------------------------------------ connector halves, no engine --
+CONNECTOR_BS = 16
+
+
+def engine_config(model_dir: str, cache_name: str, **extra):
+    """A VllmConfig of the shmkv connector (16-token blocks, a 16 MiB segment, no maintainer)."""
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096)
+    ktc = KVTransferConfig(kv_connector="ShmKVConnector", kv_connector_module_path="shmkv.integration.vllm",
+                           kv_role="kv_both",
+                           kv_connector_extra_config={"cache_name": cache_name, "capacity": "16MiB",
+                                                      "log_level": "info", "maintainer": False, **extra})
+    return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=CONNECTOR_BS), kv_transfer_config=ktc)
+
+
+def kv_cache_config(specs: dict[str, object]):
+    """One KV-cache group of these layers (per-layer specs where they differ), 8 blocks."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
+    spec = UniformTypeKVCacheSpecs.from_specs(specs) if len({id(s) for s in specs.values()}) > 1 else \
+        next(iter(specs.values()))
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(specs), spec)])
+
+
+def attention(heads: int, head: int):
+    """A full-attention spec of 16-token bfloat16 blocks."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=CONNECTOR_BS, num_kv_heads=heads, head_size=head, dtype=torch.bfloat16)
+
+
+def request(n: int = 600) -> SimpleNamespace:
+    """What the scheduler half reads of a vLLM request."""
+    return SimpleNamespace(request_id="r", prompt_token_ids=list(range(n)), num_prompt_tokens=n,
+                           cache_salt=None, lora_request=None, mm_features=None, prompt_embeds=None)
+
+
+def connectors(vc, workers_config, scheduler_config=None):
+    """(scheduler half, worker half) of the shmkv connector, built in vLLM's order."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from shmkv.integration.vllm.connector import ShmKVConnector
+
+    # vLLM builds the workers' connectors first (with the KV cache), then the scheduler's
+    worker = ShmKVConnector(vc, KVConnectorRole.WORKER, workers_config)
+    sched = ShmKVConnector(vc, KVConnectorRole.SCHEDULER, scheduler_config or workers_config)
+    return sched, worker

@@ -174,7 +174,8 @@ class Harness:
                  zeroing: bool = False, full_graphs: bool = True, extra_config: dict | None = None,
                  max_model_len: int = 2048, query_progress: float = 0.2, drafter_layers: int = 0,
                  drafter_full_graph: bool = True, sliding_window: int = 0,
-                 linear_layers: tuple[int, ...] = (), tp: int = 1, async_scheduling: bool = False) -> None:
+                 linear_layers: tuple[int, ...] = (), tp: int = 1, async_scheduling: bool = False,
+                 policy: str = "fcfs") -> None:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -220,7 +221,7 @@ class Harness:
         self.proposals: list[tuple[list[int], int]] = []  # (tokens the drafter ran over, what it read)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False,
-                             async_scheduling=async_scheduling)
+                             async_scheduling=async_scheduling, policy=policy)
         # vLLM 0.32's default with a KV connector: the engine core schedules step N+1 and runs it
         # before it processes step N's output (step_with_batch_queue, a queue of two batches); the
         # runner feeds a decode the token sampled the step before on the device. One rank here: the
@@ -267,8 +268,9 @@ class Harness:
         kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups,
                             kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=names, layer_stride=0,
                                                             block_stride=page) for names in shared])
-        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
-                                   structured_output_manager=StructuredOutputManager(vc), block_size=block_size)
+        scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = scheduler_class(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
+                                         structured_output_manager=StructuredOutputManager(vc), block_size=block_size)
         if zeroing:  # as vLLM sets it up for Mamba or mixed-precision engines
             self.scheduler.needs_kv_cache_zeroing = True
             for mgr in self.scheduler.kv_cache_manager.coordinator.single_type_managers:
@@ -364,13 +366,15 @@ class Harness:
         return outputs[0] if len(outputs) == 1 else self._aggregator.aggregate(outputs, output_rank=0)
 
     # -------------------------------------------------------------- driving --
-    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, priority: int = 0) -> None:
+        """`priority`: with policy="priority", lower is served first (and preempted last)."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.scheduler.add_request(Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
-                                           pooling_params=None, block_hasher=self._block_hasher))
+                                           pooling_params=None, block_hasher=self._block_hasher,
+                                           priority=priority))
         self.outputs[req_id] = []
 
     def abort(self, req_ids: Iterable[str]) -> None:

@@ -388,3 +388,49 @@ def test_a_load_copy_that_fails_on_the_device_is_recomputed_in_the_step_that_rea
     c = serve(cache_name, model_dir, runner, seed + 20, {"c": p[:512] + tail + [5]}, 3)
     assert loaded(c) >= 512
     assert not continuation_ok(c, {"c": p[:512] + tail + [5]})
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_hit_admitted_into_blocks_a_preempted_store_still_reads_loads_after_the_gather(cache_name, model_dir,
+                                                                                         runner, seed):
+    """Finding A: a sliding-window hybrid of one KV dtype (no zeroing), a
+    tight KV cache, priority scheduling. r1's prompt ends on a chunk
+    boundary and its store is issued; r0 (served first) needs a block, vLLM
+    preempts r1 and frees its blocks; the hit h (served before r1) is given
+    them and parked for its asynchronous load, so its blocks are in none of
+    the scheduler's lists of the step. The load must run after r1's gather
+    reads those blocks: the device model sees every copy's blocks, and an
+    engine that loads r1's prompt afterwards samples right."""
+    kw = {"sliding_window": 64, "policy": "priority"}
+    hit = prompt(600, seed + 3)
+    serve(cache_name, model_dir, runner, seed, {"x": hit}, 2, num_blocks=128, **kw)
+    r0, r1 = prompt(60, seed + 1), prompt(512, seed + 2)
+    seen = {"preempted_in_flight": set(), "pending": set(), "h_blocks": set(), "r1_blocks": set()}
+
+    def watch(h, so):
+        if "r1" in h.reqs:
+            seen["r1_blocks"] |= {b for table in h.reqs["r1"].blocks for b in table}
+        if so.preempted_req_ids and "r1" in so.preempted_req_ids and "r1" in seen["pending"]:
+            seen["preempted_in_flight"].add("r1")
+            if "h" not in h.outputs:
+                h.add("h", hit[:560], 3, priority=0)
+        seen["pending"] = h.worker._work.worker.pending_requests()
+        if "h" in h.outputs and not seen["h_blocks"]:
+            seen["h_blocks"] = set(h.scheduler.kv_cache_manager.get_block_ids("h")[0]) \
+                if "h" in h.scheduler.requests else set()
+
+    a = harness(cache_name, model_dir, runner, seed + 10, num_blocks=40, max_num_batched_tokens=128,
+                query_progress=0.05, **kw)
+    try:
+        a.add("r0", r0, 60, priority=0)
+        a.add("r1", r1, 60, priority=1)
+        a.run(after_step=watch)
+    finally:
+        a.close()
+    assert seen["preempted_in_flight"] == {"r1"}, "r1 was preempted while its store was in flight"
+    assert seen["h_blocks"] & seen["r1_blocks"], "the hit was given blocks r1's pending store read"
+    assert a.violations == [], a.violations[:3]
+    assert not continuation_ok(a, {"r0": r0, "r1": r1, "h": hit[:560]})
+    b = serve(cache_name, model_dir, runner, seed + 100, {"b": r1 + [3]}, 3, num_blocks=128, **kw)
+    assert not continuation_ok(b, {"b": r1 + [3]}) and b.violations == []

@@ -20,6 +20,7 @@ import logging
 from types import SimpleNamespace
 
 import torch
+from helpers import attention, connectors, engine_config, kv_cache_config, request
 
 from shmkv import engine_registry
 from shmkv.integration.vllm.metadata import ShmKVMetadata, ShmKVWorkerReport
@@ -40,46 +41,6 @@ def shmkv_log(caplog):
     log.handlers[:] = saved[0]
     log.propagate = saved[1]
     log.setLevel(saved[2])
-
-
-def engine_config(model_dir: str, cache_name: str, **extra):
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
-
-    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096)
-    return VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BS), kv_transfer_config=KVTransferConfig(
-        kv_connector="ShmKVConnector", kv_connector_module_path="shmkv.integration.vllm", kv_role="kv_both",
-        kv_connector_extra_config={"cache_name": cache_name, "capacity": "16MiB", "log_level": "info",
-                                   "maintainer": False, **extra}))
-
-
-def kv_cache_config(specs: dict[str, object]):
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, UniformTypeKVCacheSpecs
-
-    spec = UniformTypeKVCacheSpecs.from_specs(specs) if len({id(s) for s in specs.values()}) > 1 else \
-        next(iter(specs.values()))
-    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(specs), spec)])
-
-
-def attention(heads: int, head: int):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    return FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=head, dtype=torch.bfloat16)
-
-
-def request(n: int = 600) -> SimpleNamespace:
-    return SimpleNamespace(request_id="r", prompt_token_ids=list(range(n)), num_prompt_tokens=n,
-                           cache_salt=None, lora_request=None, mm_features=None, prompt_embeds=None)
-
-
-def connectors(vc, workers_config, scheduler_config=None):
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from shmkv.integration.vllm.connector import ShmKVConnector
-
-    # vLLM builds the workers' connectors first (with the KV cache), then the scheduler's
-    worker = ShmKVConnector(vc, KVConnectorRole.WORKER, workers_config)
-    sched = ShmKVConnector(vc, KVConnectorRole.SCHEDULER, scheduler_config or workers_config)
-    return sched, worker
 
 
 def test_an_off_worker_answers_vllms_protocol_and_its_report_turns_the_engine_off(cache_name, tmp_path,

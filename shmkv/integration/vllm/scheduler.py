@@ -105,7 +105,8 @@ class SchedulerSide:
         self._promoted: set[str] = set()  # promotion done: look up in memory only
         self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0, "delayed_frees": 0,
                                          "finished_sending": 0, "unexpected_finished_sending": 0, "event_errors": 0,
-                                         "connector_resets": 0, "weights_unknown": 0, "weights_generations": 0}
+                                         "connector_resets": 0, "weights_unknown": 0, "weights_generations": 0,
+                                         "block_plan_errors": 0}
         # Delayed frees (worker.py): requests whose store items were shipped, then those
         # whose blocks vLLM keeps until the workers report them in finished_sending.
         self._shipped_stores: set[str] = set()
