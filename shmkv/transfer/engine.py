@@ -202,8 +202,12 @@ class TransferEngine:
         if not job.jobs:
             return job
         self._decode_compressed(job)
-        # NOTE: the blocks being filled may still be read by compute issued before
+        # NOTE: the blocks being filled may still be read by compute issued before, and by the
+        # gathers of pending stores (vLLM freed a request's blocks and gave them to this load,
+        # perhaps in no list the scheduler half sees: a request parked for an asynchronous load)
         self._load_stream.after_compute()
+        self.counters["loads_after_stores"] += self._order_after_stores(
+            self._load_stream, {b for it, _ in job.jobs for b in it.block_ids})
         try:
             self._load_stream.run(lambda s: self._prepare_batches(job, s))
         except Exception:
@@ -487,6 +491,16 @@ class TransferEngine:
         device, on the CPU the host waits. How many stores it waited for."""
         want = None if req_ids is None else set(req_ids)
         return self.order_compute_after(j for j in self._stores if want is None or j.item.req_id in want)
+
+    def _order_after_stores(self, stream: Any, block_ids: set[int]) -> int:
+        """`stream`'s next copies run only after the pending stores reading
+        any of `block_ids` have read them. How many it had to wait for."""
+        n = 0
+        for job in self.stores_on_blocks(block_ids):
+            if job.event is not None and not job.event.query():
+                stream.wait(job.event)
+                n += 1
+        return n
 
     def pending_stores(self) -> list[StoreJob]:
         return list(self._stores)

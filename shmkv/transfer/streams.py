@@ -103,6 +103,10 @@ class CpuStream:
         """Order the next copies after the compute issued so far: nothing to do
         on the CPU (vLLM's CPU forward has returned before a copy is issued)."""
 
+    def wait(self, ev: CpuEvent) -> None:
+        """The next copies run only after `ev` (of another stream) completed."""
+        self._put((lambda _: ev.synchronize(), None))
+
     def _put(self, task: tuple) -> None:
         if self.deferred:
             self._tasks.append(task)
@@ -219,6 +223,10 @@ class CudaStream:
         import torch
 
         self._s.wait_stream(torch.cuda.current_stream(self.device))
+
+    def wait(self, ev: CudaEvent) -> None:
+        """The next copies run only after `ev` (of another stream): on the device."""
+        self._s.wait_event(ev._ev)
 
     def close(self) -> None:
         self._s.synchronize()

@@ -186,3 +186,28 @@ def test_with_every_fence_no_order_is_wrong(store):
         assert dev.violations == []
         got = store.get(key)[:16]
         assert got == raw(caches[0][2])[:16]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_load_into_blocks_a_pending_store_reads_runs_after_the_gather(store, seed):
+    """Finding A: vLLM freed a request's blocks while their store was still
+    copying and gave them to a load, possibly in no list the scheduler half
+    sees (a request parked for an asynchronous load). The transfer engine
+    orders the load after the gathers reading its blocks, whatever it was
+    told: a store into {3, 4}, then a load of another key into {4, 5}."""
+    dev = DeviceModel(seed=seed, query_progress=0.0)
+    eng, caches = engine(store, dev)
+    other = bytes([seed + 100]) * 16
+    store.put(other, b"\x07" * (2 * 2 * BS * 2 * 8 * 2 * LAYERS), tokens=2 * BS)  # what the load brings
+    forward(dev, caches, [3, 4], value=float(seed + 1))
+    block = raw(torch.full_like(caches[0][3], float(seed + 1)))  # what the forward writes, once it runs
+    key = bytes([seed]) * 16
+    eng.submit_store([item("r", key, 3, 4)])
+    eng.submit_load([load_item("h", other, 4, 5)])
+    dev.synchronize()
+    eng.poll_stores()
+    eng.poll_loads()
+    assert dev.violations == [], dev.violations[:2]
+    got = store.get(key)
+    assert got is not None and got[:2 * len(block)] == 2 * block, "the store holds the forward's KV"
+    assert eng.counters["loads_after_stores"] == 1
