@@ -143,6 +143,7 @@ class ShmkvConfig:
     maintainer: bool = True  # without a daemon, a vLLM scheduler process maintains the cache
     cuda_store_copy: str = "auto"  # GPU->segment copies: "auto" (by run size), "dma" (copy engines) or "kernel"
     cuda_load_copy: str = "auto"  # segment->GPU copies: "auto", "kernel" or "dma"
+    sync_load_max: int = 256 << 20  # bytes per rank a load may copy synchronously; above: asynchronously
     io_threads: int = 0  # threads encoding/decoding chunks for spill and promotion; 0: the CPUs we may use (max 8)
     log_level: str = "info"
     log_summary_s: float = 60.0  # one INFO line of activity per this many seconds (requests: DEBUG); 0: none
@@ -189,6 +190,7 @@ class ShmkvConfig:
             "io_threads": lambda k, v: _parse_int(k, v, 0, 64),
             "cuda_store_copy": lambda k, v: _parse_choice(k, v, ("auto", "dma", "kernel")),
             "cuda_load_copy": lambda k, v: _parse_choice(k, v, ("auto", "kernel", "dma")),
+            "sync_load_max": lambda k, v: 0 if str(v) == "0" else parse_size(k, v),
             "listen": _parse_listen,
             "controller_token_file": _parse_path,
             "controller_open_metrics": _parse_bool,

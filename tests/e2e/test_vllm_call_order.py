@@ -365,8 +365,10 @@ def test_a_load_copy_that_fails_on_the_device_is_recomputed_in_the_step_that_rea
     them must not be stored: engine C loads what B stored and samples right."""
     p, tail = prompt(600, seed), prompt(300, seed + 7)
     serve(cache_name, model_dir, runner, seed, {"a": p}, 2)
-    # NOTE: a polled copy progressed one time in fifty: the host runs far ahead of the device
-    h = Harness(cache_name, model_dir, runner, seed=seed + 10, query_progress=0.02)
+    # NOTE: a polled copy progressed one time in fifty: the host runs far ahead of the device.
+    # 128 blocks: after a failed asynchronous load (every load on V2) vLLM 0.32 keeps the request in
+    # its in-flight prefills and reserves its blocks twice when it is admitted again
+    h = Harness(cache_name, model_dir, runner, seed=seed + 10, query_progress=0.02, num_blocks=128)
     engine = h.worker._work.worker
     load_layer, failed_jobs = engine._load_layer, []
 
@@ -391,46 +393,49 @@ def test_a_load_copy_that_fails_on_the_device_is_recomputed_in_the_step_that_rea
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-@pytest.mark.parametrize("seed", SEEDS)
-def test_a_hit_admitted_into_blocks_a_preempted_store_still_reads_loads_after_the_gather(cache_name, model_dir,
-                                                                                         runner, seed):
+# seeds whose device order leaves r1's store in flight when h's load is issued (the test asserts it)
+@pytest.mark.parametrize("seed", [0, 2, 3])
+def test_a_hit_admitted_into_blocks_a_pending_store_reads_loads_after_the_gather(cache_name, model_dir, runner,
+                                                                                 seed):
     """Finding A: a sliding-window hybrid of one KV dtype (no zeroing), a
-    tight KV cache, priority scheduling. r1's prompt ends on a chunk
-    boundary and its store is issued; r0 (served first) needs a block, vLLM
-    preempts r1 and frees its blocks; the hit h (served before r1) is given
-    them and parked for its asynchronous load, so its blocks are in none of
-    the scheduler's lists of the step. The load must run after r1's gather
-    reads those blocks: the device model sees every copy's blocks, and an
-    engine that loads r1's prompt afterwards samples right."""
-    kw = {"sliding_window": 64, "policy": "priority"}
+    tight KV cache. r1's long prefill stores its chunks while its window
+    moves on: vLLM frees the sliding group's blocks behind the window while
+    the store of the chunk they hold is still copying, and admits the hit h
+    into them, parked for its asynchronous load (two KV-cache groups), so
+    those blocks are in none of the scheduler's lists of the step. The load
+    must run after the gather read them: the device model sees every copy's
+    blocks (without the transfer engine's wait it reports the race), h and a
+    later engine loading r1's prompt sample right."""
+    kw = {"sliding_window": 64}
     hit = prompt(600, seed + 3)
     serve(cache_name, model_dir, runner, seed, {"x": hit}, 2, num_blocks=128, **kw)
-    r0, r1 = prompt(60, seed + 1), prompt(512, seed + 2)
-    seen = {"preempted_in_flight": set(), "pending": set(), "h_blocks": set(), "r1_blocks": set()}
+    r1 = prompt(640, seed + 2)
+    seen = {"raced": set()}
 
     def watch(h, so):
-        if "r1" in h.reqs:
-            seen["r1_blocks"] |= {b for table in h.reqs["r1"].blocks for b in table}
-        if so.preempted_req_ids and "r1" in so.preempted_req_ids and "r1" in seen["pending"]:
-            seen["preempted_in_flight"].add("r1")
-            if "h" not in h.outputs:
-                h.add("h", hit[:560], 3, priority=0)
-        seen["pending"] = h.worker._work.worker.pending_requests()
-        if "h" in h.outputs and not seen["h_blocks"]:
-            seen["h_blocks"] = set(h.scheduler.kv_cache_manager.get_block_ids("h")[0]) \
-                if "h" in h.scheduler.requests else set()
+        if h.step == 3 and "h" not in h.outputs:
+            h.add("h", hit[:300], 3)
 
-    a = harness(cache_name, model_dir, runner, seed + 10, num_blocks=40, max_num_batched_tokens=128,
-                query_progress=0.05, **kw)
+    a = harness(cache_name, model_dir, runner, seed + 10, num_blocks=72, max_num_batched_tokens=128,
+                query_progress=0.02, **kw)
+    engine = a.worker._work.worker
+    submit_load = engine.submit_load
+
+    def watched_submit_load(items):  # the blocks of h's load a store of r1 still reads, when it is issued
+        mine = {b for it in items if it.req_id == "h" for b in it.block_ids}
+        seen["raced"] |= {b for j in engine.pending_stores() if not j.event.op.done for b in j.blocks & mine}
+        return submit_load(items)
+
+    engine.submit_load = watched_submit_load
     try:
-        a.add("r0", r0, 60, priority=0)
-        a.add("r1", r1, 60, priority=1)
+        a.add("r1", r1, 3)
         a.run(after_step=watch)
     finally:
         a.close()
-    assert seen["preempted_in_flight"] == {"r1"}, "r1 was preempted while its store was in flight"
-    assert seen["h_blocks"] & seen["r1_blocks"], "the hit was given blocks r1's pending store read"
+    assert seen["raced"], "h was parked in blocks a pending store of r1 still read"
     assert a.violations == [], a.violations[:3]
-    assert not continuation_ok(a, {"r0": r0, "r1": r1, "h": hit[:560]})
-    b = serve(cache_name, model_dir, runner, seed + 100, {"b": r1 + [3]}, 3, num_blocks=128, **kw)
-    assert not continuation_ok(b, {"b": r1 + [3]}) and b.violations == []
+    assert engine.counters["loads_after_stores"] >= 1
+    assert not continuation_ok(a, {"r1": r1, "h": hit[:300]})
+    b = serve(cache_name, model_dir, runner, seed + 100, {"b": r1[:600]}, 3, num_blocks=128, **kw)
+    assert not continuation_ok(b, {"b": r1[:600]}) and b.violations == []
+    assert loaded(b) == 512, "engine B loaded both whole chunks r1 stored"

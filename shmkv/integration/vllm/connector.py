@@ -75,6 +75,7 @@ from shmkv import engine_registry
 from shmkv.config import load_config
 from shmkv.errors import ConfigError
 from shmkv.integration.vllm.engine_inputs import (
+    chunk_bytes,
     drafter_field,
     groups_field,
     kv_groups_of,
@@ -237,6 +238,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
                                         loads=ktc.is_kv_consumer, stores=ktc.is_kv_producer, ktc=ktc,
                                         weights=weights,
                                         max_chunk_bytes=max_chunk_bytes(kv_cache_config, self.cfg.chunk_size),
+                                        chunk_bytes=chunk_bytes(kv_cache_config, self.cfg.chunk_size),
                                         event_groups=event_groups_of(kv_cache_config))
         else:
             rank = _tp_rank()

@@ -150,17 +150,26 @@ def drafter_lookahead(vllm_config: VllmConfig) -> int:
     return int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
 
 
-def max_chunk_bytes(kv_cache_config: KVCacheConfig | None, chunk_size: int) -> int | None:
-    """An upper bound of one chunk's payload on one TP rank (every layer's
-    pages of `chunk_size` tokens, twice over for layouts that pad), so that a
-    stored chunk declaring more is refused before it is decompressed; None
-    when vLLM gave no KV-cache config (then the segment's own bound holds)."""
+def chunk_bytes(kv_cache_config: KVCacheConfig | None, chunk_size: int) -> int:
+    """One chunk's KV on one TP rank: every layer's pages of `chunk_size`
+    tokens (0 when vLLM gave no KV-cache config)."""
     if kv_cache_config is None:
-        return None
+        return 0
     total = 0
     for g in kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
-        total += spec.page_size_bytes * len(g.layer_names) * -(-chunk_size // spec.block_size)
+        # NOTE: per-layer specs (UniformTypeKVCacheSpecs) give every layer's pages as one page
+        layers = 1 if getattr(spec, "kv_cache_specs", None) else len(g.layer_names)
+        total += spec.page_size_bytes * layers * -(-chunk_size // spec.block_size)
+    return total
+
+
+def max_chunk_bytes(kv_cache_config: KVCacheConfig | None, chunk_size: int) -> int | None:
+    """An upper bound of one chunk's payload on one TP rank (chunk_bytes,
+    twice over for layouts that pad), so that a stored chunk declaring more
+    is refused before it is decompressed; None when vLLM gave no KV-cache
+    config (then the segment's own bound holds)."""
+    total = chunk_bytes(kv_cache_config, chunk_size)
     return 2 * total + (1 << 20) if total else None
 
 

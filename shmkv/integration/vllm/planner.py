@@ -72,6 +72,7 @@ class RequestPlan:
     planner: Planner | None = None  # of the request's namespace (its salt and LoRA adapter)
     request: Any = None  # vLLM's Request (its block hashes name the chunks in KV events)
     scheduled_tokens: int = 0  # in the step that loads the hit (where the running recurrent state goes)
+    load_async: bool = False  # its hit loads asynchronously (vLLM's WAITING_FOR_REMOTE_KVS)
 
 
 class Planner:

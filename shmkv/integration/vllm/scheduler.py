@@ -74,7 +74,8 @@ class SchedulerSide:
 
     def __init__(self, vllm_config: VllmConfig, cfg: ShmkvConfig, store: Store, namespaces: list[Namespace],
                  groups: list[KVGroup], *, loads: bool, stores: bool, ktc: Any, weights: EngineWeights,
-                 max_chunk_bytes: int | None = None, event_groups: list[EventGroup] | None = None) -> None:
+                 max_chunk_bytes: int | None = None, event_groups: list[EventGroup] | None = None,
+                 chunk_bytes: int = 0) -> None:
         self._vllm_config = vllm_config
         self.cfg = cfg
         self.store = store
@@ -88,10 +89,16 @@ class SchedulerSide:
         self._block_pool: Any = None
         self._prefix_map: Any = None
         self._groups = groups
-        # NOTE: vLLM takes a failed synchronous load back as block ids, which it cannot map to
-        # requests with several KV-cache groups (it stops the engine): there loads are
-        # asynchronous, and a failure recomputes the request (failed_recving)
-        self.async_loads = len(groups) > 1
+        # NOTE: a load is synchronous (the step's forward waits layer by layer) or asynchronous
+        # (vLLM parks the request in WAITING_FOR_REMOTE_KVS until get_finished reports it, and a
+        # failure recomputes the request: failed_recving). Always asynchronous where vLLM cannot take
+        # a failed synchronous load back as block ids: several KV-cache groups (it stops the engine)
+        # and Model Runner V2 (vLLM 0.32 serves wrong tokens: its rollback misses the blocks,
+        # reproduced with a chunk evicted before its load). Elsewhere, asynchronous above
+        # sync_load_max bytes per rank: copied while the batch waits, a long hit would stall every
+        # request of it (~90 ms for 32k tokens of an 8B model at the measured 45 GB/s)
+        self.always_async_loads = len(groups) > 1 or bool(getattr(vllm_config, "use_v2_model_runner", False))
+        self._chunk_bytes = chunk_bytes  # one chunk's KV per rank, every group (0: unknown, never too large)
         self._lookahead = drafter_lookahead(vllm_config)
         # NOTE: bounded, whatever the number of tenants (cache salts) and adapters:
         # the planners (their key caches) of the MAX_PLANNERS most recent namespaces
@@ -313,7 +320,8 @@ class SchedulerSide:
                           request.request_id, len(tokens), num_computed_tokens, extra)
                 self.activity.add(requests=1, hit_requests=int(extra > 0), prompt_tokens=len(tokens),
                                   hit_tokens=extra, local_tokens=num_computed_tokens)
-            return extra, bool(extra) and self.async_loads
+            plan.load_async = bool(extra) and self._load_async(extra)
+            return extra, plan.load_async
         except _AskAgain:
             return None, False
         except Exception:
@@ -446,15 +454,22 @@ class SchedulerSide:
             except Exception:
                 self.counters["lookup_errors"] += 1
                 log.exception("shmkv: planning the load of request %s failed; vLLM recomputes it", req_id)
-                if self.async_loads:
+                if plan.load_async:
                     meta.failed_loads.add(req_id)
                 else:
                     lo, hi = plan.local_tokens // bs, (plan.local_tokens + plan.hit_tokens) // bs
                     meta.failed_blocks.update(b for ids in plan.block_ids for b in ids[lo:hi] if b != NULL_BLOCK)
                 continue
-            if self.async_loads:
+            if plan.load_async:
                 meta.async_loads.add(req_id)
             meta.summaries[req_id] = RequestSummary(req_id, plan.prompt_len, plan.local_tokens, plan.hit_tokens)
+
+    def _load_async(self, tokens: int) -> bool:
+        """Whether a load of `tokens` goes asynchronously (see always_async_loads)."""
+        if self.always_async_loads:
+            return True
+        limit = self.cfg.sync_load_max
+        return bool(limit) and self._chunk_bytes * tokens / self.cfg.chunk_size > limit
 
     def _build(self, so: SchedulerOutput, meta: ShmKVMetadata) -> None:
         planner = self._planner(None)

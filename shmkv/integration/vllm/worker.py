@@ -286,12 +286,17 @@ class WorkerSide:
         if self.cfg.debug_evict_before_load:  # TEST ONLY: what another engine's eviction can do
             for it in meta.loads:
                 self.store.delete(it.keys[self.tp_rank])
-        job = self.worker.submit_load(meta.loads)
-        self._summaries[id(job)] = meta.summaries
-        if async_reqs:
+        later = [it for it in meta.loads if it.req_id in async_reqs]
+        if later:
             # NOTE: vLLM computes these requests only once get_finished reports them
-            self._async_jobs[id(job)] = async_reqs
+            job = self.worker.submit_load(later)
+            self._summaries[id(job)] = meta.summaries
+            self._async_jobs[id(job)] = {it.req_id for it in later}
+        now = [it for it in meta.loads if it.req_id not in async_reqs]
+        if not now:
             return
+        job = self.worker.submit_load(now)
+        self._summaries[id(job)] = meta.summaries
         # NOTE: units that failed already (evicted since the lookup, a damaged compressed chunk)
         # are vLLM's to recompute in this step's output, before it samples from their blocks
         job.reported = job.failed | {b for j in job.broken for b in job.jobs[j][0].block_ids}
