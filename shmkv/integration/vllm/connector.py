@@ -143,6 +143,24 @@ def _require_cuda_kernels_if_on_cuda() -> None:
                           "connector") from e
 
 
+def layers_read_without_hooks(forward_context: dict[str, Any], names: Any, state_layers: set[str]) -> list[str]:
+    """The KV-cache layers an op reads without vLLM's per-layer load hook:
+    vLLM calls wait_for_layer_load from its attention ops alone (Attention,
+    MLAAttention: maybe_transfer_kv_layer); another layer with a KV cache,
+    such as DeepSeek-V3.2's indexer cache (read by sparse_attn_indexer
+    before that layer's attention), would read a partly loaded cache. State
+    layers are left out: their groups load asynchronously. A layer missing
+    from vLLM's forward context is taken as hooked (vLLM registers every
+    layer it builds there)."""
+    try:
+        from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    except ImportError:  # a vLLM that moved them: every layer is waited for before the forward
+        return [n for n in names if n not in state_layers]
+    return [n for n in names if n not in state_layers and n in forward_context
+            and not isinstance(forward_context[n], (Attention, MLAAttention))]
+
+
 def _no_layer_hooks(forward_context: Any, load_kwargs: dict[str, Any]) -> bool:
     """Whether this step's forward runs without wait_for_layer_load: a FULL
     CUDA graph replay (vLLM's cudagraph_mode FULL_AND_PIECEWISE uses one for
@@ -394,6 +412,9 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._work is not None:
             self._work.register_kv_caches(kv_caches)
             if self._work.off_reason is None:
+                self._work.set_read_without_hooks(
+                    layers_read_without_hooks(self._vllm_config.compilation_config.static_forward_context,
+                                              kv_caches, self._work.state_layers()))
                 self._watch_weights(kv_caches)
 
     def _watch_weights(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -132,6 +132,7 @@ class WorkerSide:
         self._loading: tuple[Any, LoadJob] | None = None  # this step's metadata and loads
         self._load_failed_reqs: set[str] = set()  # a synchronous load of theirs failed: nothing more stored
         self._settled: LoadJob | None = None  # the last synchronous load job whose outcome is known
+        self.read_without_hooks: tuple[str, ...] = ()  # layers an op reads with no wait_for_layer_load
         self._async_jobs: dict[int, set[str]] = {}  # id(load job) -> its asynchronous requests
         self._recv_done: set[str] = set()  # asynchronous loads complete (finished_recving)
         self._recv_failed: set[str] = set()  # ... of them, those that failed (failed_recving)
@@ -214,6 +215,19 @@ class WorkerSide:
                      self.sections)
         if not self.stores:
             log.info("shmkv: TP rank %d only loads: rank 0 stores the latent (MLA) KV every rank holds", self.tp_rank)
+
+    def state_layers(self) -> set[str]:
+        """The layers of linear-attention state groups."""
+        return {n for g in self.groups if g.state for n in g.layer_names}
+
+    def set_read_without_hooks(self, names: Sequence[str]) -> None:
+        """Layers read by ops that call no wait_for_layer_load: a step with
+        synchronous loads then waits for every layer before the forward."""
+        self.read_without_hooks = tuple(names)
+        if names:
+            log.info("shmkv: %d KV-cache layers are read by ops without vLLM's per-layer load hook (%s%s): a step "
+                     "that loads makes its forward wait for every layer first", len(names), ", ".join(names[:3]),
+                     ", ..." if len(names) > 3 else "")
 
     def bind(self, meta: Any) -> None:
         """A step's metadata arrives (first, before any load or store)."""
@@ -301,7 +315,7 @@ class WorkerSide:
         # are vLLM's to recompute in this step's output, before it samples from their blocks
         job.reported = job.failed | {b for j in job.broken for b in job.jobs[j][0].block_ids}
         self._load_errors |= job.reported
-        if whole_forward:
+        if whole_forward or self.read_without_hooks:
             job.wait_all()
             self.worker.counters["whole_forward_loads"] += 1
         self._loading = meta, job
