@@ -22,6 +22,7 @@ BENCHES = {
     "lossy": "shmkv.bench.lossy_bench",
     "segment": "shmkv.bench.segment_bench",
     "pages": "shmkv.bench.pages_bench",
+    "hostpath": "shmkv.bench.hostpath_bench",
     "gpu": "shmkv.bench.gpu_bench",
     "native-tier": "shmkv.bench.native_tier",
     "fleet": "shmkv.bench.fleet_bench",

@@ -200,9 +200,12 @@ class CudaCopy:
             return mode == "dma"
         if not self.token_mode:
             return True  # whole blocks: long runs
+        # NOTE: every layer of a layout has one geometry: the first layer's runs say the mean run
+        # of them all (walking every layer cost 15 us per 256-token unit of a 32-layer rank)
+        first = layers[0]
         runs = nbytes = 0
         for idx in indices:
-            r, n = self._host.token_copy_runs(idx, *layers)
+            r, n = self._host.token_copy_runs(idx, first, first + 1)
             runs, nbytes = runs + r, nbytes + n
         return choose_dma(direction, runs, nbytes)
 

@@ -65,3 +65,20 @@ def test_a_head_major_cache_with_one_head_is_token_major():
 def test_the_thresholds_split_as_documented():
     assert choose_dma("store", 1, AUTO_DMA_MIN_RUN["store"]) and not choose_dma("store", 2, AUTO_DMA_MIN_RUN["store"])
     assert not choose_dma("load", 0, 0)
+
+
+def test_the_first_layer_chooses_as_every_layer_does():
+    """The choice walks one layer (every layer of a layout has one geometry):
+    the mean merged run of one layer is that of all, on every layout and
+    block table here."""
+    rng = np.random.default_rng(7)
+    tables = [list(range(10, 26)), list(range(2, 64, 4))[:16], [5], list(range(60, 44, -1))]
+    tables += [sorted(rng.choice(np.arange(1, BLOCKS), size=n, replace=False).tolist()) for n in (3, 8, 16, 40)]
+    for kind, heads in (("nhd", 8), ("nhd", 1), ("hnd", 2), ("hnd", 1)):
+        layout = KVLayout(kind, make_cache(kind, LAYERS, BLOCKS, BS, heads, D, torch.bfloat16))
+        for ids in tables:
+            slots = layout.slots_for_blocks(np.array(ids), len(ids) * BS)
+            every, one = layout.copier._c.token_copy_runs(slots), layout.copier._c.token_copy_runs(slots, 0, 1)
+            assert every == (LAYERS * one[0], LAYERS * one[1]), (kind, heads, ids)
+            for direction in ("store", "load"):
+                assert choose_dma(direction, *every) == choose_dma(direction, *one)

@@ -1,0 +1,115 @@
+"""Host time of the transfer engine's per-step calls, copies excluded.
+
+On a GPU the host issues a step's copies and goes on; what it spends in
+`submit_load` (leases, copy plans, per-layer issue) and `submit_store`
+(reservations, gathers' issue) is time the forward's launch waits for, and
+the copy-engine choice runs there too. Measured here with deferred CPU
+streams (a copy runs only when something waits for it, as on a device that
+has not got to it yet) on a Llama-3-8B-shaped TP rank in vLLM's CUDA layout
+(32 layers, 8 KV heads of 128, bfloat16, 16-token blocks, 256-token chunks)
+over host tensors: an 8k-token hit (32 chunks; 2 GiB of cache and segment) loaded, a prefill step's 8
+chunks stored, each on a fragmented block table; and the copy-engine
+choice's walk of one 256-token unit, over the first layer (what the choice
+reads now) and over every layer (what it walked before). The wait for a
+step's load copies (`_settle_loading`) is device time and not measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import uuid
+
+import numpy as np
+import torch
+
+from shmkv import Store
+from shmkv.transfer import GroupWindow, LoadItem, StoreItem, TransferEngine
+from shmkv.transfer.layout import KVLayout
+from shmkv.transfer.streams import CpuBackend
+
+MiB = 1 << 20
+LAYERS, HEADS, HEAD, BS, CHUNK = 32, 8, 128, 16, 256
+
+
+def _cache(blocks: int) -> list[torch.Tensor]:
+    """Per layer [blocks, heads, block tokens, 2*head] (vLLM 0.32's HND view), zeros."""
+    return [torch.zeros(blocks, HEADS, BS, 2 * HEAD, dtype=torch.bfloat16) for _ in range(LAYERS)]
+
+
+def _median_us(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1e6, 1)
+
+
+def measure(hit_tokens: int, store_chunks: int, repeats: int) -> dict:
+    per_chunk = CHUNK // BS
+    blocks = hit_tokens // BS + store_chunks * per_chunk + 8
+    layout = KVLayout("hnd", _cache(blocks), [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)],
+                      block_size=BS)
+    nbytes = layout.payload_bytes(CHUNK)
+    chunks = hit_tokens // CHUNK
+    name = f"shmkv-bench-{uuid.uuid4().hex[:8]}"
+    store = Store.create(name, (chunks + 2 * store_chunks + 2) * nbytes + 64 * MiB, max_payload_bytes=nbytes)
+    rng = np.random.default_rng(0)
+    try:
+        keys = [i.to_bytes(16, "little") for i in range(1, chunks + 1)]
+        for k in keys:
+            store.put(k, bytes(nbytes), tokens=CHUNK)
+        loads, stores, choice_one, choice_all = [], [], [], []
+        for rep in range(repeats):
+            eng = TransferEngine(store, layout, 0, backend=CpuBackend(deferred=True))
+            table = rng.permutation(np.arange(1, blocks))  # a long-running server's free list
+            items = [LoadItem("hit", (k,), (GroupWindow(0, per_chunk, tuple(int(b) for b in
+                                                                           table[i * per_chunk:(i + 1) * per_chunk])),))
+                     for i, k in enumerate(keys)]
+            t0 = time.perf_counter()
+            job = eng.submit_load(items)
+            loads.append(time.perf_counter() - t0)
+            off = chunks * per_chunk
+            sitems = [StoreItem("p", ((10_000 + rep * 100 + i).to_bytes(16, "little"),), CHUNK,
+                                (GroupWindow(0, per_chunk, tuple(int(b) for b in
+                                                                 table[off + i * per_chunk:off + (i + 1) * per_chunk])),))
+                      for i in range(store_chunks)]
+            t0 = time.perf_counter()
+            eng.submit_store(sitems)
+            stores.append(time.perf_counter() - t0)
+            eng.poll_loads() if job.done() else job.events[-1].synchronize()  # the copies run: leases back
+            eng.shutdown()
+            slots = layout.slots_for_blocks(np.array(table[:per_chunk]), CHUNK)
+            c = layout.copier._c
+            t0 = time.perf_counter()
+            c.token_copy_runs(slots, 0, 1)
+            choice_one.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            c.token_copy_runs(slots, 0, -1)
+            choice_all.append(time.perf_counter() - t0)
+        return {"submit_load_us": _median_us(loads), "submit_load_us_per_chunk": round(_median_us(loads) / chunks, 2),
+                "submit_store_us": _median_us(stores),
+                "submit_store_us_per_chunk": round(_median_us(stores) / store_chunks, 2),
+                "choice_walk_first_layer_us_per_unit": _median_us(choice_one),
+                "choice_walk_every_layer_us_per_unit": _median_us(choice_all)}
+    finally:
+        store.close()
+        Store.unlink(name)
+
+
+def run(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m shmkv.bench hostpath", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hit-tokens", type=int, default=8192, help="tokens of the loaded hit (whole chunks)")
+    ap.add_argument("--store-chunks", type=int, default=8, help="chunks stored in the step")
+    ap.add_argument("--repeats", type=int, default=7)
+    a = ap.parse_args(argv)
+    return {"bench": "hostpath", "shape": {"layers": LAYERS, "kv_heads": HEADS, "head": HEAD, "block": BS,
+                                           "chunk": CHUNK, "dtype": "bfloat16", "layout": "hnd"},
+            "hit_tokens": a.hit_tokens, "store_chunks": a.store_chunks,
+            **measure(a.hit_tokens, a.store_chunks, a.repeats)}
+
+
+def report(r: dict) -> None:
+    print(f"hit of {r['hit_tokens']} tokens: submit_load {r['submit_load_us']} us "
+          f"({r['submit_load_us_per_chunk']} per chunk); {r['store_chunks']} chunks stored: submit_store "
+          f"{r['submit_store_us']} us ({r['submit_store_us_per_chunk']} per chunk); copy-engine choice per unit: "
+          f"{r['choice_walk_first_layer_us_per_unit']} us (first layer) vs {r['choice_walk_every_layer_us_per_unit']} "
+          "us (every layer)")
