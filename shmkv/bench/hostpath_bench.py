@@ -60,16 +60,14 @@ def measure(hit_tokens: int, store_chunks: int, repeats: int) -> dict:
         for rep in range(repeats):
             eng = TransferEngine(store, layout, 0, backend=CpuBackend(deferred=True))
             table = rng.permutation(np.arange(1, blocks))  # a long-running server's free list
-            items = [LoadItem("hit", (k,), (GroupWindow(0, per_chunk, tuple(int(b) for b in
-                                                                           table[i * per_chunk:(i + 1) * per_chunk])),))
-                     for i, k in enumerate(keys)]
+            def window(i: int) -> tuple[GroupWindow]:  # the i-th chunk's blocks of the table
+                return (GroupWindow(0, per_chunk, tuple(int(b) for b in table[i * per_chunk:(i + 1) * per_chunk])),)
+
+            items = [LoadItem("hit", (k,), window(i)) for i, k in enumerate(keys)]
             t0 = time.perf_counter()
             job = eng.submit_load(items)
             loads.append(time.perf_counter() - t0)
-            off = chunks * per_chunk
-            sitems = [StoreItem("p", ((10_000 + rep * 100 + i).to_bytes(16, "little"),), CHUNK,
-                                (GroupWindow(0, per_chunk, tuple(int(b) for b in
-                                                                 table[off + i * per_chunk:off + (i + 1) * per_chunk])),))
+            sitems = [StoreItem("p", ((10_000 + rep * 100 + i).to_bytes(16, "little"),), CHUNK, window(chunks + i))
                       for i in range(store_chunks)]
             t0 = time.perf_counter()
             eng.submit_store(sitems)
