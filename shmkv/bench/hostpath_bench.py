@@ -60,7 +60,7 @@ def measure(hit_tokens: int, store_chunks: int, repeats: int) -> dict:
         for rep in range(repeats):
             eng = TransferEngine(store, layout, 0, backend=CpuBackend(deferred=True))
             table = rng.permutation(np.arange(1, blocks))  # a long-running server's free list
-            def window(i: int) -> tuple[GroupWindow]:  # the i-th chunk's blocks of the table
+            def window(i: int, table=table) -> tuple[GroupWindow]:  # the i-th chunk's blocks of the table
                 return (GroupWindow(0, per_chunk, tuple(int(b) for b in table[i * per_chunk:(i + 1) * per_chunk])),)
 
             items = [LoadItem("hit", (k,), window(i)) for i, k in enumerate(keys)]
