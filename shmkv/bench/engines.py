@@ -208,8 +208,11 @@ class EngineProcess:
         """Time to first token of one prompt (max_tokens=1)."""
         return self.call(cmd="generate", prompts=[prompt], max_tokens=1, salts=None)
 
-    def abort_after_steps(self, prompt: list[int], steps: int) -> dict[str, Any]:
-        return self.call(cmd="abort_after_steps", prompt=prompt, steps=steps)
+    def abort_after_tokens(self, prompt: list[int], tokens: int) -> dict[str, Any]:
+        """Start one request, step the engine until it has computed `tokens`
+        of its prompt (its own or loaded), then abort it (EngineCore in the
+        engine's process: in_process=True)."""
+        return self.call(cmd="abort_after_tokens", prompt=prompt, tokens=tokens)
 
     def metrics(self) -> dict[str, float]:
         """vLLM's counters and gauges (e.g. vllm:num_preemptions), summed over
@@ -301,17 +304,22 @@ def _remove_orphan_psm(names: set[str]) -> None:
             pass
 
 
-def _abort_after_steps(llm: Any, prompt: list[int], steps: int) -> dict[str, Any]:
-    """Start one request, run `steps` engine steps (part of its prefill when
-    chunked prefill is small), then abort it."""
+def _abort_after_tokens(llm: Any, prompt: list[int], tokens: int) -> dict[str, Any]:
+    """Start one request, step the engine until vLLM's scheduler counts
+    `tokens` of it computed (part of its prefill when chunked prefill is
+    small; a step that only loads counts once the load landed), then abort it."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler  # EngineCore in this process (in_process=True)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False)
     engine.add_request("abort-me", {"prompt_token_ids": prompt}, sp)
-    finished = False
-    for _ in range(steps):
+    finished, computed = False, 0
+    while not finished and computed < tokens:
         finished |= any(o.finished for o in engine.step())
+        # NOTE: vLLM's front end gives the request id a suffix of its own
+        req = next((r for rid, r in scheduler.requests.items() if rid.startswith("abort-me")), None)
+        computed = req.num_computed_tokens if req is not None else computed
     engine.abort_request(["abort-me"])
     while engine.has_unfinished_requests():
         engine.step()
@@ -409,7 +417,7 @@ def _serve(spec: EngineSpec) -> None:
         sys.stdout.flush()
 
     one_call = {  # commands that run one function and say what it returns
-        "abort_after_steps": lambda c: _abort_after_steps(llm, c["prompt"], c["steps"]),
+        "abort_after_tokens": lambda c: _abort_after_tokens(llm, c["prompt"], c["tokens"]),
         "pause_and_resume": lambda c: _pause_and_resume(llm),
         "negate_weight": lambda c: _negate_weight_everywhere(llm, c["name"], bool(c["through_loader"])),
     }

@@ -39,10 +39,11 @@ def test_resumed_request_reloads_its_own_chunks_and_abort_leaves_only_good_chunk
     assert store.stats()["hits"] > 0, "the resumed request loaded its prefix from shmkv"
     assert check_loaded_bytes_equal_stored(digests), "the resumed request's units were loaded whole"
 
-    # abort a request after two 512-token steps of its prefill
+    # abort a request once its prefill reached token 1,536 (its 512-token hit, then two 512-token
+    # steps; on V2 the hit loads asynchronously, in a step of its own)
     prompt = prompts[0][:700] + random_prompt(1000, seed=56)
     puts = store.stats()["puts"]
-    assert e.abort_after_steps(prompt, steps=2)["aborted"]
+    assert e.abort_after_tokens(prompt, tokens=1536)["aborted"]
     # its stores complete after the abort (vLLM keeps its blocks until they are reported)
     wait_until(lambda: store.stats()["puts"] >= puts + 4, "the aborted request's 4 chunks (512..1536) committed")
     # what it stored before the abort (chunks up to token 1,536) is correct
