@@ -69,7 +69,7 @@ def host_paths(pod: dict[str, Any], namespace: str, docs: list[dict[str, Any]]) 
     for v in pod["volumes"]:
         if "hostPath" in v:
             out[v["name"]] = v["hostPath"]["path"]
-        elif "persistentVolumeClaim" in v:
+        elif (namespace, v.get("persistentVolumeClaim", {}).get("claimName")) in local:  # a node's directory
             out[v["name"]] = local[(namespace, v["persistentVolumeClaim"]["claimName"])]
     return out
 
@@ -105,7 +105,8 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
 
 
 def env_of(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+    """A container's environment values (those taken from a secret left out)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
 def kv_transfer_config(argv: list[str]) -> dict[str, Any]:
@@ -119,7 +120,7 @@ def test_the_kubernetes_manifests_pass_kubernetes_schemas():
 
     docs = k8s_docs()
     assert {d["kind"] for d in docs} == {"Namespace", "ConfigMap", "DaemonSet", "Deployment", "StorageClass",
-                                         "PersistentVolume", "PersistentVolumeClaim"}
+                                         "PersistentVolume", "PersistentVolumeClaim", "Service", "ResourceQuota"}
     for doc in docs:
         kubernetes_validate.validate(doc, latest_version(), strict=True)
     daemonset = next(d for d in docs if d["kind"] == "DaemonSet")
@@ -199,8 +200,45 @@ def test_only_the_daemon_runs_where_pod_security_is_privileged():
         (term,) = pv["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"]
         assert term["matchExpressions"][0]["key"] == "kubernetes.io/hostname"
     claims = {(c["metadata"]["namespace"], c["metadata"]["name"]) for c in docs if c["kind"] == "PersistentVolumeClaim"}
-    assert claims == {(pv["spec"]["claimRef"]["namespace"], pv["spec"]["claimRef"]["name"])
-                      for pv in docs if pv["kind"] == "PersistentVolume"}
+    # every local volume has its claim; the one other claim is the model cache (a storage class's volume)
+    assert claims - {("shmkv", "vllm-models")} == {(pv["spec"]["claimRef"]["namespace"], pv["spec"]["claimRef"]["name"])
+                                                   for pv in docs if pv["kind"] == "PersistentVolume"}
+
+
+def test_the_recipes_land_on_gpu_node_pools_and_say_when_they_are_ready():
+    """What an operator of a GPU node pool needs of the two workloads: the
+    GPU taint tolerated (the daemon asks for no GPU), the daemon evicted
+    last, startup and readiness probes, resources; the engines with a model
+    cache, an optional Hugging Face token secret, a Service, and pod
+    affinity to their node's daemon (the engines that share a host tier
+    share the host)."""
+    docs = k8s_docs()
+    pods = pod_specs()
+    gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    for name, pod in pods.items():
+        assert gpu_taint in pod.get("tolerations", []), name
+        c = pod["containers"][0]
+        assert "startupProbe" in c and "readinessProbe" in c and "livenessProbe" in c, name
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"], name
+    daemon, vllm = pods["shmkv-daemon"], pods["vllm"]
+    assert daemon["priorityClassName"] == "system-node-critical"
+    assert "nvidia.com/gpu" not in daemon["containers"][0]["resources"].get("limits", {})
+    engine = vllm["containers"][0]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert engine["startupProbe"]["periodSeconds"] * engine["startupProbe"]["failureThreshold"] >= 600
+    token = next(e for e in engine["env"] if e["name"] == "HF_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert token["optional"] is True
+    mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+    env = env_of(engine)
+    assert mounts[os.path.dirname(env["HF_HOME"])] == "models" and env["VLLM_CACHE_ROOT"].startswith(env["HOME"])
+    assert any(v["name"] == "models" and v["persistentVolumeClaim"]["claimName"] == "vllm-models"
+               for v in vllm["volumes"])
+    (term,) = vllm["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "shmkv-daemon"}
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    assert service["spec"]["selector"] == {"app.kubernetes.io/name": "vllm"}
+    assert service["spec"]["ports"][0]["targetPort"] == engine["ports"][0]["name"]
 
 
 def test_the_node_is_prepared_by_the_daemons_init_container_alone():
@@ -253,6 +291,7 @@ def test_the_node_preparation_is_idempotent(tmp_path):
 def test_the_recipes_agree_on_the_uid_the_settings_and_the_commands():
     pods, services = pod_specs(), compose()["services"]
     envs = [env_of(p["containers"][0]) for p in pods.values()] + [s["environment"] for s in services.values()]
+    envs = [{k: v for k, v in e.items() if k.startswith("SHMKV_")} for e in envs]  # shmkv's: the same everywhere
     assert all(e == envs[0] for e in envs), envs
     env = envs[0]
     assert env["SHMKV_SEGMENT_DIR"] in SHARED
