@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -239,6 +240,77 @@ def test_the_recipes_land_on_gpu_node_pools_and_say_when_they_are_ready():
     (service,) = [d for d in docs if d["kind"] == "Service"]
     assert service["spec"]["selector"] == {"app.kubernetes.io/name": "vllm"}
     assert service["spec"]["ports"][0]["targetPort"] == engine["ports"][0]["name"]
+
+
+# What Pod Security's "baseline" level refuses, as its rules read: the subset a recipe could break.
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+                         "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
+
+
+def baseline_violations(pod: dict[str, Any]) -> list[str]:
+    bad = [f for f in ("hostIPC", "hostPID", "hostNetwork") if pod.get(f)]
+    bad += [f"volume {v['name']}: hostPath" for v in pod.get("volumes", []) if "hostPath" in v]
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        sc = {**pod.get("securityContext", {}), **c.get("securityContext", {})}
+        if sc.get("privileged"):
+            bad.append(f"{c['name']}: privileged")
+        if set(sc.get("capabilities", {}).get("add", [])) - BASELINE_CAPABILITIES:
+            bad.append(f"{c['name']}: capabilities beyond baseline's")
+        if sc.get("seccompProfile", {}).get("type") == "Unconfined":
+            bad.append(f"{c['name']}: seccomp unconfined")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{c['name']}: a host port")
+    return bad
+
+
+def variant_docs(directory: str) -> list[dict[str, Any]]:
+    docs = []
+    for name in ("shmkv-daemonset.yaml", "node-volumes.yaml", "vllm-deployment.yaml"):
+        with open(os.path.join(directory, name)) as f:
+            docs += [d for d in yaml.safe_load_all(f) if d]
+    return docs
+
+
+def test_the_root_variant_is_the_generated_one_and_keeps_its_pod_security_levels(tmp_path):
+    """deploy/kubernetes/root/ (vLLM's stock images run as root) is what
+    variants.py makes of the uid-1000 recipe, passes Kubernetes' schemas,
+    names uid 0 everywhere the recipe names its uid, and each workload keeps
+    the Pod Security level of its namespace: the daemon's privileged, the
+    engines' baseline ("restricted" refuses root; a hostPath added to a copy
+    breaks baseline too)."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the test extra installs it")
+    from kubernetes_validate.utils import latest_version
+
+    tool = os.path.join(DEPLOY, "kubernetes", "variants.py")
+    root = os.path.join(DEPLOY, "kubernetes", "root")
+    r = subprocess.run([sys.executable, tool, "--uid", "0", "--check", root], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    stale = tmp_path / "root"
+    shutil.copytree(root, stale)
+    with open(stale / "vllm-deployment.yaml", "a") as f:
+        f.write("# a hand edit\n")
+    r = subprocess.run([sys.executable, tool, "--uid", "0", "--check", str(stale)], capture_output=True, text=True)
+    assert r.returncode == 1 and "not current" in r.stderr
+
+    docs = variant_docs(root)
+    for doc in docs:
+        kubernetes_validate.validate(doc, latest_version(), strict=True)
+    levels = {d["metadata"]["name"]: d["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+              for d in docs if d["kind"] == "Namespace"}
+    assert levels == {"shmkv-system": "privileged", "shmkv": "baseline"}
+    for d in docs:
+        if d["kind"] not in ("DaemonSet", "Deployment"):
+            continue
+        pod = d["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsUser"] == 0 and pod["securityContext"]["runAsNonRoot"] is False
+        assert all(e["value"] == "0" for c in pod.get("initContainers", []) for e in c.get("env", [])
+                   if e["name"] == "SHMKV_UID")
+        if levels[d["metadata"]["namespace"]] == "baseline":
+            assert baseline_violations(pod) == [], d["metadata"]["name"]
+            assert restricted_violations(pod), "root is refused at restricted: why the engines run at baseline"
+            mutated = json.loads(json.dumps(pod))
+            mutated["volumes"].append({"name": "host", "hostPath": {"path": "/run/shmkv"}})
+            assert baseline_violations(mutated) == ["volume host: hostPath"]
 
 
 def test_the_node_is_prepared_by_the_daemons_init_container_alone():
