@@ -1,4 +1,4 @@
-"""Dispatch `python -m shmkv.bench NAME [options]`."""
+"""`shmkv bench NAME [options]` (or `python -m shmkv.bench`): one benchmark, its figures printed or as JSON."""
 
 from __future__ import annotations
 
@@ -7,40 +7,42 @@ import importlib
 import json
 import sys
 
-BENCHES = {
-    "store": "shmkv.bench.store_bench",
-    "kernels": "shmkv.bench.kernels_bench",
-    "ttft": "shmkv.bench.ttft_bench",
-    "disk": "shmkv.bench.disk_bench",
-    "remote": "shmkv.bench.remote_bench",
-    "soak": "shmkv.bench.soak_bench",
-    "spill": "shmkv.bench.spill_bench",
-    "trace": "shmkv.bench.trace_bench",
-    "concurrency": "shmkv.bench.concurrency_bench",
-    "controller": "shmkv.bench.controller_bench",
-    "compress": "shmkv.bench.compress_bench",
-    "lossy": "shmkv.bench.lossy_bench",
-    "segment": "shmkv.bench.segment_bench",
-    "pages": "shmkv.bench.pages_bench",
-    "hostpath": "shmkv.bench.hostpath_bench",
-    "gpu": "shmkv.bench.gpu_bench",
-    "native-tier": "shmkv.bench.native_tier",
-    "fleet": "shmkv.bench.fleet_bench",
-    "serve": "shmkv.bench.serve_bench",
+BENCHES = {  # name: (module, what it measures, one line)
+    "store": ("shmkv.bench.store_bench", "put/get GB/s of the shared segment against memcpy"),
+    "kernels": ("shmkv.bench.kernels_bench", "paged-KV gather/scatter GB/s against memcpy (CPU; GPU if present)"),
+    "ttft": ("shmkv.bench.ttft_bench", "time to first token with and without shmkv, separate vLLM engines"),
+    "disk": ("shmkv.bench.disk_bench", "the disk tier's throughput and compression"),
+    "remote": ("shmkv.bench.remote_bench", "the remote tier's throughput through Redis on loopback"),
+    "soak": ("shmkv.bench.soak_bench", "chaos soak: concurrent put/get/pin/delete with processes killed"),
+    "spill": ("shmkv.bench.spill_bench", "what RAM evicts reaches the disk, per writer pace"),
+    "trace": ("shmkv.bench.trace_bench", "a production request trace replayed through vllm serve, beside LMCache"),
+    "concurrency": ("shmkv.bench.concurrency_bench", "vLLM's random and prefix-repetition datasets at 1/4/16"),
+    "controller": ("shmkv.bench.controller_bench", "the controller's latency under many clients (and attackers)"),
+    "compress": ("shmkv.bench.compress_bench", "what POST /compress buys: chunks held per byte"),
+    "lossy": ("shmkv.bench.lossy_bench", "what the lossy (fp8) form costs in output"),
+    "segment": ("shmkv.bench.segment_bench", "segment creation: how soon it is usable"),
+    "pages": ("shmkv.bench.pages_bench", "what huge pages change for a segment"),
+    "hostpath": ("shmkv.bench.hostpath_bench", "host time of the transfer engine's per-step calls"),
+    "gpu": ("shmkv.bench.gpu_bench", "the CUDA path through the connector's worker (skipped without a GPU)"),
+    "native-tier": ("shmkv.bench.native_tier", "vLLM's native offloading with shmkv as its shared tier"),
+    "fleet": ("shmkv.bench.fleet_bench", "N engines on one host behind a router, with and without shmkv"),
+    "serve": ("shmkv.bench.serve_bench", "shmkv measured the way vLLM users measure: vllm serve + its client"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     # NOTE: no -h of its own once a benchmark is named: `bench trace --help` is the trace benchmark's help
-    p = argparse.ArgumentParser(prog="python -m shmkv.bench", description=__doc__, add_help=False,
-                                epilog="`python -m shmkv.bench NAME --help`: that benchmark's options")
+    listing = "\n".join(f"  {name:12s} {what}" for name, (_mod, what) in BENCHES.items())
+    p = argparse.ArgumentParser(prog="shmkv bench", description=__doc__, add_help=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"benchmarks:\n{listing}\n\n`shmkv bench NAME --help`: that benchmark's options")
     p.add_argument("name", nargs="?", choices=sorted(BENCHES), help="which benchmark")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args, rest = p.parse_known_args(argv)
     if args.name is None:
         p.print_help()
         return 0 if any(a in ("-h", "--help") for a in rest) else 2
-    mod = importlib.import_module(BENCHES[args.name])
+    mod = importlib.import_module(BENCHES[args.name][0])
     result = mod.run(rest)
     if "skipped" in result:  # e.g. `bench gpu` without a GPU: one line, and success
         print(json.dumps(result) if args.json else f"shmkv bench {args.name}: skipped: {result['skipped']}")

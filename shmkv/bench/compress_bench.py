@@ -32,7 +32,7 @@ from shmkv.store import FLAG_COMPRESSED
 
 
 def run(argv: list[str]) -> dict:
-    a = ttft_args("python -m shmkv.bench compress", "shmkv-bench-compress").parse_args(argv)
+    a = ttft_args("shmkv bench compress", "shmkv-bench-compress").parse_args(argv)
     spec, model = bench_model(a)
     rng = random.Random(7)
 

@@ -70,7 +70,7 @@ def measure(run: Run, server: VllmServer, name: str, a: argparse.Namespace, conc
 
 
 def run(argv: list[str]) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.bench concurrency", description=__doc__,
+    ap = argparse.ArgumentParser(prog="shmkv bench concurrency", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,4,16", help="the --max-concurrency levels, comma-separated")
     ap.add_argument("--datasets", default=",".join(DATASETS))

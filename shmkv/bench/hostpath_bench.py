@@ -93,7 +93,7 @@ def measure(hit_tokens: int, store_chunks: int, repeats: int) -> dict:
 
 
 def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.bench hostpath", description=__doc__,
+    ap = argparse.ArgumentParser(prog="shmkv bench hostpath", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hit-tokens", type=int, default=8192, help="tokens of the loaded hit (whole chunks)")
     ap.add_argument("--store-chunks", type=int, default=8, help="chunks stored in the step")

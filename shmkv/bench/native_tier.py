@@ -172,7 +172,7 @@ def run(argv: list[str]) -> dict:
 
     from shmkv import Store
 
-    ap = argparse.ArgumentParser(prog="python -m shmkv.bench native-tier")
+    ap = argparse.ArgumentParser(prog="shmkv bench native-tier")
     ap.add_argument("--chunks", type=int, default=256, help="chunks of 256 KiB moved per round")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--disk-dir", default=os.path.join(tempfile.gettempdir(), "shmkv-bench-native-fs"),

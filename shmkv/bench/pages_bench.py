@@ -98,7 +98,7 @@ def measure(directory: str, size: int, repeats: int) -> dict:
 
 
 def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.bench pages", description=__doc__,
+    ap = argparse.ArgumentParser(prog="shmkv bench pages", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dirs", required=True, help="segment directories to compare (comma-separated): each a "
                     "tmpfs of this uid, mode 0700")

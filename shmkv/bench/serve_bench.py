@@ -345,7 +345,7 @@ def _wait_stores(servers: list[VllmServer], timeout_s: float = 60.0) -> None:
 
 
 def run(argv: list[str]) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.bench serve", description=__doc__,
+    ap = argparse.ArgumentParser(prog="shmkv bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true",
                     help="tiny model and workload, both variants' servers of an arm started together (CI's check)")

@@ -197,7 +197,7 @@ def _stop_daemon(proc: subprocess.Popen, pid_namespace: bool) -> None:
 
 
 def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.bench soak")
+    ap = argparse.ArgumentParser(prog="shmkv bench soak")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--kill-every-ms", type=float, default=300.0, help="mean interval between kills")

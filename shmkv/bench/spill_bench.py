@@ -102,7 +102,7 @@ class _NoGuard:
 
 
 def run(argv: list[str]) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.bench spill", description=__doc__,
+    ap = argparse.ArgumentParser(prog="shmkv bench spill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--paces", default="0,300,100,50", help="writer paces in MB/s, 0: unpaced")
     ap.add_argument("--chunks", type=int, default=768)

@@ -98,7 +98,7 @@ def bench_lookup(repeats: int) -> dict[str, float]:
 
 
 def run(argv: list[str]) -> dict:
-    p = argparse.ArgumentParser(prog="python -m shmkv.bench store")
+    p = argparse.ArgumentParser(prog="shmkv bench store")
     p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args(argv)
     big = bench_size(32 * MiB, 6, args.repeats)

@@ -260,7 +260,7 @@ def expand_timed_trace(model: str, path: str, block: int, n: int) -> list[list[i
 
 
 def run(argv: list[str]) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.bench trace", description=__doc__,
+    ap = argparse.ArgumentParser(prog="shmkv bench trace", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=DEFAULT_TRACE, help="a Mooncake-format JSONL trace")
     ap.add_argument("--scale", type=int, default=16, help="every length divided by this (a divisor of 512)")

@@ -135,7 +135,7 @@ class Daemon:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.daemon", description=__doc__,
+    ap = argparse.ArgumentParser(prog="shmkv daemon", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML file of shmkv settings (same keys as the connector's)")
     ap.add_argument("--cache", help="cache name: the segment /dev/shm/NAME (default shmkv-<uid>)")

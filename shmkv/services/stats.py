@@ -194,7 +194,7 @@ def render_prometheus(snap: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.stats", description=__doc__,
+    ap = argparse.ArgumentParser(prog="shmkv stats", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", default=os.environ.get("SHMKV_CACHE_NAME") or default_cache_name(),
                     help="cache name (default: $SHMKV_CACHE_NAME or shmkv-<uid>)")

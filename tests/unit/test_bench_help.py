@@ -1,6 +1,7 @@
-"""`python -m shmkv.bench NAME --help` prints that benchmark's own options
-(and runs nothing), for every benchmark; without a name the dispatcher lists
-them all."""
+"""`shmkv bench NAME --help` prints that benchmark's own options under its
+own name (and runs nothing), for every benchmark; without a name the
+dispatcher lists them all, one line each; `shmkv --help` and `python -m
+shmkv --help` list every subcommand and every benchmark."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def test_each_benchmark_answers_help_with_its_own_options(name):
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
         main([name, "--help"])
     assert e.value.code == 0
-    assert out.getvalue().startswith(f"usage: python -m shmkv.bench {name}"), out.getvalue()[:200]
+    assert out.getvalue().startswith(f"usage: shmkv bench {name}"), out.getvalue()[:200]
 
 
 def test_without_a_name_the_benchmarks_are_listed():
@@ -26,3 +27,28 @@ def test_without_a_name_the_benchmarks_are_listed():
     with contextlib.redirect_stdout(out):
         assert main(["--help"]) == 0
     assert all(name in out.getvalue() for name in BENCHES)
+
+
+def test_the_shmkv_command_lists_every_subcommand_and_benchmark():
+    import subprocess
+    import sys
+
+    from shmkv.cli import SUBCOMMANDS
+
+    for argv in (["shmkv", "--help"], [sys.executable, "-m", "shmkv", "--help"]):
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert all(any(line.split()[:1] == [sub] for line in lines) for sub in SUBCOMMANDS), r.stdout
+        assert all(any(line.split()[:2] == ["bench", name] for line in lines) for name in BENCHES), r.stdout
+
+
+@pytest.mark.parametrize("sub", ["daemon", "stats", "ctl", "check"])
+def test_each_subcommand_shows_its_options_under_its_own_name(sub):
+    from shmkv.cli import main as shmkv_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+        shmkv_main([sub, "--help"])
+    assert e.value.code == 0
+    assert out.getvalue().startswith(f"usage: shmkv {sub}"), out.getvalue()[:200]
