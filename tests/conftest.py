@@ -39,6 +39,54 @@ def pytest_configure(config) -> None:
         os.environ["PYTEST_ENGINE_START_LOG"] = path
 
 
+# The places a run must leave as it found them (#54): what vLLM's killed engines leave there is
+# removed by the harness that ends them (shmkv.bench.engines.remove_orphan_shm); pytest's own
+# temporary directories (it keeps the last three runs) and this run's engine-start log are not leftovers
+def _watched() -> dict[str, set[str]]:
+    from shmkv.paths import runtime_dir_path
+
+    out = {}
+    for d in ("/dev/shm", runtime_dir_path(), tempfile.gettempdir()):
+        try:
+            out[d] = set(os.listdir(d))
+        except OSError:
+            out[d] = set()
+    return out
+
+
+def _not_a_leftover(directory: str, name: str) -> bool:
+    return (directory == tempfile.gettempdir() and name.startswith("pytest-of-")) or \
+        os.path.join(directory, name) == os.environ.get("PYTEST_ENGINE_START_LOG")
+
+
+def pytest_sessionstart(session) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        session.config.stash[_BEFORE] = _watched()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The run fails if it left files in /dev/shm, the runtime directory or
+    the temporary directory that were not there when it started."""
+    before = session.config.stash.get(_BEFORE, None)
+    if before is None or os.environ.get("PYTEST_XDIST_WORKER") or exitstatus == pytest.ExitCode.INTERRUPTED:
+        return
+    left = {d: sorted(n for n in names - before.get(d, set()) if not _not_a_leftover(d, n))
+            for d, names in _watched().items()}
+    left = {d: names for d, names in left.items() if names}
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        for d, names in left.items():
+            line = f"LEFT BEHIND in {d} by this run: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}"
+            if reporter is not None:
+                reporter.write_line(line, red=True)
+            else:
+                print(line)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_BEFORE = pytest.StashKey[dict]()
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return

@@ -133,7 +133,7 @@ class EngineProcess:
             env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - reserved)))
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self._shm_before = _psm_segments()
+        self._shm_before = vllm_shm_names()
         if fork and spec.in_process and not spec.pid_namespace:
             from shmkv.bench.engine_forks import fork_engine
 
@@ -249,7 +249,7 @@ class EngineProcess:
                 pass
         end_group(self.proc, timeout=60, first=None)  # then EngineCore/workers left behind are killed
         self._log.close()
-        _remove_orphan_psm(_psm_segments() - self._shm_before)
+        remove_orphan_shm(vllm_shm_names() - self._shm_before)
 
     def kill(self) -> None:
         """End the engine as `vllm serve` does by default: no teardown (SIGKILL to every process of it)."""
@@ -274,17 +274,24 @@ def _note_start(label: str, seconds: float) -> None:
             f.write(f"{label} {seconds:.2f}\n")
 
 
-def _psm_segments() -> set[str]:
-    """vLLM's message-queue segments (multiprocessing shared memory) in /dev/shm."""
+# What vLLM's processes leave in /dev/shm when they are killed: multiprocessing shared memory (its
+# message queues), the CPU backend's TP regions, multiprocessing's named semaphores, the native
+# offloading region and the encoder cache's
+VLLM_SHM_PREFIXES = ("psm_", "vllm_dist_", "sem.mp-", "vllm_offload_", "vllm_ec_")
+
+
+def vllm_shm_names() -> set[str]:
+    """vLLM's shared-memory files in /dev/shm (VLLM_SHM_PREFIXES)."""
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+        return {n for n in os.listdir("/dev/shm") if n.startswith(VLLM_SHM_PREFIXES)}
     except OSError:
         return set()
 
 
-def _remove_orphan_psm(names: set[str]) -> None:
+def remove_orphan_shm(names: set[str]) -> None:
     """Remove those of `names` no live process maps: an engine group killed
-    with SIGKILL leaves its message queues behind (hundreds of MB per run)."""
+    with SIGKILL leaves its message queues, TP regions and semaphores behind
+    (hundreds of MB per run)."""
     if not names:
         return
     mapped: set[str] = set()
@@ -293,7 +300,7 @@ def _remove_orphan_psm(names: set[str]) -> None:
             continue
         try:
             with open(f"/proc/{pid}/maps") as f:
-                mapped.update(n for line in f if "/dev/shm/psm_" in line
+                mapped.update(n for line in f if "/dev/shm/" in line
                               for n in [line.rsplit("/", 1)[-1].split()[0]] if n in names)
         except OSError:
             continue

@@ -23,6 +23,7 @@ median over --repeats rounds of fresh keys.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -69,8 +70,13 @@ def main() -> None:
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     load_general_plugins()  # the shmkv plugin registers {"type": "shmkv"}, as in every vLLM process
-    spec = TieringOffloadingSpec(offloading_config(p))
+    cfg = offloading_config(p)
+    spec = TieringOffloadingSpec(cfg)
     m = spec.get_manager()
+    # NOTE: vLLM unlinks its region's file once every worker mapped it (a barrier); this process is
+    # the only one to map it: unlinked now, a kill leaves nothing in /dev/shm
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/vllm_offload_{cfg.engine_id}.mmap")
     view = np.asarray(m.primary_tier.get_kv_memoryview()).reshape(-1).view(np.uint8)
     n = view.size // spec.num_chunks
     ctx = ReqContext(req_id=f"{role}-req")
