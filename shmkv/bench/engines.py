@@ -9,12 +9,16 @@ parent; ending the group ends them all). It answers JSON lines prefixed with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shlex
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -133,7 +137,7 @@ class EngineProcess:
             env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - reserved)))
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self._shm_before = vllm_shm_names()
+        self._shm_before, self._sockets_before = vllm_shm_names(), vllm_ipc_sockets()
         if fork and spec.in_process and not spec.pid_namespace:
             from shmkv.bench.engine_forks import fork_engine
 
@@ -250,6 +254,7 @@ class EngineProcess:
         end_group(self.proc, timeout=60, first=None)  # then EngineCore/workers left behind are killed
         self._log.close()
         remove_orphan_shm(vllm_shm_names() - self._shm_before)
+        remove_unbound_sockets(vllm_ipc_sockets() - self._sockets_before)
 
     def kill(self) -> None:
         """End the engine as `vllm serve` does by default: no teardown (SIGKILL to every process of it)."""
@@ -286,6 +291,42 @@ def vllm_shm_names() -> set[str]:
         return {n for n in os.listdir("/dev/shm") if n.startswith(VLLM_SHM_PREFIXES)}
     except OSError:
         return set()
+
+
+_UUID_NAME = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def vllm_ipc_sockets() -> set[str]:
+    """vLLM's ZMQ IPC sockets in the temporary directory (ipc://TMP/<uuid4>)."""
+    tmp = tempfile.gettempdir()
+    out = set()
+    try:
+        for n in os.listdir(tmp):
+            if _UUID_NAME.match(n):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(os.lstat(os.path.join(tmp, n)).st_mode):
+                        out.add(n)
+    except OSError:
+        pass
+    return out
+
+
+def remove_unbound_sockets(names: set[str]) -> None:
+    """Remove those of `names` (in the temporary directory) no process has
+    bound any more (/proc/net/unix): vLLM leaves its IPC socket files behind."""
+    if not names:
+        return
+    tmp = tempfile.gettempdir()
+    try:
+        with open("/proc/net/unix") as f:
+            bound = {line.split()[-1] for line in f if line.count(" ") >= 7 and line.split()[-1].startswith("/")}
+    except OSError:
+        return
+    for n in names:
+        path = os.path.join(tmp, n)
+        if path not in bound:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def remove_orphan_shm(names: set[str]) -> None:

@@ -35,9 +35,9 @@ class VllmServer:
     def __init__(self, model_dir: str, log_path: str, *, args: Sequence[str] = (),
                  kv_transfer_config: dict | None = None, env: dict[str, str] | None = None,
                  timeout: float = 300, python: str = sys.executable) -> None:
-        from shmkv.bench.engines import vllm_shm_names
+        from shmkv.bench.engines import vllm_ipc_sockets, vllm_shm_names
 
-        self._psm_before = vllm_shm_names()
+        self._psm_before, self._sockets_before = vllm_shm_names(), vllm_ipc_sockets()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model_dir
@@ -110,12 +110,13 @@ class VllmServer:
 
     def close(self) -> None:
         from shmkv.bench.engine_forks import end_group
-        from shmkv.bench.engines import remove_orphan_shm, vllm_shm_names
+        from shmkv.bench.engines import remove_orphan_shm, remove_unbound_sockets, vllm_ipc_sockets, vllm_shm_names
 
         end_group(self.proc, timeout=60, first=signal.SIGTERM)
         self.log.close()
         # vLLM's message queues of a server group that did not unlink them (its workers killed at shutdown)
         remove_orphan_shm(vllm_shm_names() - self._psm_before)
+        remove_unbound_sockets(vllm_ipc_sockets() - self._sockets_before)
 
 
 class StickyRouter:
