@@ -496,3 +496,109 @@ def test_the_compose_recipe_runs_two_engines_sharing_the_cache(host, start_engin
                 daemon.wait()
             log.close()
     assert daemon.returncode == 0, open(tmp_path / "daemon.log").read()
+
+
+# ------------------------------------------------ the pod-local variant ---
+POD_LOCAL = os.path.join(DEPLOY, "kubernetes", "pod-local", "vllm-pod-local.yaml")
+
+
+def pod_local_docs() -> list[dict[str, Any]]:
+    with open(POD_LOCAL) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+def test_the_pod_local_variant_is_valid_and_restricted():
+    """The daemon as a native sidecar and the engines in one pod, sharing one
+    emptyDir of medium Memory; no hostPath: the pod keeps the "restricted"
+    level its namespace enforces (a hostPath added to a copy breaks it)."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the test extra installs it")
+    from kubernetes_validate.utils import latest_version
+
+    docs = pod_local_docs()
+    for doc in docs:
+        kubernetes_validate.validate(doc, latest_version(), strict=True)
+    (ns,) = [d for d in docs if d["kind"] == "Namespace"]
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert restricted_violations(pod) == []
+    mutated = json.loads(json.dumps(pod))
+    mutated["volumes"].append({"name": "host", "hostPath": {"path": "/run/shmkv"}})
+    assert restricted_violations(mutated) == ["volume host: hostPath"]
+    (sidecar,) = pod["initContainers"]
+    assert sidecar["restartPolicy"] == "Always" and "startupProbe" in sidecar
+    shared = {v["name"] for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"}
+    assert shared == {"shmkv"}
+    for c in [sidecar, *pod["containers"]]:
+        assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["shmkv"] == "/run/shmkv", c["name"]
+        env = env_of(c)
+        assert env["SHMKV_SEGMENT_DIR"].startswith("/run/shmkv/") and env["SHMKV_RUNTIME_DIR"].startswith("/run/shmkv/")
+    settings = yaml.safe_load(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["shmkv.yaml"])
+    assert "disk_dir" not in settings, "an emptyDir on disk is 0777 without the sticky bit: no disk tier"
+
+
+@ROOT
+@pytest.mark.slow
+def test_the_pod_local_variant_runs_its_sidecar_and_two_engines(start_engine, reference, tmp_path):
+    """The pod-local recipe in the namespace harness: the pod's emptyDir of
+    medium Memory is a tmpfs mounted as kubelet mounts it (root's, mode 1777),
+    the sidecar runs its command as written (segments/ made 0700, then the
+    daemon), and two engine containers with the recipe's mounts and shmkv
+    environment share it: engine 2 loads what engine 1 stored."""
+    docs = pod_local_docs()
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    text = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["shmkv.yaml"]
+    pod_tmpfs, config = tmp_path / "pod-tmpfs", tmp_path / "config"
+    pod_tmpfs.mkdir()
+    config.mkdir()
+    (config / "shmkv.yaml").write_text(text)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "emptydir-memory", str(pod_tmpfs)], check=True)
+    binds = [[str(pod_tmpfs), "/run/shmkv"], [str(config), "/etc/shmkv"]]
+    made = [inside for _, inside in binds if not os.path.exists(inside)]  # mount points, removed after
+    for p in made:
+        os.makedirs(p)
+    try:
+        assert oct(os.stat(pod_tmpfs).st_mode & 0o7777) == "0o1777", "a tmpfs mounted as kubelet mounts it"
+        (sidecar,) = pod["initContainers"]
+        env = {**env_of(sidecar), "SHMKV_CAPACITY": "256MiB"}
+        log = open(tmp_path / "sidecar.log", "ab")
+        daemon = subprocess.Popen([*container_argv(True, private_shm=True, binds=binds, read_only_root=True),
+                                   *sidecar["command"]], stdout=subprocess.PIPE, stderr=log, text=True,
+                                  env={**os.environ, "PYTHONPATH": REPO, **env}, cwd="/")
+        try:
+            assert "shmkv daemon ready" in daemon.stdout.readline(), open(tmp_path / "sidecar.log").read()
+            probe = subprocess.run([*container_argv(True, private_shm=True, binds=binds),
+                                    *sidecar["startupProbe"]["exec"]["command"]],
+                                   capture_output=True, text=True, env={**os.environ, **env}, cwd="/", timeout=60)
+            assert probe.returncode == 0 and json.loads(probe.stdout)["status"] == "ok", probe.stderr
+            prompt = random_prompt(3000, seed=47)
+            engines = []
+            for c in pod["containers"]:
+                shmkv_env = {k: v for k, v in env_of(c).items() if k.startswith("SHMKV_")} | {
+                    "SHMKV_CAPACITY": "256MiB"}
+                engines.append(start_engine(f"pod-local-{c['name']}", module_path=None, pid_namespace=True,
+                                            private_shm=True, binds=binds, env=shmkv_env,
+                                            shmkv=kv_transfer_config(c["args"]).get("kv_connector_extra_config", {})))
+            first = engines[0].generate([prompt])
+            assert first["num_cached_tokens"] == [0] and first["outputs"][0] == reference.output(prompt, 0)
+            r = engines[1].generate([prompt])
+            assert r["num_cached_tokens"] == [2944], "11 chunks and the tail piece, from the other container"
+            assert r["outputs"][0] == reference.output(prompt, 2944)
+            assert os.listdir(pod_tmpfs / "segments") == [yaml.safe_load(text)["cache_name"]]
+            assert oct(os.stat(pod_tmpfs / "segments").st_mode & 0o777) == "0o700"
+            for e in engines:
+                e.close()
+        finally:
+            signal_container(daemon, signal.SIGTERM)  # the kubelet stops the sidecar last, with SIGTERM
+            try:
+                daemon.wait(timeout=60)
+            finally:
+                if daemon.poll() is None:
+                    daemon.kill()
+                    daemon.wait()
+                log.close()
+        assert daemon.returncode == 0, open(tmp_path / "sidecar.log").read()
+    finally:
+        subprocess.run(["umount", "-l", str(pod_tmpfs)], check=False)
+        for p in reversed(made):
+            os.rmdir(p)
