@@ -602,3 +602,80 @@ def test_the_pod_local_variant_runs_its_sidecar_and_two_engines(start_engine, re
         subprocess.run(["umount", "-l", str(pod_tmpfs)], check=False)
         for p in reversed(made):
             os.rmdir(p)
+
+
+@ROOT
+@pytest.mark.slow
+def test_the_root_variant_runs_its_node_preparation_daemon_and_two_engines(start_engine, reference, tmp_path):
+    """deploy/kubernetes/root/ in the namespace harness, as root as it is
+    written: prepare-node's script with the init container's environment over
+    a stand-in host root (the tmpfs and the state directory, uid 0, 0700),
+    then the DaemonSet's container (its command and environment) and two
+    engines with the Deployment's shmkv environment, each in PID and mount
+    namespaces of its own with the node's two directories at the recipe's
+    paths: engine 2 loads what engine 1 stored."""
+    root_docs = variant_docs(os.path.join(DEPLOY, "kubernetes", "root"))
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in root_docs
+            if d["kind"] in ("DaemonSet", "Deployment")}
+    daemon_pod, engine_pod = pods["shmkv-daemon"], pods["vllm"]
+    (prep,) = daemon_pod["initContainers"]
+    script = next(d for d in root_docs if d.get("metadata", {}).get("name") == "shmkv-node-prep")["data"][
+        "prepare-node.sh"]
+    text = next(d for d in root_docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "shmkv-config")[
+        "data"]["shmkv.yaml"]
+    host_root, config = tmp_path / "host", tmp_path / "config"
+    (host_root / "run").mkdir(parents=True)
+    (host_root / "var" / "lib").mkdir(parents=True)
+    config.mkdir()
+    (config / "shmkv.yaml").write_text(text)
+    prep_env = {**env_of(prep), "HOST_ROOT": str(host_root), "SHMKV_SEGMENTS_SIZE": "512m"}
+    r = subprocess.run(["sh", "-c", script], env={**os.environ, **prep_env}, capture_output=True, text=True,
+                       timeout=60)
+    segments, state = host_root / "run" / "shmkv", host_root / "var" / "lib" / "shmkv"
+    try:
+        assert r.returncode == 0, r.stderr
+        assert prep_env["SHMKV_UID"] == "0"
+        for d in (segments, state):
+            st = os.stat(d)
+            assert (st.st_uid, oct(st.st_mode & 0o777)) == (0, "0o700"), d
+        binds = [[str(segments), "/run/shmkv"], [str(state), "/var/lib/shmkv"], [str(config), "/etc/shmkv"]]
+        made = [inside for _, inside in binds if not os.path.exists(inside)]
+        for p in made:
+            os.makedirs(p)
+        try:
+            container = daemon_pod["containers"][0]
+            env = {**env_of(container), "SHMKV_CAPACITY": "256MiB"}
+            log = open(tmp_path / "daemon.log", "ab")
+            daemon = subprocess.Popen([*container_argv(True, private_shm=True, binds=binds, read_only_root=True),
+                                       *container["command"]], stdout=subprocess.PIPE, stderr=log, text=True,
+                                      env={**os.environ, "PYTHONPATH": REPO, **env}, cwd="/")
+            try:
+                assert "shmkv daemon ready" in daemon.stdout.readline(), open(tmp_path / "daemon.log").read()
+                engine = engine_pod["containers"][0]
+                shmkv_env = {k: v for k, v in env_of(engine).items() if k.startswith("SHMKV_")} | {
+                    "SHMKV_CAPACITY": "256MiB"}
+                extra = kv_transfer_config(engine["args"]).get("kv_connector_extra_config", {})
+                engines = [start_engine(f"root-{i}", module_path=None, pid_namespace=True, private_shm=True,
+                                        binds=binds, env=shmkv_env, shmkv=extra) for i in range(2)]
+                prompt = random_prompt(3000, seed=51)
+                first = engines[0].generate([prompt])
+                assert first["num_cached_tokens"] == [0] and first["outputs"][0] == reference.output(prompt, 0)
+                r = engines[1].generate([prompt])
+                assert r["num_cached_tokens"] == [2944] and r["outputs"][0] == reference.output(prompt, 2944)
+                for e in engines:
+                    e.close()
+            finally:
+                signal_container(daemon, signal.SIGTERM)
+                try:
+                    daemon.wait(timeout=60)
+                finally:
+                    if daemon.poll() is None:
+                        daemon.kill()
+                        daemon.wait()
+                    log.close()
+            assert daemon.returncode == 0, open(tmp_path / "daemon.log").read()
+        finally:
+            for p in reversed(made):
+                os.rmdir(p)
+    finally:
+        subprocess.run(["umount", "-l", str(segments)], check=False)
