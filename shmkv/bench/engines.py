@@ -279,10 +279,12 @@ def _note_start(label: str, seconds: float) -> None:
             f.write(f"{label} {seconds:.2f}\n")
 
 
-# What vLLM's processes leave in /dev/shm when they are killed: multiprocessing shared memory (its
-# message queues), the CPU backend's TP regions, multiprocessing's named semaphores, the native
-# offloading region and the encoder cache's
-VLLM_SHM_PREFIXES = ("psm_", "vllm_dist_", "sem.mp-", "vllm_offload_", "vllm_ec_")
+# What vLLM's processes leave in /dev/shm when they are killed and nothing else can be using once
+# no live process maps it: multiprocessing shared memory (vLLM's message queues). NOT the CPU
+# backend's TP regions (vllm_dist_*) nor named semaphores (sem.mp-*): a semaphore is mapped under a
+# temporary name before it gets its own (glibc's sem_open), so "mapped by nobody" does not mean
+# unused, and removing one broke engines starting beside (a full run: 7 failures)
+VLLM_SHM_PREFIXES = ("psm_",)
 
 
 def vllm_shm_names() -> set[str]:
@@ -331,8 +333,7 @@ def remove_unbound_sockets(names: set[str]) -> None:
 
 def remove_orphan_shm(names: set[str]) -> None:
     """Remove those of `names` no live process maps: an engine group killed
-    with SIGKILL leaves its message queues, TP regions and semaphores behind
-    (hundreds of MB per run)."""
+    with SIGKILL leaves its message queues behind (hundreds of MB per run)."""
     if not names:
         return
     mapped: set[str] = set()
