@@ -17,6 +17,7 @@ recipe's uid 1000 has no Python here) and shrinks the capacity to 256 MiB
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -430,6 +431,32 @@ def host(tmp_path):
             os.rmdir(p)
 
 
+def stop_container(proc: subprocess.Popen, log) -> None:
+    """What `docker compose down` and the kubelet do to a container: SIGTERM to
+    its entrypoint, then SIGKILL after 60 s; its log closed."""
+    signal_container(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@contextlib.contextmanager
+def mount_points(paths: list[str]):
+    """The container paths that do not exist here, made as empty mount points (removed after)."""
+    made = [p for p in paths if not os.path.exists(p)]
+    for p in made:
+        os.makedirs(p)
+    try:
+        yield
+    finally:
+        for p in reversed(made):
+            os.rmdir(p)
+
+
 def container_env(service: dict[str, Any]) -> dict[str, str]:
     """The service's environment, with the capacity this host can spare."""
     return {**service["environment"], "SHMKV_CAPACITY": "256MiB"}
@@ -487,14 +514,7 @@ def test_the_compose_recipe_runs_two_engines_sharing_the_cache(host, start_engin
         state = host[os.path.dirname(services["vllm-a"]["environment"]["SHMKV_RUNTIME_DIR"])]
         assert os.path.isdir(os.path.join(state, "disk", settings["cache_name"])), "the disk tier, in the state dir"
     finally:
-        signal_container(daemon, signal.SIGTERM)  # what `docker compose down` sends the entrypoint
-        try:
-            daemon.wait(timeout=60)
-        finally:
-            if daemon.poll() is None:
-                daemon.kill()
-                daemon.wait()
-            log.close()
+        stop_container(daemon, log)
     assert daemon.returncode == 0, open(tmp_path / "daemon.log").read()
 
 
@@ -554,54 +574,43 @@ def test_the_pod_local_variant_runs_its_sidecar_and_two_engines(start_engine, re
     (config / "shmkv.yaml").write_text(text)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "emptydir-memory", str(pod_tmpfs)], check=True)
     binds = [[str(pod_tmpfs), "/run/shmkv"], [str(config), "/etc/shmkv"]]
-    made = [inside for _, inside in binds if not os.path.exists(inside)]  # mount points, removed after
-    for p in made:
-        os.makedirs(p)
     try:
-        assert oct(os.stat(pod_tmpfs).st_mode & 0o7777) == "0o1777", "a tmpfs mounted as kubelet mounts it"
-        (sidecar,) = pod["initContainers"]
-        env = {**env_of(sidecar), "SHMKV_CAPACITY": "256MiB"}
-        log = open(tmp_path / "sidecar.log", "ab")
-        daemon = subprocess.Popen([*container_argv(True, private_shm=True, binds=binds, read_only_root=True),
-                                   *sidecar["command"]], stdout=subprocess.PIPE, stderr=log, text=True,
-                                  env={**os.environ, "PYTHONPATH": REPO, **env}, cwd="/")
-        try:
-            assert "shmkv daemon ready" in daemon.stdout.readline(), open(tmp_path / "sidecar.log").read()
-            probe = subprocess.run([*container_argv(True, private_shm=True, binds=binds),
-                                    *sidecar["startupProbe"]["exec"]["command"]],
-                                   capture_output=True, text=True, env={**os.environ, **env}, cwd="/", timeout=60)
-            assert probe.returncode == 0 and json.loads(probe.stdout)["status"] == "ok", probe.stderr
-            prompt = random_prompt(3000, seed=47)
-            engines = []
-            for c in pod["containers"]:
-                shmkv_env = {k: v for k, v in env_of(c).items() if k.startswith("SHMKV_")} | {
-                    "SHMKV_CAPACITY": "256MiB"}
-                engines.append(start_engine(f"pod-local-{c['name']}", module_path=None, pid_namespace=True,
-                                            private_shm=True, binds=binds, env=shmkv_env,
-                                            shmkv=kv_transfer_config(c["args"]).get("kv_connector_extra_config", {})))
-            first = engines[0].generate([prompt])
-            assert first["num_cached_tokens"] == [0] and first["outputs"][0] == reference.output(prompt, 0)
-            r = engines[1].generate([prompt])
-            assert r["num_cached_tokens"] == [2944], "11 chunks and the tail piece, from the other container"
-            assert r["outputs"][0] == reference.output(prompt, 2944)
-            assert os.listdir(pod_tmpfs / "segments") == [yaml.safe_load(text)["cache_name"]]
-            assert oct(os.stat(pod_tmpfs / "segments").st_mode & 0o777) == "0o700"
-            for e in engines:
-                e.close()
-        finally:
-            signal_container(daemon, signal.SIGTERM)  # the kubelet stops the sidecar last, with SIGTERM
+        with mount_points([inside for _, inside in binds]):
+            assert oct(os.stat(pod_tmpfs).st_mode & 0o7777) == "0o1777", "a tmpfs mounted as kubelet mounts it"
+            (sidecar,) = pod["initContainers"]
+            env = {**env_of(sidecar), "SHMKV_CAPACITY": "256MiB"}
+            log = open(tmp_path / "sidecar.log", "ab")
+            daemon = subprocess.Popen([*container_argv(True, private_shm=True, binds=binds, read_only_root=True),
+                                       *sidecar["command"]], stdout=subprocess.PIPE, stderr=log, text=True,
+                                      env={**os.environ, "PYTHONPATH": REPO, **env}, cwd="/")
             try:
-                daemon.wait(timeout=60)
+                assert "shmkv daemon ready" in daemon.stdout.readline(), open(tmp_path / "sidecar.log").read()
+                probe = subprocess.run([*container_argv(True, private_shm=True, binds=binds),
+                                        *sidecar["startupProbe"]["exec"]["command"]],
+                                       capture_output=True, text=True, env={**os.environ, **env}, cwd="/", timeout=60)
+                assert probe.returncode == 0 and json.loads(probe.stdout)["status"] == "ok", probe.stderr
+                prompt = random_prompt(3000, seed=47)
+                engines = []
+                for c in pod["containers"]:
+                    shmkv_env = {k: v for k, v in env_of(c).items() if k.startswith("SHMKV_")} | {
+                        "SHMKV_CAPACITY": "256MiB"}
+                    extra = kv_transfer_config(c["args"]).get("kv_connector_extra_config", {})
+                    engines.append(start_engine(f"pod-local-{c['name']}", module_path=None, pid_namespace=True,
+                                                private_shm=True, binds=binds, env=shmkv_env, shmkv=extra))
+                first = engines[0].generate([prompt])
+                assert first["num_cached_tokens"] == [0] and first["outputs"][0] == reference.output(prompt, 0)
+                r = engines[1].generate([prompt])
+                assert r["num_cached_tokens"] == [2944], "11 chunks and the tail piece, from the other container"
+                assert r["outputs"][0] == reference.output(prompt, 2944)
+                assert os.listdir(pod_tmpfs / "segments") == [yaml.safe_load(text)["cache_name"]]
+                assert oct(os.stat(pod_tmpfs / "segments").st_mode & 0o777) == "0o700"
+                for e in engines:
+                    e.close()
             finally:
-                if daemon.poll() is None:
-                    daemon.kill()
-                    daemon.wait()
-                log.close()
-        assert daemon.returncode == 0, open(tmp_path / "sidecar.log").read()
+                stop_container(daemon, log)  # the kubelet stops the sidecar last
+            assert daemon.returncode == 0, open(tmp_path / "sidecar.log").read()
     finally:
         subprocess.run(["umount", "-l", str(pod_tmpfs)], check=False)
-        for p in reversed(made):
-            os.rmdir(p)
 
 
 @ROOT
@@ -639,10 +648,7 @@ def test_the_root_variant_runs_its_node_preparation_daemon_and_two_engines(start
             st = os.stat(d)
             assert (st.st_uid, oct(st.st_mode & 0o777)) == (0, "0o700"), d
         binds = [[str(segments), "/run/shmkv"], [str(state), "/var/lib/shmkv"], [str(config), "/etc/shmkv"]]
-        made = [inside for _, inside in binds if not os.path.exists(inside)]
-        for p in made:
-            os.makedirs(p)
-        try:
+        with mount_points([inside for _, inside in binds]):
             container = daemon_pod["containers"][0]
             env = {**env_of(container), "SHMKV_CAPACITY": "256MiB"}
             log = open(tmp_path / "daemon.log", "ab")
@@ -665,17 +671,7 @@ def test_the_root_variant_runs_its_node_preparation_daemon_and_two_engines(start
                 for e in engines:
                     e.close()
             finally:
-                signal_container(daemon, signal.SIGTERM)
-                try:
-                    daemon.wait(timeout=60)
-                finally:
-                    if daemon.poll() is None:
-                        daemon.kill()
-                        daemon.wait()
-                    log.close()
+                stop_container(daemon, log)
             assert daemon.returncode == 0, open(tmp_path / "daemon.log").read()
-        finally:
-            for p in reversed(made):
-                os.rmdir(p)
     finally:
         subprocess.run(["umount", "-l", str(segments)], check=False)
