@@ -152,9 +152,6 @@ class ShmkvConfig:
     controller_open_metrics: bool = False  # serve /metrics without the token (a Prometheus scraper on this host)
     controller_allow_uids: tuple[int, ...] = ()  # other uids a unix-socket controller accepts (besides ours, root)
     debug_digest_file: str = ""  # append per-chunk KV digests (tests prove byte equality)
-    debug_skip_load_layers: str = ""  # TEST ONLY: a regex; loads leave layers it matches as they were
-    debug_evict_before_load: bool = False  # TEST ONLY: a worker deletes each chunk it is about to load
-    debug_worker_off: str = ""  # TEST ONLY: every worker turns off with this reason (the scheduler half does not)
     config_file: str = ""
 
     # metadata: how to parse each key
@@ -196,9 +193,6 @@ class ShmkvConfig:
             "controller_open_metrics": _parse_bool,
             "controller_allow_uids": _parse_uids,
             "debug_digest_file": lambda k, v: str(v),
-            "debug_skip_load_layers": _parse_regex,
-            "debug_evict_before_load": _parse_bool,
-            "debug_worker_off": lambda k, v: str(v),
             "config_file": lambda k, v: str(v),
         }
 
@@ -213,16 +207,6 @@ def _parse_path(key: str, value: Any) -> str:
         raise ConfigError(f"{key}={value!r}: expected an absolute path (or empty), not one relative to the "
                           "directory a process starts in")
     return s
-
-
-def _parse_regex(key: str, value: Any) -> str:
-    import re
-
-    try:
-        re.compile(str(value))
-    except re.error as e:
-        raise ConfigError(f"{key}={value!r} is not a regular expression: {e}") from None
-    return str(value)
 
 
 def _parse_remote_url(key: str, value: Any) -> str:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 from helpers import VLLM_RUNNERS, Child, DaemonProcess, Reference, check_runner, fresh_cache_name, runner_env
+from support.engine_forks import fork_engine
 
 cache_name = pytest.fixture(fresh_cache_name, name="cache_name")
 
@@ -206,7 +207,7 @@ def redis_cluster(tmp_path) -> Iterator:
 #
 # Engines run EngineCore in their own process (EngineSpec.in_process: one
 # Python importing vLLM per engine instead of three), forked from a server
-# that imported vLLM once (shmkv/bench/engine_forks.py), unless a test checks
+# that imported vLLM once (tests/support/engine_forks.py), unless a test checks
 # vLLM's process split itself: it passes in_process=False (the connector's
 # halves then talk only through pickled metadata, as in every deployment).
 #
@@ -263,7 +264,7 @@ def reference(model_dir, engine_logs, vllm_runner):
 
     engine = EngineProcess(EngineSpec(model_dir, shmkv=None, prefix_caching=True, in_process=True,
                                       env=runner_env(vllm_runner)), str(engine_logs / f"ref-{vllm_runner}.log"),
-                           fork=True)
+                           launch=fork_engine)
     check_runner(engine.log_path, vllm_runner)
     yield Reference(engine)
     engine.close()
@@ -281,7 +282,7 @@ def start_engine(model_dir, engine_logs, vllm_runner):
         spec.setdefault("in_process", True)
         spec["env"] = {**runner_env(vllm_runner), **spec.get("env", {})}
         e = EngineProcess(EngineSpec(spec.pop("model_dir", model_dir), **spec),
-                          str(engine_logs / f"{label}-{vllm_runner}.log"), fork=True)
+                          str(engine_logs / f"{label}-{vllm_runner}.log"), launch=fork_engine)
         made.append(e)
         check_runner(e.log_path, vllm_runner)
         return e

@@ -1,5 +1,5 @@
 """vLLM's model-runner call orders, followed step by step over a device-like
-stream model (shmkv.transfer.device_model), with vLLM's real Scheduler, the
+stream model (tests/support/device_model.py), with vLLM's real Scheduler, the
 real ShmKVConnector in both roles and a real shmkv segment. No neural model:
 a toy model whose KV and tokens are functions of the token ids, so every
 sampled token says whether the KV it read was right.
@@ -176,6 +176,7 @@ class Harness:
                  drafter_full_graph: bool = True, sliding_window: int = 0,
                  linear_layers: tuple[int, ...] = (), tp: int = 1, async_scheduling: bool = False,
                  policy: str = "fcfs") -> None:
+        from support.device_model import DeviceModel
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -192,8 +193,6 @@ class Harness:
             SlidingWindowSpec,
         )
         from vllm.v1.structured_output import StructuredOutputManager
-
-        from shmkv.transfer.device_model import DeviceModel
 
         assert runner in ("v1", "v2")
         self.runner = runner

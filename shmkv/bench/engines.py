@@ -20,9 +20,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from shmkv.bench.process_groups import end_group, signal_group, wait_exited
 
 PREFIX = "SHMKV-JSON "
 
@@ -118,9 +120,12 @@ def _exit_status(proc: Any) -> str:
 
 
 class EngineProcess:
-    def __init__(self, spec: EngineSpec, log_path: str, *, start_timeout: float = 300, fork: bool = False):
-        """`fork`: an in_process engine is forked from a server that has
-        imported vLLM once (engine_forks.py) instead of starting a new Python."""
+    def __init__(self, spec: EngineSpec, log_path: str, *, start_timeout: float = 300,
+                 launch: Callable[[str, dict[str, str], int], Any] | None = None):
+        """`launch(spec_json, env, log_fd)`: starts an in_process engine some
+        other way than a new Python (the test suite forks it from a server
+        that imported vLLM once) and returns a Popen-like handle (pid, stdin,
+        stdout, poll, wait; see process_groups for signalling its group)."""
         self.spec = spec
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -138,10 +143,8 @@ class EngineProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self._shm_before, self._sockets_before = vllm_shm_names(), vllm_ipc_sockets()
-        if fork and spec.in_process and not spec.pid_namespace:
-            from shmkv.bench.engine_forks import fork_engine
-
-            self.proc: Any = fork_engine(json.dumps(asdict(spec)), env, self._log.fileno())
+        if launch is not None and spec.in_process and not spec.pid_namespace:
+            self.proc: Any = launch(json.dumps(asdict(spec)), env, self._log.fileno())
         else:
             ns = container_argv(spec.pid_namespace, spec.private_shm, spec.binds)
             self.proc = subprocess.Popen(
@@ -244,8 +247,6 @@ class EngineProcess:
         """Shut the engine down, giving EngineCore `shutdown_timeout` s for
         its teardown before vLLM kills it (vLLM's own default for LLM is 5 s;
         `vllm serve` gives --shutdown-timeout, default 0: killed at once)."""
-        from shmkv.bench.engine_forks import end_group, wait_exited
-
         if not wait_exited(self.proc, 0):
             try:
                 self.call(cmd="quit", shutdown_timeout=shutdown_timeout, timeout=shutdown_timeout + 60)
@@ -258,8 +259,6 @@ class EngineProcess:
 
     def kill(self) -> None:
         """End the engine as `vllm serve` does by default: no teardown (SIGKILL to every process of it)."""
-        from shmkv.bench.engine_forks import signal_group
-
         signal_group(self.proc, signal.SIGKILL)
         self.close()
 

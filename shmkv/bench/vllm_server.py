@@ -20,6 +20,8 @@ import urllib.request
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from shmkv.bench.process_groups import end_group
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -109,7 +111,6 @@ class VllmServer:
         self.close()
 
     def close(self) -> None:
-        from shmkv.bench.engine_forks import end_group
         from shmkv.bench.engines import remove_orphan_shm, remove_unbound_sockets, vllm_ipc_sockets, vllm_shm_names
 
         end_group(self.proc, timeout=60, first=signal.SIGTERM)

@@ -47,6 +47,7 @@ import xxhash
 
 from shmkv.errors import InvalidArgumentError
 from shmkv.store import PutResult, Reservation, Store
+from shmkv.testing import SKIP_LOAD_LAYERS
 from shmkv.tiers.format import decode_or_none
 from shmkv.transfer.items import GroupWindow, LoadItem, StoreItem
 from shmkv.transfer.layout import KVLayout
@@ -140,7 +141,7 @@ class TransferEngine:
         something waits for them; `skip_load_layers` (tests only: proves
         that a test would catch a layer left unloaded): a regex of layer
         names whose loads are not copied; `backend` (tests): the streams'
-        backend (device_model.DeviceModel), else the device's."""
+        backend (the tests' DeviceModel), else the device's."""
         self.cache = store
         self.on_commit = on_commit
         self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
@@ -166,7 +167,7 @@ class TransferEngine:
             import re
 
             self._skip_load = {where[n] for n in order if re.search(skip_load_layers, n)}
-            log.warning("shmkv: TEST ONLY debug_skip_load_layers=%r: loads leave %d layers unfilled",
+            log.warning("shmkv: %s=%r: loads leave %d layers unfilled", SKIP_LOAD_LAYERS,
                         skip_load_layers, len(self._skip_load))
         self.rank = tp_rank
         self.counters: Counter[str] = Counter()

@@ -21,7 +21,7 @@ Invariants:
   * a copy that fails on the CPU thread does not stop the stream: its error
     is carried by the next event recorded on that stream (`event.error`),
     the way a CUDA launch error is raised by `run` itself;
-  * shmkv.transfer.device_model (tests only) is a third backend: a device
+  * tests/support/device_model.py is a third backend: a device
     whose copies run as late as the recorded dependencies allow, with a
     checker of the order of every access to a KV block;
   * `deferred=True` (tests only) runs a CPU stream's copies on the thread

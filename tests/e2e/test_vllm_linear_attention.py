@@ -19,6 +19,7 @@ from shmkv import Store
 from shmkv.bench.models import write_hybrid
 from shmkv.config import load_config
 from shmkv.services.maintainer import Maintainer
+from shmkv.testing import EVICT_BEFORE_LOAD, SKIP_LOAD_LAYERS
 from shmkv.tiers import open_tiers
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ def test_the_state_is_restored_with_the_attention_kv(cache_name, start_engine, t
     model = write_hybrid(str(tmp_path_factory.mktemp("qwen3_next")), "qwen3_next")
     cfg = {"cache_name": cache_name, "capacity": "64MiB", "disk_dir": str(tmp_path / "disk")}
 
-    def engine(label, shmkv, **kw):
+    def engine(label, shmkv, **kw):  # kw: EngineSpec's fields (env: a test switch)
         return start_engine(label, model_dir=model, shmkv=shmkv, prefix_caching=True, max_model_len=2048, **kw)
 
     plain = engine("plain", None)
@@ -60,7 +61,7 @@ def test_the_state_is_restored_with_the_attention_kv(cache_name, start_engine, t
     assert again["num_cached_tokens"] == [HIT] and again["outputs"] == want
     second.close()
 
-    blind = engine("state-skipped", {**cfg, "debug_skip_load_layers": "linear_attn"})
+    blind = engine("state-skipped", cfg, env={SKIP_LOAD_LAYERS: "linear_attn"})
     r = blind.generate([P])
     assert r["num_cached_tokens"] == [HIT]
     assert r["outputs"] != want, "attention KV loaded without its state must change the output"
@@ -84,10 +85,10 @@ def test_the_state_is_restored_with_the_attention_kv(cache_name, start_engine, t
 
     # a chunk gone between lookup and load (another engine's eviction): the load of this
     # engine of two KV-cache groups fails as a request, and vLLM recomputes it, not stopping
-    evicted = engine("evicted-before-load", {**cfg, "debug_evict_before_load": True},
+    evicted = engine("evicted-before-load", cfg, env={EVICT_BEFORE_LOAD: "1"},
                      llm_kwargs={"disable_log_stats": False})
     r = evicted.generate([P])
     assert r["outputs"] == want
-    assert "TEST ONLY debug_evict_before_load" in open(evicted.log_path).read()
+    assert f"TEST SWITCH {EVICT_BEFORE_LOAD}='1' is on" in open(evicted.log_path).read()
     assert evicted.metrics().get("vllm:shmkv_load_failed_blocks", 0) > 0, "the load did fail"
     assert evicted.generate([P])["outputs"] == want, "the engine serves on"

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 from helpers import E2E_TOKENS, random_prompt
 
+from shmkv.testing import EVICT_BEFORE_LOAD
+
 pytestmark = pytest.mark.slow
 
 P = random_prompt(1000, seed=5)
@@ -25,7 +27,7 @@ def test_a_chunk_evicted_before_its_load_is_recomputed_right(cache_name, start_e
     first = start_engine("stores", shmkv=cfg)
     assert first.generate([P], max_tokens=E2E_TOKENS)["outputs"] == [want]
     first.close()
-    evicting = start_engine("evicted-before-load", shmkv={**cfg, "debug_evict_before_load": True},
+    evicting = start_engine("evicted-before-load", shmkv=cfg, env={EVICT_BEFORE_LOAD: "1"},
                             llm_kwargs={"disable_log_stats": False})
     r = evicting.generate([P], max_tokens=E2E_TOKENS)
     assert r["outputs"] == [want]
@@ -33,5 +35,5 @@ def test_a_chunk_evicted_before_its_load_is_recomputed_right(cache_name, start_e
     log = open(evicting.log_path).read()
     if vllm_runner == "v2":
         assert r["num_cached_tokens"] == [0], "V2: the request was recomputed whole (an asynchronous load)"
-    assert "TEST ONLY debug_evict_before_load" in log
+    assert f"TEST SWITCH {EVICT_BEFORE_LOAD}='1' is on" in log
     assert evicting.generate([P], max_tokens=E2E_TOKENS)["outputs"] == [want], "the engine serves on"

@@ -21,6 +21,7 @@ import pytest
 from helpers import check_loaded_bytes_equal_stored, random_prompt
 
 from shmkv.bench.models import TinyLlama, write_eagle, write_eagle3, write_llama, write_llama_wide_heads
+from shmkv.testing import SKIP_LOAD_LAYERS
 
 pytestmark = pytest.mark.slow
 
@@ -140,10 +141,10 @@ def test_a_second_engine_hits_with_the_drafters_kv(method, cache_name, start_eng
     else:
         assert accepted == drafted, "these drafters have every proposal accepted when their KV is right"
 
-    blind = start_engine(f"spec-{method}-blind", shmkv={**cfg, "debug_skip_load_layers": DRAFTER_LAYERS[method]},
-                         **engine)
+    blind = start_engine(f"spec-{method}-blind", shmkv=cfg,
+                         env={SKIP_LOAD_LAYERS: DRAFTER_LAYERS[method]}, **engine)
     r_blind, counts_blind = generate_counted(blind, P)
-    assert "TEST ONLY debug_skip_load_layers" in open(blind.log_path).read()
+    assert f"{SKIP_LOAD_LAYERS}={DRAFTER_LAYERS[method]!r}: loads leave" in open(blind.log_path).read()
     assert r_blind["num_cached_tokens"] == [HIT]
     assert counts_blind["vllm:spec_decode_num_accepted_tokens"] < accepted, \
         "a drafter without its KV drafts worse: the checks above would catch it"

@@ -9,7 +9,7 @@ target shares one KV-cache group with it (vLLM's UniformTypeKVCacheSpecs);
 the workers turned the connector off for that group while the scheduler
 half kept it on and delayed every stored request's free, and the engine
 hung after 4 requests. Now such a group is copied per shape; and where a
-worker alone refuses (the test-only debug_worker_off), its start report
+worker alone refuses (the test switch SHMKV_TEST_WORKER_OFF), its start report
 turns the whole engine off and vLLM serves on."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 from helpers import random_prompt
 
 from shmkv.bench.models import TinyLlama, write_llama
+from shmkv.testing import WORKER_OFF
 
 pytestmark = pytest.mark.slow
 
@@ -56,11 +57,11 @@ def test_a_drafter_of_another_head_size_with_a_tiny_kv_cache_keeps_serving(cache
 @pytest.mark.v1  # V1's own call order too (conftest: V2 runs every case, V1 these)
 def test_workers_off_with_the_scheduler_on_keeps_serving(cache_name, start_engine):
     # vLLM's own process split: the worker's report reaches EngineCore pickled, as deployed
-    engine = start_engine("tiny-split", shmkv={"cache_name": cache_name, "debug_worker_off": "the split"},
+    engine = start_engine("tiny-split", shmkv={"cache_name": cache_name}, env={WORKER_OFF: "the split"},
                           llm_kwargs=TINY, in_process=False)
     serve_all(engine)
     assert engine.metrics()["vllm:shmkv_connector_on"] == 0
     log = open(engine.log_path).read()
     off = [line for line in log.splitlines() if "connector off for this engine" in line]
     assert len(off) == 1 and off[0].startswith("WARNING"), off
-    assert "TP rank 0's worker cannot serve it: TEST ONLY debug_worker_off: the split" in off[0]
+    assert f"TP rank 0's worker cannot serve it: {WORKER_OFF}: the split" in off[0]

@@ -1,5 +1,5 @@
 """One decision per engine, obeyed by both halves. A worker that cannot
-serve the engine (here the test-only debug_worker_off; in the field a group
+serve the engine (here the test switch SHMKV_TEST_WORKER_OFF; in the field a group
 only the workers see, caches that cannot be registered) still answers vLLM's
 protocol exactly: every delayed request is reported finished at once, every
 load fails. Its start report (vLLM's handshake, before the first request)
@@ -24,6 +24,7 @@ from helpers import attention, connectors, engine_config, kv_cache_config, reque
 
 from shmkv import engine_registry
 from shmkv.integration.vllm.metadata import ShmKVMetadata, ShmKVWorkerReport
+from shmkv.testing import WORKER_OFF
 from shmkv.transfer.items import GroupWindow, LoadItem, StoreItem
 
 BS = 16
@@ -44,10 +45,11 @@ def shmkv_log(caplog):
 
 
 def test_an_off_worker_answers_vllms_protocol_and_its_report_turns_the_engine_off(cache_name, tmp_path,
-                                                                                   shmkv_log):
+                                                                                   shmkv_log, monkeypatch):
     from shmkv.bench.models import write_llama
 
-    vc = engine_config(write_llama(str(tmp_path / "model")), cache_name, debug_worker_off="a worker-only reason")
+    monkeypatch.setenv(WORKER_OFF, "a worker-only reason")
+    vc = engine_config(write_llama(str(tmp_path / "model")), cache_name)
     cfg = kv_cache_config({"model.layers.0.self_attn.attn": attention(2, 64),
                            "model.layers.1.self_attn.attn": attention(2, 64)})
     sched, worker = connectors(vc, cfg)
@@ -76,7 +78,7 @@ def test_an_off_worker_answers_vllms_protocol_and_its_report_turns_the_engine_of
     sched.set_xfer_handshake_metadata({0: report})
     off = [r for r in shmkv_log.records if "connector off for this engine" in r.getMessage()]
     assert [r.levelname for r in off] == ["WARNING"], "once, from the scheduler half, which decided for the engine"
-    assert "TP rank 0's worker cannot serve it: TEST ONLY debug_worker_off: a worker-only reason" in \
+    assert f"TP rank 0's worker cannot serve it: {WORKER_OFF}: a worker-only reason" in \
         off[0].getMessage()
     assert sched.get_num_new_matched_tokens(request(), 0) == (0, False)
     assert not sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})).stores
@@ -85,7 +87,7 @@ def test_an_off_worker_answers_vllms_protocol_and_its_report_turns_the_engine_of
     assert sched.get_kv_connector_stats() is None, "the gauge is sent when it changes"
     summary = engine_registry.summary(cache_name)
     assert (summary["on"], summary["off"]) == (0, 1)
-    assert "debug_worker_off: a worker-only reason" in summary["last_off"]["reason"]
+    assert f"{WORKER_OFF}: a worker-only reason" in summary["last_off"]["reason"]
     for c in (worker, sched):
         c.shutdown()
 

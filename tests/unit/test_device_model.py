@@ -1,4 +1,4 @@
-"""The device-like stream model (shmkv.transfer.device_model) and its order
+"""The device-like stream model (tests/support/device_model.py) and its order
 checker, under the transfer engine:
 
   * nothing runs when issued or waited on: copies run only when the host
@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 from kv_reference import make_cache
+from support.device_model import DeviceModel
 
 from shmkv import Store
 from shmkv.transfer import GroupWindow, LoadItem, StoreItem, TransferEngine
-from shmkv.transfer.device_model import DeviceModel
 from shmkv.transfer.layout import KVLayout
 
 BS, LAYERS, BLOCKS = 16, 2, 8

@@ -15,13 +15,13 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'shmkv[vl
 
 import torch
 from kv_reference import make_cache
+from support.device_model import DeviceModel
 from worker_steps import BLOCKS, BS, loaded, step, stored
 
 from shmkv.config import load_config
 from shmkv.integration.vllm.connector import layers_read_without_hooks
 from shmkv.integration.vllm.engine_inputs import KVGroup
 from shmkv.integration.vllm.worker import WorkerSide
-from shmkv.transfer.device_model import DeviceModel
 
 ATTN, INDEXER = "model.layers.0.self_attn.attn", "model.layers.0.self_attn.indexer.k_cache"
 

@@ -90,6 +90,8 @@ from shmkv.integration.vllm.versions import check_vllm_version
 from shmkv.integration.vllm.weights import FILES_WAIT_S, EngineWeights, FilesIdentity, WorkerWeights, find_models
 from shmkv.integration.vllm.worker import WorkerSide
 from shmkv.store import open_store
+from shmkv.testing import WORKER_OFF
+from shmkv.testing import switches as test_switches
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -221,9 +223,10 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = vllm_config.cache_config.block_size
         groups, self.off_reason = kv_groups_of(kv_cache_config, block_size)
         self.off_reason = self.off_reason or context_parallel_refusal(vllm_config.parallel_config)
-        if self.cfg.debug_worker_off and role == KVConnectorRole.WORKER and self.off_reason is None:
-            # TEST ONLY: the split a worker-only reason makes (scheduler on, workers off)
-            self.off_reason = f"TEST ONLY debug_worker_off: {self.cfg.debug_worker_off}"
+        worker_off = test_switches().worker_off
+        if worker_off and role == KVConnectorRole.WORKER and self.off_reason is None:
+            # a test's: the split a worker-only reason makes (scheduler on, workers off)
+            self.off_reason = f"{WORKER_OFF}: {worker_off}"
         # NOTE: not `_role`: KVConnectorBase_V1 keeps vLLM's KVConnectorRole there.
         self._sched = None
         self._work = None

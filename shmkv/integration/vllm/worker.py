@@ -54,6 +54,7 @@ from shmkv.activity import ActivitySummary
 from shmkv.errors import InvalidArgumentError
 from shmkv.integration.vllm.planner import ALL_BLOCKS
 from shmkv.store import Store
+from shmkv.testing import switches as test_switches
 from shmkv.tiers import TierChain, open_tiers
 from shmkv.transfer import LoadJob, TransferEngine
 from shmkv.transfer.layout import KVLayout
@@ -123,7 +124,8 @@ class WorkerSide:
         self.sections = ""  # the payload's per-shape sections, where a group's layers differ in shape
         self.activity = ActivitySummary(log, cfg.log_summary_s, _render)
         self._deferred = deferred  # tests: CPU copies run only when waited for
-        self._backend = backend  # tests: the streams' backend (shmkv.transfer.device_model)
+        self._backend = backend  # tests: the streams' backend (tests/support/device_model.py)
+        self._switches = test_switches()
         self._transfer = _new_transfer_stats()  # since vLLM last asked (get_kv_connector_stats)
         self._load_errors: set[int] = set()  # blocks vLLM must recompute
         self._storing: set[str] = set()  # requests with store items: vLLM delays their frees
@@ -186,10 +188,8 @@ class WorkerSide:
                                          on_commit=self.chain.write_through if self.chain else None,
                                          layer_order=list(kv_caches),
                                          lossy_ok=bool(self.cfg.lossy_form), deferred=self._deferred,
-                                         skip_load_layers=self.cfg.debug_skip_load_layers,
+                                         skip_load_layers=self._switches.skip_load_layers,
                                          layout_groups=layout_groups, backend=self._backend)
-            if self.cfg.debug_evict_before_load:
-                log.warning("shmkv: TEST ONLY debug_evict_before_load: every chunk is deleted before it is loaded")
         except Exception as e:
             # NOTE: never stop vLLM's start for the cache: serve without it, saying why
             self.off_reason = str(e) if isinstance(e, InvalidArgumentError) else f"{type(e).__name__}: {e}"
@@ -297,7 +297,7 @@ class WorkerSide:
         if self._asleep("loads", len(meta.loads)):
             self._refuse_loads(meta, async_reqs)
             return
-        if self.cfg.debug_evict_before_load:  # TEST ONLY: what another engine's eviction can do
+        if self._switches.evict_before_load:  # a test's: what another engine's eviction can do
             for it in meta.loads:
                 self.store.delete(it.keys[self.tp_rank])
         later = [it for it in meta.loads if it.req_id in async_reqs]

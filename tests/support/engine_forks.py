@@ -1,4 +1,6 @@
-"""Engine processes forked from one Python that has imported vLLM once.
+"""Engine processes forked from one Python that has imported vLLM once (the
+test suite's: tests/conftest.py hands `fork_engine` to EngineProcess as its
+launcher).
 
 Importing torch and vLLM costs a new engine process ~7 s of CPU on 2 cores
 (more than an in-process EngineCore's start itself). A fork server imports
@@ -92,6 +94,14 @@ class ForkedProcess:
         text = [b"".join(outs.get(f, [])).decode(errors="replace") for f in (self.stdout, self.stderr)]
         return text[0], text[1]
 
+    def wait_exited(self, timeout: float) -> bool:
+        """Whether the child exited within `timeout` s (shmkv.bench.process_groups asks)."""
+        try:
+            self.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
     def signal_group(self, sig: int) -> bool:
         """Signal the child's process group, through the server, which does it
         only while the child is not reaped (its pid cannot be another's yet).
@@ -107,59 +117,12 @@ class ForkedProcess:
         self.returncode = os.waitstatus_to_exitcode(int(data)) if data else -signal.SIGKILL
 
 
-def signal_group(proc: Any, sig: int) -> bool:
-    """Signal the process group of `proc` (a Popen started with
-    start_new_session, or a ForkedProcess: its pid is the group id) only
-    while its leader is not reaped: a reaped pid may be another process's
-    by now (pids wrap at 32768 on these hosts, and vLLM starts hundreds of
-    threads). Whether it was signalled."""
-    if isinstance(proc, ForkedProcess):
-        return proc.signal_group(sig)
-    if proc.returncode is not None:  # Popen reaped it
-        return False
-    try:
-        os.killpg(proc.pid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def wait_exited(proc: Any, timeout: float) -> bool:
-    """Wait up to `timeout` s for `proc`'s leader to exit, leaving a Popen's
-    unreaped (its group id stays its own for signal_group). Whether it exited."""
-    if isinstance(proc, ForkedProcess):
-        try:
-            proc.wait(timeout)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-    if proc.returncode is not None:
-        return True
-    deadline = time.monotonic() + timeout
-    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def end_group(proc: Any, timeout: float = 60.0, first: int | None = signal.SIGTERM) -> int:
-    """Signal `proc`'s group with `first` (None: nothing; it is already ending),
-    wait up to `timeout` s for its leader, SIGKILL what is left of the group,
-    reap the leader; its exit code."""
-    if first is not None:
-        signal_group(proc, first)
-    wait_exited(proc, timeout)
-    signal_group(proc, signal.SIGKILL)  # children left behind (a ForkedProcess's server does it at reaping)
-    return proc.wait()
-
-
 class ForkServer:
     """One server process with vLLM imported; `start` forks an engine of it."""
 
     def __init__(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, "-m", "shmkv.bench.engine_forks", str(theirs.fileno())],
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
                                      pass_fds=[theirs.fileno()], env=env, start_new_session=True,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         theirs.close()

@@ -17,14 +17,17 @@ What it checks, for every module of shmkv that imports vLLM:
 What it cannot see: attributes read from the objects vLLM passes in
 (request.prompt_token_ids, ...); the end-to-end tests run those.
 
-    python -m shmkv.integration.vllm.interface_check DIR    (DIR holds vllm/)
-    python -m shmkv.integration.vllm.interface_check --wheel vllm==0.33.0
+    python tools/vllm_interface_check.py DIR    (DIR holds vllm/)
+    python tools/vllm_interface_check.py --wheel vllm==0.33.0
+
+A maintainer's tool (it downloads a wheel): not part of the package.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import os
 import subprocess
 import sys
@@ -32,7 +35,14 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 
-PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # shmkv/
+
+def _package_dir() -> str:
+    """shmkv/'s directory, found without importing it (its sources are read, not run)."""
+    spec = importlib.util.find_spec("shmkv")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("shmkv is not installed: pip install -e . first")
+    return list(spec.submodule_search_locations)[0]
+
 
 
 @dataclass
@@ -264,9 +274,10 @@ def _sources(package: str) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, files in os.walk(package) for f in files if f.endswith(".py"))
 
 
-def check(vllm_root: str, package: str = PACKAGE) -> list[str]:
+def check(vllm_root: str, package: str | None = None) -> list[str]:
     """The problems of shmkv's vLLM use (every module of `package` that
-    imports vLLM) against the vLLM tree at `vllm_root`."""
+    imports vLLM; default: the installed shmkv) against the vLLM tree at `vllm_root`."""
+    package = package or _package_dir()
     tree = VllmTree(vllm_root)
     problems: list[str] = []
     for path in _sources(package):
@@ -342,7 +353,7 @@ def download_wheel(requirement: str, dest: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shmkv.integration.vllm.interface_check", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python tools/vllm_interface_check.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root", nargs="?", help="a directory holding vllm/ (a checkout, site-packages, an unpacked wheel)")
     ap.add_argument("--wheel", help="a requirement to pip-download (vllm==0.33.0) or a .whl file")
