@@ -7,6 +7,7 @@
 
 #include "chunk_table.h"
 #include "counters.h"
+#include "value_limits.h"
 #include "segment.h"
 #include "status.h"
 
@@ -22,6 +23,15 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = SHMKV_VERSION;
 #endif
   m.attr("FORMAT_VERSION") = kFormatVersion;
+  {
+    // the bounds of what callers hand the core (value_limits.h): shmkv/config.py's settings take theirs from here
+    py::dict limits;
+    limits["cache_name_max"] = kCacheNameMax;
+    limits["lock_timeout_s"] = py::make_tuple(kLockTimeoutMinS, kLockTimeoutMaxS);
+    limits["lock_timeout_default_s"] = double(ChunkTable::kDefaultLockTimeoutNs) / 1e9;
+    limits["chunk_size"] = py::make_tuple(kChunkSizeMin, kChunkSizeMax);
+    m.attr("LIMITS") = limits;
+  }
   // The core's exceptions are the Python hierarchy's (shmkv/errors.py).
   // (RuntimeError where the module is loaded on its own, without the package.)
   py::object broken_base = py::reinterpret_borrow<py::object>(PyExc_RuntimeError), timeout_base = broken_base;

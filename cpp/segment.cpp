@@ -2,6 +2,7 @@
 // See segment.h for the liveness protocol (open-file-description locks on
 // bytes 0 and 1 of the segment file) and the invariants kept here.
 #include "segment.h"
+#include "value_limits.h"
 #include "table_internal.h"  // align_up, now_unix_ns
 
 #include <fcntl.h>
@@ -255,7 +256,7 @@ std::string format_bytes(uint64_t n) {
 }
 
 bool Segment::valid_name(const std::string& name) {
-  if (name.empty() || name.size() > 200 || name[0] == '.') return false;
+  if (name.empty() || name.size() > kCacheNameMax || name[0] == '.') return false;
   for (char c : name) {
     bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
               c == '-' || c == '_' || c == '.';
@@ -614,8 +615,8 @@ struct SegmentOpener {
 Status Segment::open(const std::string& name, OpenMode mode, const SegmentConfig& cfg,
                      bool populate, std::shared_ptr<Segment>* out, std::string* err) {
   if (!valid_name(name)) {
-    *err = "invalid cache name '" + name +
-           "': use 1-200 characters from [A-Za-z0-9._-], not starting with '.'";
+    *err = "invalid cache name '" + name + "': use 1-" + std::to_string(kCacheNameMax) +
+           " characters from [A-Za-z0-9._-], not starting with '.'";
     return Status::kInvalidArgument;
   }
   SegmentPlace place;

@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "chunk_table.h"
+#include "value_limits.h"
 #include "counters.h"
 #include "segment.h"
 #include "status.h"
@@ -334,8 +335,9 @@ struct PyTable {
 py::tuple open_table(const std::string& name, int mode, uint64_t capacity, uint64_t max_payload,
                      uint64_t alignment, uint32_t max_entries, uint32_t max_leases,
                      uint32_t max_procs, bool populate, double lock_timeout_s, double init_wait_s) {
-  if (!(lock_timeout_s > 0 && lock_timeout_s <= 3600))
-    throw py::value_error("lock_timeout must be in (0, 3600] seconds");
+  if (!(lock_timeout_s >= kLockTimeoutMinS && lock_timeout_s <= kLockTimeoutMaxS))
+    throw py::value_error("lock_timeout must be in [" + std::to_string(kLockTimeoutMinS) + ", " +
+                          std::to_string(kLockTimeoutMaxS) + "] seconds");
   if (!(init_wait_s > 0 && init_wait_s <= 86400)) throw py::value_error("init_wait_s must be in (0, 86400] seconds");
   SegmentConfig cfg;
   cfg.capacity_bytes = capacity;

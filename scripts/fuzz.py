@@ -11,7 +11,7 @@
                 path and body against a small cache: 200 or 4xx, never 5xx
 
 Any other exception, a crash or a hang is a finding (libFuzzer writes the input
-to crash-*). The hypothesis tests in tests/unit/test_fuzz_inputs.py cover the same
+to crash-*). The hypothesis tests in tests/test_fuzz_inputs.py cover the same
 targets (and segment files) in the regular test run.
 """
 

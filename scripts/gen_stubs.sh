@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate shmkv/_C.pyi from the built extension (pybind11-stubgen, the
-# version scripts/setup.sh pins). tests/unit/test_shared_constants.py fails
+# version scripts/setup.sh pins). tests/store/test_shared_constants.py fails
 # when the checked-in stub and the built module differ.
 set -euo pipefail
 cd "$(dirname "$0")/.."

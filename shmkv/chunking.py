@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from shmkv.keys import ExtraInputs, chunk_keys, lookahead_key, lossy_key, piece_key, state_key
+from shmkv.keys import ExtraInputs, check_chunk_size, chunk_keys, lookahead_key, lossy_key, piece_key, state_key
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,7 @@ class Chunker:
         self.lookahead = lookahead
         if not roots:
             raise ValueError("need one namespace root per TP rank")
-        if chunk_size <= 0:
-            raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+        check_chunk_size(chunk_size)
         if piece_size is not None and (piece_size <= 0 or chunk_size % piece_size):
             raise ValueError(f"chunk_size {chunk_size} must be a multiple of the piece size {piece_size}")
         self.chain_roots = tuple(roots)  # what the first unit hashes from

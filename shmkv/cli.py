@@ -3,6 +3,7 @@
     shmkv daemon [...]     the maintainer and controller
     shmkv stats [...]      what the cache is doing
     shmkv ctl METHOD PATH  one request to the daemon's controller, with its token
+    shmkv config [...]     the settings in force, and where each came from
     shmkv check [...]      the host's checks before serving
     shmkv bench NAME [...] benchmarks
 
@@ -19,6 +20,7 @@ SUBCOMMANDS = {
     "daemon": ("shmkv.services.daemon", "the cache's maintainer and controller API"),
     "stats": ("shmkv.services.stats", "what the cache is doing, read from the segment"),
     "ctl": ("shmkv.services.controller_client", "one request to the daemon's controller API (sends its token)"),
+    "config": ("shmkv.config", "the settings in force and where each came from (--json; --markdown: the table)"),
     "check": ("shmkv.check", "what an operator runs on a host before serving: settings and checks"),
     "bench": ("shmkv.bench.__main__", "benchmarks (below)"),
 }

@@ -16,11 +16,14 @@ import dataclasses
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from shmkv.errors import ConfigError
-from shmkv.names import CODEC_SETTINGS, LOSSY_FORMS, segments_dir
+from shmkv.keys import CHUNK_SIZE_MAX, CHUNK_SIZE_MIN
+from shmkv.names import CODEC_SETTINGS, LOSSY_FORMS, SEGMENT_DIR_ENV, segments_dir
+from shmkv.testing import PREFIX as TEST_PREFIX
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
                "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
@@ -29,7 +32,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 <
 
 MAX_SIZE = 1 << 62
 # SHMKV_* variables that are not settings: directories (shmkv.paths reads the runtime one, the core the segments' one)
-ENV_NOT_SETTINGS = frozenset({"SHMKV_RUNTIME_DIR", "SHMKV_SEGMENT_DIR", "SHMKV_UNTESTED_VLLM"})
+ENV_NOT_SETTINGS = frozenset({"SHMKV_RUNTIME_DIR", "SHMKV_UNTESTED_VLLM"})
 
 
 def parse_size(key: str, value: Any) -> int:
@@ -113,88 +116,206 @@ def default_capacity() -> int:
     return max(256 << 20, min(16 << 30, total // 4 // (1 << 20) * (1 << 20)))
 
 
+# ------------------------------------------------------------ the table ---
+# Each setting is defined once, below: its type and default (the dataclass
+# field), how a value is read and what is accepted (its Kind), and its help.
+# The parser, the checks, `shmkv config` and the settings table of the docs
+# (`shmkv config --markdown`, kept current by a test) all come from here.
+# The bounds the C++ core checks too come from the core (_C.LIMITS).
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How a setting's value is read (`parse(key, value)` -> the value, or
+    ConfigError naming the key) and, in words, what it accepts."""
+
+    parse: Callable[[str, Any], Any]
+    accepted: str
+
+
+def _limits() -> dict[str, Any]:
+    from shmkv import _C
+
+    return dict(_C.LIMITS)
+
+
+LIMITS = _limits()
+LOCK_TIMEOUT_S: tuple[float, float] = tuple(LIMITS["lock_timeout_s"])  # type: ignore[assignment]
+CACHE_NAME_MAX: int = LIMITS["cache_name_max"]
+CACHE_NAME_RULE = f"1-{CACHE_NAME_MAX} characters from [A-Za-z0-9._-], not starting with '.'"
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def size_kind(zero: str = "") -> Kind:
+    """A byte size (8GiB, 512MiB, 1073741824); `zero`: what 0 means, if it is allowed."""
+    if zero:
+        return Kind(lambda k, v: 0 if str(v).strip() == "0" else parse_size(k, v),
+                    f"a byte size (8GiB, 512MiB, bytes); 0: {zero}")
+    return Kind(parse_size, "a byte size (8GiB, 512MiB, bytes)")
+
+
+def int_kind(lo: int, hi: int) -> Kind:
+    return Kind(lambda k, v: _parse_int(k, v, lo, hi), f"an integer in [{lo}, {hi}]")
+
+
+def seconds_kind(lo: float, hi: float) -> Kind:
+    return Kind(lambda k, v: _parse_float(k, v, lambda x: lo <= x <= hi, f"seconds in [{_num(lo)}, {_num(hi)}]"),
+                f"seconds in [{_num(lo)}, {_num(hi)}]")
+
+
+def choice_kind(*choices: str, empty: str = "") -> Kind:
+    """One of `choices`; `empty`: what the empty value means, if it is allowed."""
+    if empty:
+        return Kind(lambda k, v: "" if v in (None, "") else _parse_choice(k, v, choices),
+                    f"{', '.join(choices)}, or empty ({empty})")
+    return Kind(lambda k, v: _parse_choice(k, v, choices), ", ".join(choices))
+
+
+BOOL = Kind(lambda k, v: _parse_bool(k, v), "true or false (1/0, yes/no, on/off)")
+FRACTION = Kind(lambda k, v: _parse_fraction(k, v), "a fraction in [0, 1)")
+PATH = Kind(lambda k, v: _parse_path(k, v), "an absolute path, or empty")
+TEXT = Kind(lambda k, v: str(v), "text")
+NAME = Kind(lambda k, v: _check_name(k, v), CACHE_NAME_RULE)
+LISTEN = Kind(lambda k, v: _parse_listen(k, v), "a loopback HOST:PORT (port 0 picks one) or unix:/absolute/path")
+REMOTE_URL = Kind(lambda k, v: _parse_remote_url(k, v),
+                  "redis://, rediss:// or unix:// URL, a comma-separated list of a cluster's seed URLs, or empty")
+UIDS = Kind(lambda k, v: _parse_uids(k, v), "uids, as a list or comma-separated (1000,1001)")
+SEGMENT_DIR = Kind(lambda k, v: _parse_path(k, v),
+                   "an absolute path of a directory of this uid, mode 0700, on a tmpfs; or empty (/dev/shm)")
+
+
+def setting(default: Any, kind: Kind, help: str, *, shown: str = "", factory: Callable[[], Any] | None = None) -> Any:
+    """A field of ShmkvConfig: its default, Kind and help; `shown`: the
+    default in words where the value alone does not say it. Its environment
+    variable is SHMKV_<NAME>."""
+    meta = {"kind": kind, "help": help, "shown": shown}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class ShmkvConfig:
-    """Every setting, with its default. See README "Configuration"."""
+    """Every setting: see the table above, or `shmkv config --markdown`."""
 
-    cache_name: str = field(default_factory=lambda: f"shmkv-{os.getuid()}")
-    capacity: int = 0  # bytes of the shared segment; 0: the existing segment's, else default_capacity()
-    chunk_size: int = 256  # tokens per chunk
-    store_tail: bool = True  # cache the block-aligned tail of each prompt as a piece
-    max_payload: int = 0  # bytes; 0 = a quarter of the segment's arena
-    populate: bool = True  # pre-fault the mapping at attach
-    lock_timeout: float = 0.3  # seconds any wait for the segment's table lock may take
-    load_failure_policy: str = "recompute"  # what vLLM does if a planned load misses
-    lossy_form: str = ""  # "fp8": this engine reads and writes the lossy form of chunks only; "": exact
-    disk_dir: str = ""  # empty: no disk tier
-    disk_capacity: int = 64 << 30  # byte cap of the disk tier
-    disk_level: int = 1  # zstd level
-    disk_codec: str = "auto"  # auto (measured: raw where zstd would be slower than the disk), zstd, none
-    disk_shuffle_bytes: int = 0  # byte-plane shuffle element size; 0 = the KV dtype's size
-    remote_url: str = ""  # redis://, rediss:// or unix:// (Redis or Valkey); empty: no remote tier
-    remote_timeout: float = 0.5  # seconds: bound of every remote call (connect, each read)
-    remote_ttl: int = 0  # seconds a chunk lives in the remote; 0 = no expiry
-    remote_capacity: int = 0  # byte budget in the remote (oldest writes dropped); 0 = none
-    remote_write_through: bool = False  # also write each chunk when committed, not only when spilled
-    remote_codec: str = "auto"  # as disk_codec, measured against the remote's link
-    remote_secret_file: str = ""  # a 0600 file of shared secret: remote chunks carry its MAC; "": unauthenticated
-    low_watermark: float = 0.10  # keep this fraction of the shared tier free (spilled chunks evicted)
-    spill_ahead: float = 0.20  # keep this fraction of the coldest chunks already on disk
-    maintainer: bool = True  # without a daemon, a vLLM scheduler process maintains the cache
-    cuda_store_copy: str = "auto"  # GPU->segment copies: "auto" (by run size), "dma" (copy engines) or "kernel"
-    cuda_load_copy: str = "auto"  # segment->GPU copies: "auto", "kernel" or "dma"
-    sync_load_max: int = 256 << 20  # bytes per rank a load may copy synchronously; above: asynchronously
-    io_threads: int = 0  # threads encoding/decoding chunks for spill and promotion; 0: the CPUs we may use (max 8)
-    log_level: str = "info"
-    log_summary_s: float = 60.0  # one INFO line of activity per this many seconds (requests: DEBUG); 0: none
-    listen: str = "127.0.0.1:7470"  # daemon controller: loopback HOST:PORT or unix:/path (socket 0600)
-    controller_token_file: str = ""  # the controller's bearer token (0600); "": <runtime dir>/<cache>.controller-token
-    controller_open_metrics: bool = False  # serve /metrics without the token (a Prometheus scraper on this host)
-    controller_allow_uids: tuple[int, ...] = ()  # other uids a unix-socket controller accepts (besides ours, root)
-    debug_digest_file: str = ""  # append per-chunk KV digests (tests prove byte equality)
-    config_file: str = ""
+    cache_name: str = setting(None, NAME, "the cache: the segment `<segment_dir>/<cache_name>` every engine and "
+                              "the daemon that share it name", shown="`shmkv-<uid>`",
+                              factory=lambda: f"shmkv-{os.getuid()}")
+    capacity: int = setting(0, size_kind(), "bytes of the shared segment (a live segment keeps its size: "
+                            "\"Restarts and sizes\")", shown="the existing segment's size; for a new one a quarter "
+                            "of the segment directory's size, 256 MiB..16 GiB")
+    segment_dir: str = setting("", SEGMENT_DIR, "where segments live: a tmpfs directory of this uid (a container's "
+                               "own mount) instead of POSIX shared memory; every process of a cache names the same",
+                               shown="empty (`/dev/shm`)")
+    chunk_size: int = setting(256, int_kind(CHUNK_SIZE_MIN, CHUNK_SIZE_MAX),
+                              "tokens per chunk (a multiple of vLLM's block size)")
+    store_tail: bool = setting(True, BOOL, "also cache the block-aligned tail of each prompt (hits as fine as "
+                               "vLLM's block)")
+    max_payload: int = setting(0, size_kind("a quarter of the segment's arena"), "largest chunk in bytes")
+    populate: bool = setting(True, BOOL, "map the segment's reserved pages at attach, and the rest once reserved "
+                             "(no page faults on the hot path)")
+    lock_timeout: float = setting(LIMITS["lock_timeout_default_s"], seconds_kind(*LOCK_TIMEOUT_S),
+                                  "seconds any wait for the segment's table lock may take (then: miss, busy or "
+                                  "deferred)")
+    load_failure_policy: str = setting(
+        "recompute", choice_kind("recompute", "fail"),
+        "sets vLLM's `kv_load_failure_policy`: a chunk evicted between lookup and load is recomputed, never a "
+        "failed request; a `kv_load_failure_policy` given on vLLM's command line is kept (from `LLM(...)` set "
+        "this to `fail` to keep vLLM's `fail`)")
+    lossy_form: str = setting("", choice_kind(*LOSSY_FORMS, empty="exact"),
+                              "`fp8`: this engine reads and stores only the lossy (float8) form of chunks; never "
+                              "on an engine whose outputs must be exact", shown="empty (exact)")
+    disk_dir: str = setting("", PATH, "directory of the disk tier; chunks go to `<disk_dir>/<cache_name>/`",
+                            shown="empty (no disk tier)")
+    disk_capacity: int = setting(64 << 30, size_kind(), "byte cap of the disk tier (least recently used files "
+                                 "removed)", shown="`64GiB`")
+    disk_level: int = setting(1, int_kind(1, 22), "zstd level of the disk tier")
+    disk_codec: str = setting("auto", choice_kind(*CODEC_SETTINGS),
+                              "`auto`: each write zstd (byte-shuffled) or raw, whichever the tier's own "
+                              "measurements say is faster, zstd when the disk is over 90% of its cap; `zstd`, "
+                              "`none`: always that")
+    disk_shuffle_bytes: int = setting(0, int_kind(0, 8), "element size of the byte-plane shuffle",
+                                      shown="0 (the KV dtype's size)")
+    remote_url: str = setting("", REMOTE_URL, "the remote tier (Redis or Valkey): `redis://[user:pass@]host:port/db`, "
+                              "`rediss://...` (TLS), `unix:///path`; a cluster: any node's URL or a list of seeds",
+                              shown="empty (no remote tier)")
+    remote_timeout: float = setting(0.5, seconds_kind(0.001, 600), "bound of every remote call in total (connect "
+                                    "and every read); a failure is a miss")
+    remote_ttl: int = setting(0, int_kind(0, 1 << 31), "seconds a chunk lives in the remote", shown="0 (no expiry)")
+    remote_capacity: int = setting(0, size_kind("no budget"), "byte budget in the remote (oldest writes dropped "
+                                   "first)", shown="0 (none)")
+    remote_write_through: bool = setting(False, BOOL, "also write each chunk to the remote when it is committed, "
+                                         "not only when it is spilled")
+    remote_codec: str = setting("auto", choice_kind(*CODEC_SETTINGS), "as `disk_codec`, measured against the "
+                                "remote's link")
+    remote_secret_file: str = setting("", PATH, "a file of ours, 0600, of at least 16 bytes shared by the hosts: "
+                                      "remote chunks carry its HMAC; one whose MAC fails is a miss",
+                                      shown="empty (unauthenticated)")
+    low_watermark: float = setting(0.10, FRACTION, "fraction of the shared tier the maintainer keeps free (by "
+                                   "evicting spilled chunks)")
+    spill_ahead: float = setting(0.20, FRACTION, "fraction of the coldest chunks the maintainer keeps already "
+                                 "written to disk")
+    maintainer: bool = setting(True, BOOL, "without a daemon, a vLLM scheduler process takes the maintainer role")
+    cuda_store_copy: str = setting("auto", choice_kind("auto", "dma", "kernel"),
+                                   "GPU engines: how a store copies KV out: `dma` (the copy engines, no SMs held), "
+                                   "`kernel` (the gather kernel) or `auto` (by the merged run size)")
+    cuda_load_copy: str = setting("auto", choice_kind("auto", "kernel", "dma"), "GPU engines: how a load copies KV "
+                                  "in, one launch per layer for all chunks: `auto`, `kernel` or `dma`")
+    sync_load_max: int = setting(256 << 20, size_kind("no limit"),
+                                 "bytes per TP rank a load may copy while the batch waits (V1, one KV-cache "
+                                 "group); a larger hit loads asynchronously (V2 and hybrids always do)",
+                                 shown="`256MiB`")
+    io_threads: int = setting(0, int_kind(0, 64), "chunks encoded (spill) or fetched and decoded (promotion) at "
+                              "once; 0: the CPUs the process may use, at most 8")
+    log_level: str = setting("info", choice_kind("debug", "info", "warning", "error"), "shmkv's log level")
+    log_summary_s: float = setting(60.0, seconds_kind(0, 86400), "one INFO line of activity per this many seconds "
+                                   "(the per-request lines are DEBUG); 0: none")
+    listen: str = setting("127.0.0.1:7470", LISTEN, "the daemon's controller (a unix socket is made 0600)")
+    controller_token_file: str = setting("", PATH, "the controller's bearer token (0600, written by the daemon at "
+                                         "its first start)", shown="`<runtime dir>/<cache_name>.controller-token`")
+    controller_open_metrics: bool = setting(False, BOOL, "serve `GET /metrics` without the token (a Prometheus "
+                                            "scraper on this host)")
+    controller_allow_uids: tuple[int, ...] = setting((), UIDS, "other uids a unix-socket controller accepts, "
+                                                     "besides ours and root", shown="empty")
+    debug_digest_file: str = setting("", TEXT, "append a digest of every unit stored and loaded (byte equality "
+                                     "across engines can be checked from it)", shown="empty")
+    config_file: str = setting("", TEXT, "a YAML file with any of these keys", shown="empty")
 
-    # metadata: how to parse each key
     @staticmethod
     def parsers() -> dict[str, Any]:
-        return {
-            "cache_name": lambda k, v: _check_name(k, v),
-            "capacity": parse_size,
-            "chunk_size": lambda k, v: _parse_int(k, v, 16, 1 << 16),
-            "store_tail": _parse_bool,
-            "max_payload": lambda k, v: 0 if str(v) == "0" else parse_size(k, v),
-            "populate": _parse_bool,
-            "lock_timeout": lambda k, v: _parse_float(k, v, lambda x: 0.001 <= x <= 60, "seconds in [0.001, 60]"),
-            "load_failure_policy": lambda k, v: _parse_choice(k, v, ("recompute", "fail")),
-            "lossy_form": lambda k, v: "" if v in (None, "") else _parse_choice(k, v, LOSSY_FORMS),
-            "log_level": lambda k, v: _parse_choice(k, v, ("debug", "info", "warning", "error")),
-            "log_summary_s": lambda k, v: _parse_float(k, v, lambda x: 0 <= x <= 86400, "seconds in [0, 86400]"),
-            "disk_dir": _parse_path,
-            "disk_capacity": parse_size,
-            "disk_level": lambda k, v: _parse_int(k, v, 1, 22),
-            "disk_codec": lambda k, v: _parse_choice(k, v, CODEC_SETTINGS),
-            "remote_codec": lambda k, v: _parse_choice(k, v, CODEC_SETTINGS),
-            "disk_shuffle_bytes": lambda k, v: _parse_int(k, v, 0, 8),
-            "remote_url": _parse_remote_url,
-            "remote_timeout": _parse_seconds,
-            "remote_ttl": lambda k, v: _parse_int(k, v, 0, 1 << 31),
-            "remote_capacity": lambda k, v: 0 if str(v) == "0" else parse_size(k, v),
-            "remote_write_through": _parse_bool,
-            "remote_secret_file": _parse_path,
-            "low_watermark": lambda k, v: _parse_fraction(k, v),
-            "spill_ahead": lambda k, v: _parse_fraction(k, v),
-            "maintainer": _parse_bool,
-            "io_threads": lambda k, v: _parse_int(k, v, 0, 64),
-            "cuda_store_copy": lambda k, v: _parse_choice(k, v, ("auto", "dma", "kernel")),
-            "cuda_load_copy": lambda k, v: _parse_choice(k, v, ("auto", "kernel", "dma")),
-            "sync_load_max": lambda k, v: 0 if str(v) == "0" else parse_size(k, v),
-            "listen": _parse_listen,
-            "controller_token_file": _parse_path,
-            "controller_open_metrics": _parse_bool,
-            "controller_allow_uids": _parse_uids,
-            "debug_digest_file": lambda k, v: str(v),
-            "config_file": lambda k, v: str(v),
-        }
+        """{setting: parse(key, value)}."""
+        return {f.name: f.metadata["kind"].parse for f in dataclasses.fields(ShmkvConfig)}
+
+
+SETTINGS: tuple[dataclasses.Field, ...] = dataclasses.fields(ShmkvConfig)
+
+
+def env_name(name: str) -> str:
+    """The environment variable of a setting."""
+    return f"SHMKV_{name.upper()}"
+
+
+def shown_default(f: dataclasses.Field) -> str:
+    if f.metadata["shown"]:
+        return f.metadata["shown"]
+    v = f.default
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f"`{v}`" if v else "empty"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def settings_markdown() -> str:
+    """The settings table of the docs (docs/configuration.md), made from the table above."""
+    rows = ["| setting | environment | default | accepted | what it does |", "|---|---|---|---|---|"]
+    for f in SETTINGS:
+        rows.append(f"| `{f.name}` | `{env_name(f.name)}` | {shown_default(f)} | {f.metadata['kind'].accepted} | "
+                    f"{f.metadata['help']} |")
+    return "\n".join(rows) + "\n"
 
 
 def _parse_path(key: str, value: Any) -> str:
@@ -307,8 +428,8 @@ def redact_url(url: str) -> str:
 
 def _check_name(key: str, value: Any) -> str:
     s = str(value)
-    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}", s):
-        raise ConfigError(f"{key}={value!r}: expected 1-200 characters from [A-Za-z0-9._-], not starting with '.'")
+    if not re.fullmatch(rf"[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{CACHE_NAME_MAX - 1}}}", s):
+        raise ConfigError(f"{key}={value!r}: expected {CACHE_NAME_RULE}")
     return s
 
 
@@ -322,14 +443,16 @@ def load_config(explicit: dict[str, Any] | None = None, env: dict[str, str] | No
     return dataclasses.replace(ShmkvConfig(), **merged)
 
 
-def config_sources(explicit: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> dict[str, str]:
+def config_sources(explicit: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                   explicit_label: str = "explicit") -> dict[str, str]:
     """Where each setting's effective value comes from: "default", "file
-    PATH", "environment SHMKV_KEY" or "explicit" (what load_config with the
-    same arguments merges)."""
+    PATH", "environment SHMKV_KEY" or `explicit_label` (what load_config with
+    the same arguments merges)."""
     out = {k: "default" for k in ShmkvConfig.parsers()}
     for where, values in _layers(explicit, env):
         for k in values:
-            out[k] = f"environment SHMKV_{k.upper()}" if where == "environment" else where
+            out[k] = (f"environment {env_name(k)}" if where == "environment" else
+                      explicit_label if where == "explicit" else where)
     return out
 
 
@@ -343,7 +466,7 @@ def _layers(explicit: dict[str, Any] | None, env: dict[str, str] | None) -> list
     unknown = sorted(set(explicit) - known)
     if unknown:
         raise ConfigError(f"unknown shmkv setting(s) {unknown}; known: {', '.join(sorted(known))}")
-    env_values = {k: env[f"SHMKV_{k.upper()}"] for k in known if f"SHMKV_{k.upper()}" in env}
+    env_values = {k: env[env_name(k)] for k in known if env_name(k) in env}
     _warn_unknown_env(env, known)
 
     layers: list[tuple[str, dict[str, Any]]] = []
@@ -414,13 +537,23 @@ def _warn_unknown_env(env: dict[str, str], known: set[str]) -> None:
     (a typo would otherwise leave the default in force, silently)."""
     import difflib
 
-    names = {f"SHMKV_{k.upper()}" for k in known} | ENV_NOT_SETTINGS
-    for var in sorted(v for v in env if v.startswith("SHMKV_") and v not in names and v not in _warned_env):
+    names = {env_name(k) for k in known} | ENV_NOT_SETTINGS
+    for var in sorted(v for v in env if v.startswith("SHMKV_") and not v.startswith(TEST_PREFIX) and v not in names
+                      and v not in _warned_env):
         _warned_env.add(var)
         close = difflib.get_close_matches(var, sorted(names), n=1)
         logging.getLogger("shmkv.config").warning(
             "shmkv: environment variable %s is not a shmkv setting (ignored)%s", var,
             f"; did you mean {close[0]}?" if close else "")
+
+
+def use_segment_dir(cfg: ShmkvConfig) -> None:
+    """Make `segment_dir` this process's segment directory wherever it was
+    set (the core, and segments_dir(), read SHMKV_SEGMENT_DIR): called where
+    a process opens its segment (open_store) or checks it (shmkv check)."""
+    where = getattr(cfg, "segment_dir", "")
+    if where and os.environ.get(SEGMENT_DIR_ENV) != where:
+        os.environ[SEGMENT_DIR_ENV] = where
 
 
 def io_threads(cfg: ShmkvConfig) -> int:
@@ -433,3 +566,50 @@ def io_threads(cfg: ShmkvConfig) -> int:
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
     return max(1, min(8, n))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`shmkv config`: the effective settings and where each came from."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(
+        prog="shmkv config",
+        description="The settings in force for this environment, and where each came from: an argument (--set), "
+                    "the environment (SHMKV_<KEY>), the file (--config or SHMKV_CONFIG_FILE) or the default.")
+    ap.add_argument("--config", help="YAML file of shmkv settings")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting (repeatable)")
+    ap.add_argument("--json", action="store_true", help="one JSON object: {key: {value, source, env}}")
+    ap.add_argument("--markdown", action="store_true", help="the settings table of the docs, made from the code")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(settings_markdown())
+        return 0
+    explicit: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set {item!r}: expected KEY=VALUE")
+        explicit[key.strip()] = value
+    if args.config:
+        explicit["config_file"] = args.config
+    try:
+        cfg = load_config(explicit)
+        sources = config_sources(explicit, explicit_label="argument")
+    except ConfigError as e:
+        print(f"shmkv config: {e}", file=sys.stderr)
+        return 2
+    out = {f.name: {"value": list(v) if isinstance(v := getattr(cfg, f.name), tuple) else v,
+                    "source": sources[f.name], "env": env_name(f.name)} for f in SETTINGS}
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+        return 0
+    width = max(len(k) for k in out)
+    for k, v in out.items():
+        print(f"{k:<{width}}  {v['value']!r:<32} {v['source']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -60,8 +60,19 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import xxhash
 
+from shmkv import _C
 from shmkv.errors import ConfigError
 from shmkv.names import LOSSY_FORMS
+
+# tokens per chunk: the core's bounds (cpp/value_limits.h), the one rule every caller checks with check_chunk_size
+CHUNK_SIZE_MIN, CHUNK_SIZE_MAX = _C.LIMITS["chunk_size"]
+
+
+def check_chunk_size(value: object, what: str = "chunk_size") -> int:
+    """`value` as tokens per chunk, or ConfigError naming `what` and the bounds."""
+    if isinstance(value, bool) or not isinstance(value, int) or not CHUNK_SIZE_MIN <= value <= CHUNK_SIZE_MAX:
+        raise ConfigError(f"{what}={value!r}: expected an integer in [{CHUNK_SIZE_MIN}, {CHUNK_SIZE_MAX}]")
+    return value
 
 PAYLOAD_FORMAT_VERSION = 1
 KEY_BYTES = 16
@@ -176,8 +187,7 @@ class Namespace:
     extra: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.chunk_size <= 0:
-            raise ConfigError(f"chunk_size must be > 0, got {self.chunk_size}")
+        check_chunk_size(self.chunk_size)
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} must be in [0, tp_size={self.tp_size})")
         if self.payload not in ("blocks", "tokens"):

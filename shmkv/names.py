@@ -18,7 +18,7 @@ FP8 = "fp8"  # float8 e4m3 with a float32 scale per 1,024 values (shmkv.tiers.fo
 LOSSY_FORMS = (FP8,)
 
 # Segments are POSIX shared memory (/dev/shm/<name>) unless this names a directory of their own: a
-# tmpfs, 0700, of the cache's uid, which a container mounts alone (README "Containers"). Read by
+# tmpfs, 0700, of the cache's uid, which a container mounts alone (docs/deployment.md "Containers"). Read by
 # the C++ core at every open and unlink, so every process of a deployment must see the same value.
 SEGMENT_DIR_ENV = "SHMKV_SEGMENT_DIR"
 

@@ -24,6 +24,7 @@ from shmkv.errors import ConfigError
 
 log = logging.getLogger("shmkv")
 
+PREFIX = "SHMKV_TEST_"  # the test suite's variables: not settings (shmkv.config warns of none of them)
 SKIP_LOAD_LAYERS = "SHMKV_TEST_SKIP_LOAD_LAYERS"
 EVICT_BEFORE_LOAD = "SHMKV_TEST_EVICT_BEFORE_LOAD"
 WORKER_OFF = "SHMKV_TEST_WORKER_OFF"

@@ -10,8 +10,8 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+from engine_forks import fork_engine
 from helpers import VLLM_RUNNERS, Child, DaemonProcess, Reference, check_runner, fresh_cache_name, runner_env
-from support.engine_forks import fork_engine
 
 cache_name = pytest.fixture(fresh_cache_name, name="cache_name")
 

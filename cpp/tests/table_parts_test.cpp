@@ -2,7 +2,7 @@
 // extent allocator, LRU, leases, recovery, process liveness) through
 // ChunkTable's API on a real segment, checking the derived structures with
 // check_consistency() after each. Built and run by
-// tests/unit/test_cpp_table_parts.py (plain c++, no framework): exit 0 when
+// tests/store/test_cpp_table_parts.py (plain c++, no framework): exit 0 when
 // every check holds; each failed check prints its line.
 #include <sys/wait.h>
 #include <unistd.h>

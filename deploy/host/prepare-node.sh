@@ -17,7 +17,7 @@ state="$root/var/lib/shmkv"
 
 mkdir -p "$seg" "$state"
 if ! mountpoint -q "$seg"; then
-  # huge=within_size: the segment on huge pages (README "GPU hosts"); a kernel without it: 4 KiB pages
+  # huge=within_size: the segment on huge pages (docs/install.md "GPU hosts"); a kernel without it: 4 KiB pages
   mount -t tmpfs -o "size=$size,mode=0700,uid=$uid,gid=$uid,huge=within_size,nosuid,nodev,noexec" shmkv "$seg" 2>/dev/null \
     || mount -t tmpfs -o "size=$size,mode=0700,uid=$uid,gid=$uid,nosuid,nodev,noexec" shmkv "$seg"
   echo "prepare-node: mounted a tmpfs of $size at $seg for uid $uid"

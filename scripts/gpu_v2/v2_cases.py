@@ -2,7 +2,7 @@
 Python behind scripts/gpu_v2/shim, see its docstring): the cases of #50's
 item 3, each a comparison of greedy tokens against the same engine without
 shmkv at the same split point (vLLM's own prefix cache caching the same
-tokens first, as tests/helpers.py Reference does: the split point alone can
+tokens first, as tests/support/helpers.py Reference does: the split point alone can
 flip a greedy token).
 
   short       a 100-token prompt, nothing to hit

@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shmkv.chunking import Chunker, Unit
 from shmkv.config import ShmkvConfig
 from shmkv.errors import ConfigError, LockTimeoutError, RequestError
-from shmkv.keys import lossy_key
+from shmkv.keys import CHUNK_SIZE_MAX, CHUNK_SIZE_MIN, lossy_key
 from shmkv.names import SHM, TIERS
 from shmkv.namespaces import known, namespace_from_dict
 from shmkv.services.maintainer import Maintainer, MaintainerRole
@@ -73,7 +73,7 @@ PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 # Controller.handle) validate with them, and request_error() turns pydantic's
 # errors into one 4xx message naming the field.
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=1 << 32)]
-ChunkSize = Annotated[int, Field(strict=True, ge=16, le=1 << 16)]  # the config's own bounds of chunk_size
+ChunkSize = Annotated[int, Field(strict=True, ge=CHUNK_SIZE_MIN, le=CHUNK_SIZE_MAX)]  # the core's bounds
 Size = Annotated[int, Field(strict=True, ge=1, le=1 << 16)]
 
 
@@ -483,7 +483,7 @@ class Controller:
             raise RequestError(f"namespace: expected a 32-hex string or an object, got {type(value).__name__}")
         # the config's own bounds, wherever chunk_size came from (a namespace object, the registry): a
         # 1-token chunk would make a request hash and look up one key per token
-        chunk_size = _int_in("chunk_size", chunk_size, 16, 1 << 16)
+        chunk_size = _int_in("chunk_size", chunk_size, CHUNK_SIZE_MIN, CHUNK_SIZE_MAX)
         if block_size is not None:
             block_size = _int_in("block_size", block_size, 1, chunk_size)
             if chunk_size % block_size:

@@ -266,7 +266,7 @@ class Gate:
         auth = values.get(b"authorization", [b""])
         scheme, _, given = auth[0].decode("latin-1").partition(" ")
         if len(auth) != 1 or scheme.lower() != "bearer" or not given.strip():
-            return 401, "this endpoint needs `Authorization: Bearer <token>` (the token file: see README)"
+            return 401, "this endpoint needs `Authorization: Bearer <token>` (the token file: see docs/operating.md)"
         if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
             return 401, "wrong controller token"
         return None

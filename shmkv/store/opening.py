@@ -34,8 +34,9 @@ def open_store(cfg: Any, *, populate: bool | None = None) -> Store:
     instance's or the daemon's settings) is attached as it is, with a warning;
     a stale one is re-created with the explicit settings, and the log says how
     many chunks that dropped."""
-    from shmkv.config import default_capacity
+    from shmkv.config import default_capacity, use_segment_dir
 
+    use_segment_dir(cfg)
     populate = cfg.populate if populate is None else populate
     name, kw = cfg.cache_name, {"populate": populate, "lock_timeout_s": cfg.lock_timeout}
     if not cfg.capacity:

@@ -59,7 +59,8 @@ from shmkv.store.results import (
 log = logging.getLogger("shmkv.store")
 
 _MODE_CREATE, _MODE_ATTACH, _MODE_OPEN_OR_CREATE = 0, 1, 2
-DEFAULT_LOCK_TIMEOUT_S = 0.3
+LOCK_TIMEOUT_S = _C.LIMITS["lock_timeout_s"]  # [min, max] seconds: the core's bounds (cpp/value_limits.h)
+DEFAULT_LOCK_TIMEOUT_S = _C.LIMITS["lock_timeout_default_s"]  # the core's default, the setting's too
 CLOSE_WAIT_S = 5.0  # bound of close()'s wait for this attachment's open leases and reservations
 INIT_WAIT_S = 120.0  # bound of the wait for another process initialising the segment (Store.create/attach)
 # Stores whose background reserver may still run. At interpreter exit each is
@@ -182,8 +183,9 @@ class Store:
         g = geometry
         g.check()
         if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, (int, float)) \
-                or not 0 < lock_timeout_s <= 3600:
-            raise InvalidArgumentError(f"lock_timeout_s={lock_timeout_s!r}: expected seconds in (0, 3600]")
+                or not LOCK_TIMEOUT_S[0] <= lock_timeout_s <= LOCK_TIMEOUT_S[1]:
+            raise InvalidArgumentError(f"lock_timeout_s={lock_timeout_s!r}: expected seconds in "
+                                       f"[{LOCK_TIMEOUT_S[0]:g}, {LOCK_TIMEOUT_S[1]:g}]")
         _check_segment_dir_parents()
         code, msg, table, outcome = _C.open_table(
             name, mode, g.capacity_bytes, g.max_payload_bytes, g.alignment,

@@ -13,7 +13,7 @@
 
 May import shmkv's store, keys, chunking, config, paths and errors; never the
 transfer path, the services or the integrations. A tier never imports
-another tier (tests/unit/test_architecture.py walks the imports).
+another tier (tests/test_architecture.py walks the imports).
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def register_segment(store: Store, *, wait: bool = False) -> float:
     all of it now, as a benchmark of pinning wants).
 
     NOTE: cudaHostRegister faults in every page it pins: it scales with the
-    arena (README "GPU hosts" gives the figure per GiB; huge pages cut it)."""
+    arena (docs/install.md "GPU hosts" gives the figure per GiB; huge pages cut it)."""
     span = (int(store.arena_address), int(store.arena_bytes))
     with _lock:
         reg = _registered.get(span)

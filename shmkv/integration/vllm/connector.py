@@ -141,8 +141,8 @@ def _require_cuda_kernels_if_on_cuda() -> None:
         gpu.extension()
     except InvalidArgumentError as e:
         raise ConfigError(f"{e}. Rebuild shmkv where nvcc is found (pip install --no-build-isolation -e . with "
-                          "CUDA_HOME or nvcc on PATH; README 'GPU hosts'), or run this engine without the shmkv "
-                          "connector") from e
+                          "CUDA_HOME or nvcc on PATH; docs/install.md 'GPU hosts'), or run this engine without the "
+                          "shmkv connector") from e
 
 
 def layers_read_without_hooks(forward_context: dict[str, Any], names: Any, state_layers: set[str]) -> list[str]:

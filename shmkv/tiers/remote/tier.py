@@ -192,7 +192,7 @@ class RemoteTier:
         if self.cluster and capacity_bytes:
             raise ConfigError("remote_capacity keeps one server's byte budget with a multi-key script, which a "
                               "cluster cannot run across slots: leave it 0 and give every shard `maxmemory` and "
-                              "`maxmemory-policy allkeys-lru` (README: the remote tier)")
+                              "`maxmemory-policy allkeys-lru` (docs/design.md: the remote tier)")
         self._put_script = self._client.register_script(_PUT_WITH_BUDGET)
         self._backoff = Backoff()
         self._key_id = key_id(secret) if secret is not None else b""

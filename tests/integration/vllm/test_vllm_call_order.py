@@ -1,7 +1,7 @@
 """vLLM's GPU call orders, proven on the CPU: vLLM's real Scheduler, the real
 connector (both roles) and a real segment, driven by a runner that follows
 Model Runner V2's execute_model (through vLLM's own ActiveKVConnector) or
-V1's, over the device-like stream model (tests/vllm_call_order.py). Every
+V1's, over the device-like stream model (tests/support/vllm_call_order.py). Every
 case checks two things: every sampled token is the one a right KV cache
 gives (the toy model knows it), and the device model found no access to a
 KV block that is not ordered after the copies touching it.

@@ -21,6 +21,10 @@ sampled token says whether the KV it read was right.
       transfer results; then sampling. FULL graphs replay inside a context
       whose cudagraph_runtime_mode says FULL.
 
+Each runner step below names the vLLM 0.32 function it mirrors;
+tests/integration/vllm/test_harness_follows_vllm.py reads the installed
+vLLM's runners and fails when their connector calls come in another order.
+
 The engine core: vLLM 0.32 v1/engine/core.py step (one batch), or with
 asynchronous scheduling (its default with a connector) step_with_batch_queue
 over AsyncScheduler: step N+1 is scheduled and run before the host reads and
@@ -176,7 +180,7 @@ class Harness:
                  drafter_full_graph: bool = True, sliding_window: int = 0,
                  linear_layers: tuple[int, ...] = (), tp: int = 1, async_scheduling: bool = False,
                  policy: str = "fcfs") -> None:
-        from support.device_model import DeviceModel
+        from device_model import DeviceModel
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -648,8 +652,9 @@ class Harness:
         from vllm.config import CUDAGraphMode
         from vllm.forward_context import set_forward_context
 
+        # vLLM 0.32 gpu/model_runner.py GPUModelRunner.execute_model: update_requests
         self._bookkeeping(so)
-        if so.total_num_scheduled_tokens == 0:
+        if so.total_num_scheduled_tokens == 0:  # execute_model: kv_connector.no_forward
             outs = []
             for rk in self._each_rank():
                 self._zero_and_copy(self._rank_so[rk.tp_rank])
@@ -661,7 +666,7 @@ class Harness:
         for rk in self._each_rank():
             rso = self._rank_so[rk.tp_rank]
             self._zero_and_copy(rso)  # update_requests
-            self._precopy(rso)  # model_state.preprocess_state, before pre_forward
+            self._precopy(rso)  # execute_model: model_state.preprocess_state, before pre_forward
             if self._uniform_decode(rso):  # the FULL CUDA-graph branch: no forward context, no per-layer hook
                 self.kvc.pre_forward(rso, batch, attn_metadata={"full": True})
                 sums = self._forward(plan, layer_waits=False)
@@ -670,7 +675,7 @@ class Harness:
                                          cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE):
                     self.kvc.pre_forward(rso, batch)
                     sums = self._forward(plan, layer_waits=True)
-            self.kvc.finish_forward()
+            self.kvc.finish_forward()  # execute_model: kv_connector.finish_forward after the model's run
             sums_by_rank.append(sums)
         # sample_tokens (vLLM 0.32 gpu/model_runner.py): sampling and the speculator's proposal are
         # issued, post_forward asks the connector, and only then does the host read the sampled tokens
@@ -695,6 +700,7 @@ class Harness:
         from vllm.forward_context import get_forward_context, set_forward_context
         from vllm.v1.outputs import KVConnectorOutput
 
+        # vLLM 0.32 gpu_model_runner.py GPUModelRunner.execute_model: handle_preemptions, _update_states
         for rk in self._each_rank():
             self.worker.handle_preemptions(self._rank_so[rk.tp_rank].kv_connector_metadata)
         self._bookkeeping(so)
@@ -713,7 +719,7 @@ class Harness:
             ctx = set_forward_context({}, self.vllm_config, num_tokens=so.total_num_scheduled_tokens,
                                       cudagraph_runtime_mode=mode) if so.total_num_scheduled_tokens else \
                 set_forward_context(None, self.vllm_config)
-            with ctx:
+            with ctx:  # kv_connector_model_runner_mixin.py _get_kv_connector_output, around the forward
                 conn.bind_connector_metadata(rso.kv_connector_metadata)
                 if so.has_sync_kv_loads:
                     conn.start_load_kv(get_forward_context())
@@ -731,12 +737,14 @@ class Harness:
                     kv_out.failed_recving = res.failed_recving
                     kv_out.invalid_block_ids = conn.get_block_ids_with_load_errors()
                     kv_out.kv_connector_stats = conn.get_kv_connector_stats()
+                    kv_out.kv_cache_events = conn.get_kv_connector_kv_cache_events()
+                    kv_out.kv_connector_worker_meta = conn.build_connector_worker_meta()
                     if not defer:
                         conn.clear_connector_metadata()
             sums_by_rank.append(sums)
             kv_outs.append(kv_out)
         read = self._sample(so, sums_by_rank) if so.total_num_scheduled_tokens else None
-        if defer:  # V1's spec decoding: sample, propose, then finalize_kv_connector
+        if defer:  # V1's spec decoding (sample_tokens): sample, propose, then finalize_kv_connector
             mode = CUDAGraphMode.FULL if self.drafter_full_graph else CUDAGraphMode.PIECEWISE
             for _ in self._each_rank():
                 with set_forward_context({}, self.vllm_config, cudagraph_runtime_mode=mode):

@@ -48,7 +48,7 @@ def test_the_cuda_part_imports_without_a_driver_and_never_links_libcuda():
 @pytest.mark.skipif(not NO_DRIVER, reason="an NVIDIA driver is here: `pytest -m gpu` runs its tests")
 def test_gpu_tests_skip_with_their_reason_where_there_is_no_gpu():
     r = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "-rs", "-p",
-                        "no:cacheprovider", "tests/unit/test_kernels_cuda.py"],
+                        "no:cacheprovider", "tests/transfer/test_kernels_cuda.py"],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]

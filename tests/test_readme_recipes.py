@@ -13,8 +13,10 @@ from helpers import REPO
 
 
 def readme() -> str:
-    with open(os.path.join(REPO, "README.md")) as f:
-        return f.read()
+    """README and every page of docs/: the recipes a user copies."""
+    paths = [os.path.join(REPO, "README.md")] + sorted(
+        os.path.join(REPO, "docs", f) for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md"))
+    return "\n".join(open(p).read() for p in paths)
 
 
 def code_blocks(lang: str) -> list[str]:

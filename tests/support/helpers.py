@@ -3,7 +3,7 @@ keys and payloads, a child-process runner for crash tests, the daemon
 started as a user would, a controller client, and for the vLLM end-to-end
 tests random prompts, a reference engine without shmkv and the KV-bytes
 check of the debug digest file. Import them with `from helpers import ...`
-(pytest puts tests/ on sys.path: pyproject's `pythonpath`)."""
+(pytest puts tests/support/ on sys.path: pyproject's `pythonpath`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import xxhash
 from shmkv.bench.engines import container_argv
 from shmkv.bench.vllm_server import VllmServer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def cuda_missing() -> str | None:
     """Why the CUDA tests cannot run here (their skip reason: no CUDA GPU), or
@@ -310,7 +310,7 @@ def check_loaded_bytes_equal_stored(digest_file: str) -> int:
 
 # ----------------------------------------------------------- vLLM runners ---
 VLLM_RUNNERS = ("v2", "v1")
-V2_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_v2")
+V2_SHIM = os.path.join(REPO, "tests", "vllm_v2")
 
 
 def runner_env(runner: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The README's compatibility table is the one tests/compatibility.py
+"""The compatibility table of docs/using-with-vllm.md is the one tests/support/compatibility.py
 renders, and every row names a test that exists (parameter ids included)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import compatibility
 
 
 def test_readme_holds_the_rendered_table():
-    text = open(os.path.join(compatibility.REPO, "README.md")).read()
-    assert compatibility.render() in text, "run: python tests/compatibility.py --write"
+    text = open(os.path.join(compatibility.REPO, "docs", "using-with-vllm.md")).read()
+    assert compatibility.render() in text, "run: python tests/support/compatibility.py --write"
 
 
 def test_every_row_names_a_test_that_exists():

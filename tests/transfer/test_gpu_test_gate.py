@@ -16,7 +16,7 @@ torch.cuda.is_available = lambda: True
 sys.modules["shmkv._C_cuda"] = None  # import fails, as in a build without nvcc
 import pytest
 # in this process (-n 0): the simulated GPU and build are this interpreter's
-sys.exit(pytest.main(["-m", "gpu", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/unit/test_kernels_cuda.py"]))
+sys.exit(pytest.main(["-m", "gpu", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/transfer/test_kernels_cuda.py"]))
 """
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from device_model import DeviceModel
 from kv_reference import make_cache
-from support.device_model import DeviceModel
 
 from shmkv import Store
 from shmkv.transfer import GroupWindow, LoadItem, StoreItem, TransferEngine

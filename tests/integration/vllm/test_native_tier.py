@@ -14,8 +14,8 @@ import os
 import signal
 
 import pytest
+from engine_forks import ForkedProcess, fork_module
 from helpers import REPO, segment_stat, wait_until
-from support.engine_forks import ForkedProcess, fork_module
 
 from shmkv import Store
 

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'shmkv[vllm]')")
 
 import torch
+from device_model import DeviceModel
 from kv_reference import make_cache
-from support.device_model import DeviceModel
 from worker_steps import BLOCKS, BS, loaded, step, stored
 
 from shmkv.config import load_config

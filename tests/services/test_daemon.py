@@ -58,7 +58,7 @@ def test_signal_exits_cleanly_and_leaves_the_segment(daemon, cache_name, tmp_pat
 
 WORKER = """
 import collections, os, random, sys, json
-sys.path.insert(0, {repo!r} + "/tests")
+sys.path.insert(0, {repo!r} + "/tests/support")
 from helpers import key, payload_for
 from shmkv import Store, PutResult
 s = Store.open_or_create({cache!r}, 256 << 20, populate=False)

@@ -106,7 +106,7 @@ print(outcomes, flush=True)
 
 
 def test_random_metadata_damage_never_kills_the_process(cache_name):
-    code = textwrap.dedent(RANDOM_DAMAGE.format(tests=os.path.join(REPO, "tests")))
+    code = textwrap.dedent(RANDOM_DAMAGE.format(tests=os.path.join(REPO, "tests", "support")))
     for seed in range(3):
         r = subprocess.run([sys.executable, "-c", code, f"{cache_name}-{seed}", str(seed), "100"],
                            capture_output=True, text=True, timeout=600, cwd=REPO)
