@@ -366,7 +366,14 @@ def run_checks(cfg: ShmkvConfig, *, vllm: str | None = None, workdir: str | None
     if vllm:
         import tempfile
 
-        findings.append(check_vllm(cfg, vllm, workdir or tempfile.mkdtemp(prefix="shmkv-check-")))
+        own = workdir is None
+        workdir = workdir or tempfile.mkdtemp(prefix="shmkv-check-")
+        finding = check_vllm(cfg, vllm, workdir)
+        if own and finding.status == OK:  # a workdir of its own: kept only for the logs of a failure
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+        findings.append(finding)
     return findings
 
 
