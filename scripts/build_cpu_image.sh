@@ -92,7 +92,8 @@ chmod 0700 "$RUN/run-shmkv" "$RUN/var-lib-shmkv"
 mount -t tmpfs -o size=1g,mode=0700 shmkv-image-segments "$RUN/run-shmkv"
 python3 -c "from shmkv.bench.models import write_llama; write_llama('$RUN/model')" >/dev/null
 cleanup() {
-  [ -n "${daemon_pid:-}" ] && kill -TERM "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null || true
+  # the daemon's whole process group (unshare and the daemon, PID 1 of its namespace), then reaped
+  [ -n "${daemon_pid:-}" ] && kill -TERM -- "-$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null || true
   for d in run/shmkv var/lib/shmkv etc/shmkv model; do umount -l "$mnt/$d" 2>/dev/null || true; done
   umount -l "$RUN/run-shmkv" 2>/dev/null || true
   buildah umount "$ctr" >/dev/null 2>&1 || true
@@ -113,9 +114,11 @@ in_image() {
 }
 ENV=(SHMKV_CONFIG_FILE=/etc/shmkv/shmkv.yaml SHMKV_SEGMENT_DIR=/run/shmkv SHMKV_RUNTIME_DIR=/var/lib/shmkv/runtime
      SHMKV_CAPACITY=256MiB PATH=/opt/venv/bin:/usr/bin:/bin HOME=/tmp)
+set -m  # the daemon in a process group of its own (the cleanup signals the group)
 in_image env -i "${ENV[@]}" \
   shmkv daemon --config /etc/shmkv/shmkv.yaml >"$WORK/daemon.out" 2>"$WORK/daemon.log" &
 daemon_pid=$!
+set +m
 for _ in $(seq 120); do grep -q "shmkv daemon ready" "$WORK/daemon.out" 2>/dev/null && break; sleep 1; done
 grep -q "shmkv daemon ready" "$WORK/daemon.out" || { echo "build_cpu_image.sh: the daemon did not start" >&2; exit 1; }
 t4=$(date +%s)
