@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "paged_copy.h"
@@ -58,6 +59,7 @@ PYBIND11_MODULE(_C_cuda, m) {
     PagedLayout L;
     bool token_mode = false;
     int device = -1;  // CUDA device index of the KV cache
+    std::unique_ptr<BatchBufferPool> pool = std::make_unique<BatchBufferPool>();  // its batches' index buffers
   };
   // A prepared batch of one layout (kept alive by its layout).
   struct CudaBatch {
@@ -113,7 +115,7 @@ PYBIND11_MODULE(_C_cuda, m) {
              {
                py::gil_scoped_release nogil;
                DeviceGuard on(self.device);
-               s = prepare_token_batch(self.L, es, stream, &b->batch, &err);
+               s = prepare_token_batch(self.L, es, stream, &b->batch, &err, self.pool.get());
              }
              if (s != Status::kOk) {
                delete b;
@@ -124,7 +126,9 @@ PYBIND11_MODULE(_C_cuda, m) {
            },
            py::arg("entries"), py::arg("stream"), py::keep_alive<0, 1>(),
            "Check and upload (once, on `stream`) a batch of (slots, payload address, payload bytes); "
-           "each layer is then one launch (CudaBatch.copy_layer).");
+           "each layer is then one launch (CudaBatch.copy_layer).")
+      .def_property_readonly("batch_buffers", [](const CudaLayout& self) { return self.pool->size(); },
+                             "index buffers this layout's pool has made (reused step after step)");
   py::class_<CudaBatch>(m, "CudaBatch")
       .def("copy_layer",
            [](CudaBatch& b, bool gather, int64_t layer, uintptr_t stream, bool dma) {

@@ -305,8 +305,65 @@ Status launch_paged_copy_dma(const PagedLayout& L, bool token_mode, bool gather,
 
 // ---- batches: one launch per layer for every payload of a step ----------
 
+BatchBufferPool::~BatchBufferPool() {
+  // NOTE: at the layout's end (the engine's shutdown): whatever still runs is the caller's to have waited for
+  for (auto& b : free_) {
+    cudaFree(b.device);
+    cudaFreeHost(b.staging);
+    cudaEventDestroy(static_cast<cudaEvent_t>(b.done));
+  }
+  cudaGetLastError();
+}
+
+Status BatchBufferPool::take(size_t bytes, BatchBuffers* out, std::string* err) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < free_.size(); ++i) {
+      if (free_[i].bytes < bytes) continue;
+      cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(free_[i].done));
+      if (q == cudaErrorNotReady) continue;  // still read by an earlier step's copies
+      cudaGetLastError();
+      *out = free_[i];
+      free_.erase(free_.begin() + long(i));
+      return Status::kOk;
+    }
+  }
+  size_t cap = 4096;
+  while (cap < bytes) cap *= 2;
+  BatchBuffers b;
+  b.bytes = cap;
+  cudaEvent_t ev = nullptr;
+  cudaError_t e = cudaMalloc(&b.device, cap);
+  if (e == cudaSuccess) e = cudaHostAlloc(&b.staging, cap, cudaHostAllocDefault);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    if (b.device) cudaFree(b.device);
+    if (b.staging) cudaFreeHost(b.staging);
+    *err = cuda_error("allocating a batch's index buffers", e);
+    return Status::kSystem;
+  }
+  b.done = ev;
+  std::lock_guard<std::mutex> lock(mu_);
+  ++made_;
+  *out = b;
+  return Status::kOk;
+}
+
+void BatchBufferPool::give_back(BatchBuffers b, uintptr_t stream_handle) {
+  cudaEventRecord(static_cast<cudaEvent_t>(b.done), reinterpret_cast<cudaStream_t>(stream_handle));
+  cudaGetLastError();
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.push_back(b);
+}
+
+size_t BatchBufferPool::size() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return made_;
+}
+
 Status prepare_token_batch(const PagedLayout& L, const std::vector<BatchEntry>& entries, uintptr_t stream_handle,
-                           TokenBatch* b, std::string* err) {
+                           TokenBatch* b, std::string* err, BatchBufferPool* pool) {
   Status s = validate_layout(L, true, err);
   if (s != Status::kOk) return s;
   const int64_t tok_bytes = L.token_payload_bytes();
@@ -337,26 +394,35 @@ Status prepare_token_batch(const PagedLayout& L, const std::vector<BatchEntry>& 
   }
   int64_t n = int64_t(out.slots.size());
   if (n > 0) {
-    // NOTE: one allocation and one upload per batch, stream-ordered; every
-    // layer's launch reads the same device arrays.
+    // NOTE: one upload per batch, stream-ordered; every layer's launch reads the same device arrays
     cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
     size_t bytes = size_t(n) * (sizeof(int64_t) + 2 * sizeof(uint64_t));
-    cudaError_t ce = cudaMallocAsync(&out.device, bytes, stream);
-    if (ce != cudaSuccess) {
-      cudaGetLastError();
-      *err = cuda_error("cudaMallocAsync", ce);
-      return Status::kSystem;
+    uint8_t* host = nullptr;
+    std::vector<uint8_t> pageable;
+    if (pool != nullptr) {
+      s = pool->take(bytes, &out.buf, err);
+      if (s != Status::kOk) return s;
+      out.pool = pool;
+      host = static_cast<uint8_t*>(out.buf.staging);
+    } else {
+      cudaError_t ce = cudaMallocAsync(&out.buf.device, bytes, stream);
+      if (ce != cudaSuccess) {
+        cudaGetLastError();
+        *err = cuda_error("cudaMallocAsync", ce);
+        return Status::kSystem;
+      }
+      pageable.resize(bytes);
+      host = pageable.data();
     }
-    std::vector<uint8_t> host(bytes);
-    std::memcpy(host.data(), out.slots.data(), size_t(n) * sizeof(int64_t));
-    std::memcpy(host.data() + n * sizeof(int64_t), out.dev0.data(), size_t(n) * sizeof(uint64_t));
-    std::memcpy(host.data() + n * (sizeof(int64_t) + sizeof(uint64_t)), out.pitch.data(),
-                size_t(n) * sizeof(uint64_t));
-    // NOTE: pageable source: staged by the driver before the call returns
-    ce = cudaMemcpyAsync(out.device, host.data(), bytes, cudaMemcpyHostToDevice, stream);
+    std::memcpy(host, out.slots.data(), size_t(n) * sizeof(int64_t));
+    std::memcpy(host + n * sizeof(int64_t), out.dev0.data(), size_t(n) * sizeof(uint64_t));
+    std::memcpy(host + n * (sizeof(int64_t) + sizeof(uint64_t)), out.pitch.data(), size_t(n) * sizeof(uint64_t));
+    // NOTE: from the pool's page-locked staging the upload is asynchronous; from pageable memory
+    // (no pool) the driver stages it and the host waits for the stream's earlier work first
+    cudaError_t ce = cudaMemcpyAsync(out.buf.device, host, bytes, cudaMemcpyHostToDevice, stream);
     if (ce != cudaSuccess) {
       cudaGetLastError();
-      cudaFreeAsync(out.device, stream);
+      release_token_batch(&out, stream_handle);
       *err = cuda_error("uploading the batch", ce);
       return Status::kSystem;
     }
@@ -365,7 +431,27 @@ Status prepare_token_batch(const PagedLayout& L, const std::vector<BatchEntry>& 
   return Status::kOk;
 }
 
-Status launch_token_batch(const PagedLayout& L, const TokenBatch& b, bool gather, int64_t layer,
+namespace {
+
+// The copy engines' runs of layer 0 of every payload (visited once per batch).
+void build_runs0(const PagedLayout& L, TokenBatch& b) {
+  const int64_t tok_bytes = L.token_payload_bytes();
+  const uint64_t base0 = L.layer_base[0];
+  b.runs0.clear();
+  for (const auto& x : b.entries) {
+    auto abs = reinterpret_cast<uint64_t>(x.payload_host);
+    uint64_t pitch = uint64_t(x.n * tok_bytes);
+    visit_token_runs(
+        L, b.slots.data() + x.first, x.n, 0, 1,
+        [&](uint64_t dev, uint64_t off, uint64_t bytes) { b.runs0.push_back({dev - base0, abs + off, bytes, pitch}); },
+        [](uint64_t, uint64_t) {});
+  }
+  b.runs_built = true;
+}
+
+}  // namespace
+
+Status launch_token_batch(const PagedLayout& L, TokenBatch& b, bool gather, int64_t layer,
                           uintptr_t stream_handle, bool dma, std::string* err) {
   if (layer < 0 || layer >= L.num_layers) {
     *err = "layer " + std::to_string(layer) + " is not within the " + std::to_string(L.num_layers) + " layers";
@@ -375,21 +461,28 @@ Status launch_token_batch(const PagedLayout& L, const TokenBatch& b, bool gather
   if (n == 0) return Status::kOk;
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   cudaError_t e;
-  if (dma) {
+  if (dma && gather) {
+    // a gather zeroes the payload's skipped tokens in host memory: one visit of this layer per payload
     std::vector<Run> runs;
-    // NOTE: run offsets are host addresses here (payload base 0): one visit per payload
     for (const auto& x : b.entries) {
       auto abs = reinterpret_cast<uint64_t>(x.payload_host);
       visit_token_runs(
           L, b.slots.data() + x.first, x.n, layer, layer + 1,
           [&](uint64_t dev, uint64_t off, uint64_t bytes) { runs.push_back(Run{dev, abs + off, bytes}); },
-          [&](uint64_t off, uint64_t bytes) {
-            if (gather) std::memset(reinterpret_cast<void*>(abs + off), 0, size_t(bytes));
-          });
+          [&](uint64_t off, uint64_t bytes) { std::memset(reinterpret_cast<void*>(abs + off), 0, size_t(bytes)); });
+    }
+    e = runs.empty() ? cudaSuccess : issue_batch(runs, gather, nullptr, stream);
+  } else if (dma) {
+    if (!b.runs_built) build_runs0(L, b);
+    std::vector<Run> runs(b.runs0.size());
+    const uint64_t base = L.layer_base[layer];
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const auto& r = b.runs0[i];  // r.dev is relative to layer 0's base (modular: any base order)
+      runs[i] = Run{r.dev + base, r.host + uint64_t(layer) * r.pitch, r.bytes};
     }
     e = runs.empty() ? cudaSuccess : issue_batch(runs, gather, nullptr, stream);
   } else {
-    auto* d = static_cast<uint8_t*>(b.device);
+    auto* d = static_cast<uint8_t*>(b.buf.device);
     auto* slots = reinterpret_cast<const int64_t*>(d);
     auto* dev0 = reinterpret_cast<const uint64_t*>(d + n * sizeof(int64_t));
     auto* pitch = reinterpret_cast<const uint64_t*>(d + n * (sizeof(int64_t) + sizeof(uint64_t)));
@@ -407,15 +500,21 @@ Status launch_token_batch(const PagedLayout& L, const TokenBatch& b, bool gather
 }
 
 void release_token_batch(TokenBatch* b, uintptr_t stream_handle) {
-  if (b->device != nullptr) {
-    cudaFreeAsync(b->device, reinterpret_cast<cudaStream_t>(stream_handle));
-    cudaGetLastError();
-    b->device = nullptr;
+  if (b->buf.device != nullptr) {
+    if (b->pool != nullptr) {
+      b->pool->give_back(b->buf, stream_handle);
+    } else {
+      cudaFreeAsync(b->buf.device, reinterpret_cast<cudaStream_t>(stream_handle));
+      cudaGetLastError();
+    }
+    b->buf = BatchBuffers{};
   }
   b->slots.clear();
   b->entries.clear();
   b->dev0.clear();
   b->pitch.clear();
+  b->runs0.clear();
+  b->runs_built = false;
 }
 
 Status register_host_memory(void* ptr, uint64_t bytes, std::string* err) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -38,7 +39,38 @@ Status launch_paged_copy_dma(const PagedLayout& L, bool token_mode, bool gather,
 // A batch of token payloads copied layer by layer with one launch per layer
 // (a step's loads): the indices and payload addresses are checked and
 // uploaded once (prepare), then each layer is one kernel or one batched DMA
-// (launch), and the device arrays are freed stream-ordered (release).
+// (launch), and the buffers go back to their pool stream-ordered (release).
+//
+// Per step nothing is allocated, freed or synchronized once a layout's pool
+// has grown to its steps' size: the index travels through a page-locked
+// staging buffer (an upload from pageable memory would make the host wait for
+// the stream's earlier work), into a device array the pool keeps; a buffer
+// pair is taken again only once the event recorded at its release completed.
+// The copy engines' run list is built once per batch, from layer 0 (every
+// layer of a layout has one geometry), and shifted per layer.
+struct BatchBuffers {
+  void* device = nullptr;   // slots | dev0 | pitch, read by the kernels
+  void* staging = nullptr;  // the same, page-locked, read by the upload
+  size_t bytes = 0;         // capacity of each
+  void* done = nullptr;     // cudaEvent_t: recorded at release
+};
+class BatchBufferPool {
+ public:
+  BatchBufferPool() = default;
+  BatchBufferPool(const BatchBufferPool&) = delete;
+  BatchBufferPool& operator=(const BatchBufferPool&) = delete;
+  ~BatchBufferPool();
+  // A pair of at least `bytes` whose last use has completed, or a new one.
+  Status take(size_t bytes, BatchBuffers* out, std::string* err);
+  // Back to the pool once the work queued on `stream_handle` has passed it.
+  void give_back(BatchBuffers b, uintptr_t stream_handle);
+  size_t size();  // buffers the pool holds (tests, stats)
+
+ private:
+  std::mutex mu_;
+  std::vector<BatchBuffers> free_;
+  size_t made_ = 0;
+};
 struct BatchEntry {
   const int64_t* slots;   // [n] slots of this payload's tokens (negative: skipped)
   int64_t n;
@@ -51,15 +83,25 @@ struct TokenBatch {
     int64_t n;
     uint8_t* payload_host;  // [layers][n][token bytes]
   };
+  // One copy-engine run of layer 0; layer l's is (dev - layer_base[0] + layer_base[l], host + l * pitch).
+  struct Run0 {
+    uint64_t dev;
+    uint64_t host;
+    uint64_t bytes;
+    uint64_t pitch;  // the payload's bytes per layer
+  };
   std::vector<Entry> entries;
   std::vector<int64_t> slots;   // [tokens of the batch]
   std::vector<uint64_t> dev0;   // the same, as a device address
   std::vector<uint64_t> pitch;  // bytes from one layer's payload bytes to the next
-  void* device = nullptr;       // slots | dev0 | pitch on the device
+  BatchBuffers buf;             // slots | dev0 | pitch on the device (buf.device)
+  BatchBufferPool* pool = nullptr;  // where buf goes back (null: freed stream-ordered)
+  std::vector<Run0> runs0;      // built at the first copy-engine launch
+  bool runs_built = false;
 };
 Status prepare_token_batch(const PagedLayout& L, const std::vector<BatchEntry>& entries, uintptr_t stream_handle,
-                           TokenBatch* b, std::string* err);
-Status launch_token_batch(const PagedLayout& L, const TokenBatch& b, bool gather, int64_t layer,
+                           TokenBatch* b, std::string* err, BatchBufferPool* pool = nullptr);
+Status launch_token_batch(const PagedLayout& L, TokenBatch& b, bool gather, int64_t layer,
                           uintptr_t stream_handle, bool dma, std::string* err);
 void release_token_batch(TokenBatch* b, uintptr_t stream_handle);
 

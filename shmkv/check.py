@@ -369,7 +369,7 @@ def run_checks(cfg: ShmkvConfig, *, vllm: str | None = None, workdir: str | None
         own = workdir is None
         workdir = workdir or tempfile.mkdtemp(prefix="shmkv-check-")
         finding = check_vllm(cfg, vllm, workdir)
-        if own and finding.status == OK:  # a workdir of its own: kept only for the logs of a failure
+        if own and (finding.status == OK or not os.listdir(workdir)):  # its own: kept only for a failure's logs
             import shutil
 
             shutil.rmtree(workdir, ignore_errors=True)

@@ -355,3 +355,28 @@ def maintainer_lock(cache_name: str) -> PidLock:
 def daemon_lock(cache_name: str) -> PidLock:
     """Held by the one daemon of a cache for its lifetime."""
     return PidLock(f"{cache_name}.daemon.lock")
+
+
+# the files a cache keeps in the runtime directory, by suffix (<cache>.<suffix>)
+CACHE_FILE_SUFFIXES = ("engines.jsonl", "namespaces.jsonl", "maintainer.lock", "daemon.lock", "controller-token",
+                       "controller.sock")
+
+
+def remove_cache_files(cache_name: str) -> list[str]:
+    """Remove what a cache keeps in the runtime directory (its registries,
+    locks, controller token and socket), for a cache nobody uses any more (a
+    benchmark's or a test's, after its segment): a lock some process still
+    holds is left alone (removing it would let a second holder in). The
+    names removed."""
+    d = runtime_dir_path()
+    removed = []
+    for suffix in CACHE_FILE_SUFFIXES:
+        name = f"{cache_name}.{suffix}"
+        if suffix.endswith(".lock") and PidLock(name).is_held_elsewhere():
+            continue
+        try:
+            os.unlink(os.path.join(d, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -4,6 +4,7 @@ engines of the end-to-end tests. Plain helpers live in helpers.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -65,14 +66,46 @@ def pytest_sessionstart(session) -> None:
         session.config.stash[_BEFORE] = _watched()
 
 
+# What vLLM's own engines leave when they end without their teardown (killed, as `vllm serve` is by
+# default, or their workers killed at shutdown): a TP group's shared-memory regions and the named
+# semaphores of its multiprocessing, in /dev/shm, and its gloo file-store directories in the
+# temporary directory. They cannot be told apart from a live engine's while others run (glibc maps a
+# semaphore under a temporary name before it links its own), so the run removes the ones it made
+# once every engine of the run has ended: here.
+VLLM_LEFTOVERS = {"/dev/shm": ("sem.mp-", "vllm_dist_"), tempfile.gettempdir(): ("vllm_dist_",)}
+# A file shmkv keeps in the runtime directory on purpose across processes (the weights' digests, so
+# an engine does not hash the same checkpoint twice): the run removes it if the run made it.
+PRODUCT_MEMOS = ("weights-digests.json",)
+
+
+def _remove_what_the_run_made(before: dict[str, set[str]]) -> None:
+    from shmkv.paths import runtime_dir_path
+
+    patterns = {**VLLM_LEFTOVERS, runtime_dir_path(): PRODUCT_MEMOS}
+    for d, prefixes in patterns.items():
+        try:
+            names = set(os.listdir(d)) - before.get(d, set())
+        except OSError:
+            continue
+        for n in names:
+            if n.startswith(prefixes):
+                path = os.path.join(d, n)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """Says which files the run left in /dev/shm, the runtime directory or
-    the temporary directory that were not there when it started; with
-    SHMKV_TEST_LEFTOVERS=fail the run fails on them (not yet the default:
-    vLLM's TP regions and semaphores and some tests' runtime files remain)."""
+    """Fails the run when it left files in /dev/shm, the runtime directory or
+    the temporary directory that were not there when it started, naming
+    them (SHMKV_TEST_LEFTOVERS=report: says so without failing). vLLM's own
+    leftovers of the run's engines are removed first (VLLM_LEFTOVERS)."""
     before = session.config.stash.get(_BEFORE, None)
     if before is None or os.environ.get("PYTEST_XDIST_WORKER") or exitstatus == pytest.ExitCode.INTERRUPTED:
         return
+    _remove_what_the_run_made(before)
     left = {d: sorted(n for n in names - before.get(d, set()) if not _not_a_leftover(d, n))
             for d, names in _watched().items()}
     left = {d: names for d, names in left.items() if names}
@@ -84,7 +117,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
                 reporter.write_line(line, red=True)
             else:
                 print(line)
-        if os.environ.get("SHMKV_TEST_LEFTOVERS") == "fail":
+        if os.environ.get("SHMKV_TEST_LEFTOVERS") != "report":
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

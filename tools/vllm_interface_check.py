@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 def _package_dir() -> str:
     """shmkv/'s directory, found without importing it (its sources are read, not run)."""
     spec = importlib.util.find_spec("shmkv")
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None or not spec.origin:
         raise ModuleNotFoundError("shmkv is not installed: pip install -e . first")
-    return list(spec.submodule_search_locations)[0]
+    # NOTE: the directory of its __init__.py: an editable install also lists the build's directory
+    # (the compiled modules, no sources) among the package's search locations
+    return os.path.dirname(spec.origin)
 
 
 

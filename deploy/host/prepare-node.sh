@@ -1,17 +1,18 @@
 #!/bin/sh
-# Node preparation without systemd (managed clusters: GKE, EKS, AKS): what
-# run-shmkv.mount and shmkv-tmpfiles.conf do, as the DaemonSet's privileged
-# init container runs it (kubernetes/shmkv-daemonset.yaml) with the host's /run
+# shmkv's node preparation: on managed clusters (GKE, EKS, AKS), without
+# systemd, as the DaemonSet's privileged init container runs it (kubernetes/shmkv-daemonset.yaml) with the host's /run
 # and /var/lib mounted at $HOST_ROOT/run and $HOST_ROOT/var/lib (propagation
 # Bidirectional, so the tmpfs it mounts is the host's). Idempotent: a second
 # run changes nothing; a directory in the way that is not what shmkv needs
 # (another owner, a mode others can enter, not a tmpfs) is fixed or refused
-# with one line naming it.
+# with one line naming it. On a self-managed host, shmkv-prepare-node.service
+# runs it at boot with HOST_ROOT=/.
 #   SHMKV_UID (1000), SHMKV_SEGMENTS_SIZE (40g), HOST_ROOT (/host)
 set -eu
 uid="${SHMKV_UID:-1000}"
 size="${SHMKV_SEGMENTS_SIZE:-40g}"
 root="${HOST_ROOT:-/host}"
+root="${root%/}"  # HOST_ROOT=/ (a host preparing itself): /run/shmkv, not //run/shmkv
 seg="$root/run/shmkv"
 state="$root/var/lib/shmkv"
 

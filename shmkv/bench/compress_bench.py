@@ -24,6 +24,7 @@ import random
 import statistics
 
 from shmkv import Store
+from shmkv.bench import drop_cache
 from shmkv.bench.engines import EngineProcess, EngineSpec
 from shmkv.bench.models import bench_model, ttft_args
 from shmkv.config import load_config
@@ -72,7 +73,7 @@ def run(argv: list[str]) -> dict:
         finally:
             store.close()
     finally:
-        Store.unlink(name)
+        drop_cache(name)
     raw_b = sum(raw_alloc[k] for k in packed_alloc)
     med = statistics.median
     return {

@@ -32,7 +32,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from shmkv import Store
+from shmkv.bench import drop_cache
 from shmkv.bench.engines import start_daemon
 from shmkv.config import load_config
 from shmkv.services.controller_auth import read_token
@@ -212,7 +212,7 @@ def run(argv: list[str]) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-        Store.unlink(cache)
+        drop_cache(cache)
 
 
 def report(r: dict) -> None:

@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from shmkv import PutResult, Store
+from shmkv.bench import drop_cache
 from shmkv.config import io_threads, load_config
 from shmkv.services.maintainer import Maintainer
 from shmkv.tiers import format as fmt
@@ -78,7 +79,7 @@ def _throughput(chunks: list[bytes], workdir: str, level: int, threads: int = 1,
         return statistics.median(spills), statistics.median(proms)
     finally:
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
         shutil.rmtree(os.path.join(workdir, "disk"), ignore_errors=True)
 
 
@@ -102,7 +103,7 @@ def _vllm_kv(workdir: str) -> list[bytes]:
         store.close()
         return chunks
     finally:
-        Store.unlink(name)
+        drop_cache(name)
 
 
 def run(argv: list[str]) -> dict:

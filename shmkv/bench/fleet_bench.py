@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shmkv import Store
+from shmkv.bench import drop_cache
 from shmkv.bench.engines import EngineProcess, EngineSpec
 from shmkv.bench.models import bench_model
 
@@ -160,7 +161,7 @@ def run(argv: list[str]) -> dict[str, Any]:
                 e.close()
     finally:
         sys.stderr.write("\n")
-        Store.unlink(cache)
+        drop_cache(cache)
         shutil.rmtree(disk, ignore_errors=True)
     result["ways"] = ways
     p50 = {name: w["ttft_p50_ms"] for name, w in ways.items()}

@@ -28,6 +28,8 @@ import statistics
 import time
 import uuid
 
+from shmkv.bench import drop_cache
+
 MiB, GiB = 1 << 20, 1 << 30
 LAYERS, HEADS, BS, CONTENT = 32, 8, 16, 256  # CONTENT: bf16 values per head and token (K and V)
 CHUNK_TOKENS, CHUNKS = 256, 16
@@ -182,7 +184,7 @@ def _worker_figures(repeats: int, n: int) -> dict:
         }
     finally:
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
 
 
 CASES = [  # (name, physical order, KV heads, fragmented block table)
@@ -264,7 +266,7 @@ def _layout_cases(repeats: int, layers: int = 8, chunks: int = 8) -> list[dict]:
         finally:
             gpu.unregister_segment(store)
             store.close()
-            Store.unlink(name)
+            drop_cache(name)
     return out
 
 
@@ -287,7 +289,7 @@ def _segment_figures(gib: int) -> dict:
         gpu.unregister_segment(store)
     finally:
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
     return {"segment_bytes": size, "create_gbps": seg["create_gbps"], "ready_s": seg["ready_s"],
             "populate_write_gbps": seg["populate_write_gbps"], "register_s_per_gib": reg / (size / GiB)}
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from shmkv import Store
+from shmkv.bench import drop_cache
 from shmkv.transfer import GroupWindow, LoadItem, StoreItem, TransferEngine
 from shmkv.transfer.layout import KVLayout
 from shmkv.transfer.streams import CpuBackend
@@ -89,7 +90,7 @@ def measure(hit_tokens: int, store_chunks: int, repeats: int) -> dict:
                 "choice_walk_every_layer_us_per_unit": _median_us(choice_all)}
     finally:
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
 
 
 def run(argv: list[str]) -> dict:

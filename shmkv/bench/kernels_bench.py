@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from shmkv import Store
+from shmkv.bench import drop_cache
 from shmkv.bench.baselines import memcpy_baselines
 from shmkv.transfer.layout import KVLayout
 
@@ -81,7 +82,7 @@ def bench_cpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: i
             r.abort()
     finally:
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
     gb = nbytes / 1e9
     cold = base["memcpy_cold_gbps"]
     return {"chunk_bytes": nbytes, "slots": SLOTS, **base, "memcpy_gbps": cold, "gather_gbps": gb / gather_s,
@@ -128,7 +129,7 @@ def bench_gpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: i
     finally:
         gpu.unregister_segment(store)
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
     gb = nbytes / 1e9
     return {"gpu_chunk_bytes": nbytes, "gpu_memcpy_h2d_gbps": gb / h2d, "gpu_memcpy_d2h_gbps": gb / d2h,
             "gpu_gather_gbps": gb / gather_s, "gpu_scatter_gbps": gb / scatter_s,

@@ -26,6 +26,7 @@ import random
 import statistics
 
 from shmkv import Store
+from shmkv.bench import drop_cache
 from shmkv.bench.engines import EngineProcess, EngineSpec
 from shmkv.bench.models import bench_model, ttft_args
 from shmkv.config import load_config
@@ -57,7 +58,7 @@ def run(argv: list[str]) -> dict:
             exact = outputs("b", cfg)
             lossy = outputs("c", {**cfg, "lossy_form": "fp8"})
     finally:
-        Store.unlink(name)
+        drop_cache(name)
     return {
         "model": f"llama-h{spec.hidden_size}-l{spec.num_hidden_layers}", "prompt_tokens": a.prompt_tokens,
         "prompts": a.prompts, "max_tokens": a.max_tokens, "fp8_chunks": made["compressed_chunks"],

@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from shmkv.bench import drop_cache
+
 BYTES_PER_BLOCK = 16 << 10  # one worker's KV of one 16-token block
 BLOCKS_PER_CHUNK = 16  # 256 KiB chunks
 
@@ -176,7 +178,6 @@ def run(argv: list[str]) -> dict:
     import tempfile
     import uuid
 
-    from shmkv import Store
 
     ap = argparse.ArgumentParser(prog="shmkv bench native-tier")
     ap.add_argument("--chunks", type=int, default=256, help="chunks of 256 KiB moved per round")
@@ -208,7 +209,7 @@ def run(argv: list[str]) -> dict:
         out["bytes"] = nbytes
         out["promote_over_fs_tmpfs"] = out["shmkv"]["promote_s"] / out["fs_tmpfs"]["promote_s"]
     finally:
-        Store.unlink(cache)
+        drop_cache(cache)
         shutil.rmtree(tmpfs, ignore_errors=True)
         shutil.rmtree(a.disk_dir, ignore_errors=True)
     return out

@@ -24,6 +24,7 @@ import time
 import uuid
 
 from shmkv import Store
+from shmkv.bench import drop_cache
 from shmkv.bench.kernels_bench import bench_cpu
 from shmkv.bench.segment_bench import shmkv_create
 from shmkv.bench.store_bench import bench_size
@@ -74,7 +75,7 @@ def _populated_segment(directory: str, size: int) -> dict[str, float]:
         return {"pmd_mapped_share": share, "mlock_s_per_gib": round(mlock_s / (size / GiB), 4) if rc == 0 else None}
     finally:
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
 
 
 def measure(directory: str, size: int, repeats: int) -> dict:

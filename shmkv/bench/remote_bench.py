@@ -29,6 +29,7 @@ import torch
 import xxhash
 
 from shmkv import Store
+from shmkv.bench import drop_cache
 from shmkv.bench.redis_server import PrivateRedis
 from shmkv.config import load_config
 from shmkv.tiers import format as fmt
@@ -102,7 +103,7 @@ def run(argv: list[str]) -> dict:
         chain.close()
         client.close()
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -202,7 +203,7 @@ def _one_process(url: str, a: argparse.Namespace, index: int, barrier: object) -
             chain.remote.remove(k, NS)
         chain.close()
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
 
 
 def report(r: dict) -> None:

@@ -27,6 +27,7 @@ import uuid
 import numpy as np
 
 from shmkv import PutResult, Store
+from shmkv.bench import drop_cache
 
 GiB = 1 << 30
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
@@ -82,7 +83,7 @@ def shmkv_create(size: int) -> dict[str, float]:
         return {"create_s": created, "ready_s": ready, "reserved_s": reserved}
     finally:
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
 
 
 def measure(size: int, repeats: int) -> dict:

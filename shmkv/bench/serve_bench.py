@@ -42,6 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from shmkv.bench import drop_cache
 from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, words, write_llama, write_tokenizer
 from shmkv.bench.vllm_server import BenchServeClient, RoundRobinProxy, VllmServer
 
@@ -303,10 +304,9 @@ class Run:
 
     def drop_segments(self) -> None:
         """After each arm: a default segment is a quarter of /dev/shm, reserved in the background."""
-        from shmkv import Store
 
         for name in self.segments:
-            Store.unlink(name)
+            drop_cache(name)
         self.segments = []
 
     def cleanup(self) -> None:

@@ -42,6 +42,7 @@ import time
 
 import xxhash
 
+from shmkv.bench import drop_cache
 from shmkv.bench.engines import container_argv, signal_container, start_daemon
 
 KEYSPACE = 3000
@@ -264,7 +265,7 @@ def run(argv: list[str]) -> dict:
             daemon.kill()
             daemon.wait()
         store.close()
-        Store.unlink(cache)
+        drop_cache(cache)
 
 
 def report(r: dict) -> None:

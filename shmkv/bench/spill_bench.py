@@ -22,6 +22,7 @@ from typing import Any
 import xxhash
 
 from shmkv import PutResult, Store
+from shmkv.bench import drop_cache
 from shmkv.config import load_config
 from shmkv.services import maintainer as maintainer_mod
 from shmkv.services.maintainer import Maintainer
@@ -84,7 +85,7 @@ def run_pace(pace_mbps: float, *, chunks: int, chunk_mib: int, capacity_mib: int
            "spill_mbps": round(st["spill_bytes"] / write_s / 1e6, 1)}
     chain.close()
     store.close()
-    Store.unlink(name)
+    drop_cache(name)
     return out
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import xxhash
 
 from shmkv import PutResult, Store
+from shmkv.bench import drop_cache
 from shmkv.bench.baselines import median_gbps, memcpy_baselines
 
 MiB = 1 << 20
@@ -57,7 +58,7 @@ def bench_size(chunk: int, slots: int, repeats: int) -> dict[str, float]:
                 "put_ratio": put_gbps / memcpy, "get_ratio": get_gbps / memcpy}
     finally:
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
 
 
 def bench_lookup(repeats: int) -> dict[str, float]:
@@ -94,7 +95,7 @@ def bench_lookup(repeats: int) -> dict[str, float]:
         return {"lookup_128_us": list_us, "lookup_128_packed_us": packed_us, "full_us": full_us}
     finally:
         store.close()
-        Store.unlink(name)
+        drop_cache(name)
 
 
 def run(argv: list[str]) -> dict:

@@ -21,6 +21,7 @@ import shutil
 import statistics
 
 from shmkv import Store
+from shmkv.bench import drop_cache
 from shmkv.bench.engines import EngineProcess, EngineSpec
 from shmkv.bench.models import bench_model, ttft_args
 from shmkv.config import load_config
@@ -83,7 +84,7 @@ def run(argv: list[str]) -> dict:
                 disk.append(r["wall_s"])
                 disk_hits.append(r["num_cached_tokens"][0])
     finally:
-        Store.unlink(name)
+        drop_cache(name)
         shutil.rmtree(os.path.join(a.workdir, "disk"), ignore_errors=True)
     med = statistics.median
     out.update({

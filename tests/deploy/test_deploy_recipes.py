@@ -52,9 +52,21 @@ def k8s_docs() -> list[dict[str, Any]]:
     return docs
 
 
-def compose() -> dict[str, Any]:
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's `${VAR:-default}` in every string of a loaded file, as `docker compose` does."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if isinstance(value, str):
+        return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), value)
+    return value
+
+
+def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The Compose file as `docker compose` reads it (its variables from `env`: none, the defaults)."""
     with open(COMPOSE) as f:
-        return yaml.safe_load(f)
+        return interpolate(yaml.safe_load(f), env or {})
 
 
 def pod_specs() -> dict[str, dict[str, Any]]:
@@ -373,18 +385,26 @@ def test_the_recipes_agree_on_the_uid_the_settings_and_the_commands():
         int(s["user"].split(":")[0]) for s in services.values()}
     assert len(uids) == 1, uids
     (uid,) = uids
-    with open(os.path.join(DEPLOY, "host", "run-shmkv.mount")) as f:
-        mount = f.read()
-    assert re.search(rf"^Where={env['SHMKV_SEGMENT_DIR']}$", mount, re.M)
-    assert re.search(rf"^Options=.*\bmode=0700,uid={uid},gid={uid}\b", mount, re.M), "the segments' tmpfs is the uid's"
-    with open(os.path.join(DEPLOY, "host", "shmkv-tmpfiles.conf")) as f:
-        assert re.search(rf"^d {os.path.dirname(env['SHMKV_RUNTIME_DIR'])} 0700 {uid} {uid} -$", f.read(), re.M)
-    # one settings file: the ConfigMap carries config/shmkv.yaml's text
+    # the host's preparation: prepare-node.sh's two directories, with the same uid (its unit's one line)
+    with open(os.path.join(DEPLOY, "host", "shmkv-prepare-node.service")) as f:
+        unit = f.read()
+    assert re.search(rf"^Environment=SHMKV_UID={uid} .*HOST_ROOT=/$", unit, re.M), unit
+    with open(os.path.join(DEPLOY, "host", "prepare-node.sh")) as f:
+        script = f.read()
+    assert f'seg="$root{env["SHMKV_SEGMENT_DIR"]}"' in script
+    assert f'state="$root{os.path.dirname(env["SHMKV_RUNTIME_DIR"])}"' in script
+    # Compose's uid is one variable, the same default; set, it is every container's
+    assert {s["user"] for s in compose({"SHMKV_UID": "0"})["services"].values()} == {"0:0"}
+    # one settings file: the ConfigMaps and Compose's inline config carry config/shmkv.yaml's text
     with open(os.path.join(DEPLOY, "config", "shmkv.yaml")) as f:
         text = f.read()
     config_maps = [d for d in k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "shmkv-config"]
     # ^ one per namespace
     assert len(config_maps) == 2 and all(c["data"]["shmkv.yaml"] == text for c in config_maps)
+    assert compose()["configs"]["shmkv.yaml"]["content"] == text
+    # written by Compose itself, root's and read-only: shmkv takes it whoever cloned the repository
+    (given,) = compose()["x-shmkv-container"]["configs"]
+    assert (given["uid"], given["gid"], given["mode"], given["target"]) == ("0", "0", 0o444, env["SHMKV_CONFIG_FILE"])
     settings = yaml.safe_load(text)
     shared_state = os.path.dirname(env["SHMKV_RUNTIME_DIR"])
     assert settings["disk_dir"].startswith(shared_state + "/")
@@ -418,8 +438,17 @@ def host(tmp_path):
     binds: dict[str, str] = {}
     for volume in compose()["x-shmkv-container"]["volumes"]:
         source, inside = volume.split(":")[:2]
-        binds[inside] = {"/run/shmkv": str(segments), "/var/lib/shmkv": str(state)}.get(
-            source, os.path.normpath(os.path.join(DEPLOY, source)))
+        binds[inside] = {"/run/shmkv": str(segments), "/var/lib/shmkv": str(state)}[source]
+    # the inline config, as Compose writes it into a container: its text, owned by root, mode 0444
+    for given in compose()["x-shmkv-container"]["configs"]:
+        content = compose()["configs"][given["source"]]["content"]
+        d = tmp_path / ("config-" + given["source"])
+        d.mkdir()
+        path = d / os.path.basename(given["target"])
+        path.write_text(content)
+        os.chown(path, int(given["uid"]), int(given["gid"]))
+        path.chmod(given["mode"])
+        binds[os.path.dirname(given["target"])] = str(d)
     made = [p for p in binds if not os.path.exists(p)]
     for p in made:
         os.makedirs(p)

@@ -95,8 +95,8 @@ def fresh_cache_name() -> Iterator[str]:
     yield name
     Store.unlink(name)
     rt = runtime_dir()
-    for entry in rt.scandir():  # lock, registry and log files of this cache
-        if entry.name.startswith(name + "."):
+    for entry in rt.scandir():  # lock, registry and log files of this cache and of the ones named after it
+        if entry.name.startswith((name + ".", name + "-")):
             rt.unlink(entry.name)
 
 def helpers_env(**extra: str) -> dict[str, str]:

@@ -230,3 +230,45 @@ def test_registrations_are_counted_per_process(gpu_store):
     layout.gather(layout.slots_for_blocks(np.array([1]), 16), r, stream=torch.cuda.Stream())  # still registered
     torch.cuda.synchronize()
     r.abort()
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("cpu", "state")])
+@pytest.mark.parametrize("engine", ["dma", "kernel"])
+def test_batched_loads_step_after_step_reuse_their_buffers_and_copy_exactly(gpu_store, kind, engine):
+    """A step's loads as one batch, one launch per layer (CudaBatch), six steps
+    in a row on a side stream: each step's layers are the reference's bytes
+    (the copy engines' run list is built from layer 0 and shifted per layer),
+    and the index buffers come from the layout's pool: after the first steps
+    nothing more is allocated (no cudaMallocAsync, no pageable upload per step)."""
+    rng = np.random.default_rng(11)
+    src = make_cache(kind, 4, 16, 16, 2, 64, torch.bfloat16, device="cuda")
+    stored = []
+    for _ in range(2):  # two payloads, gathered once
+        tokens = 16 + 7
+        idx = KVLayout(kind, src).slots_for_blocks(rng.permutation(16)[:2].astype(np.int64), tokens)
+        r = gpu_store.reserve(rng.bytes(16), KVLayout(kind, src).payload_bytes(tokens))
+        KVLayout(kind, src).gather(idx, r)
+        stored.append((idx, r))
+    torch.cuda.synchronize()
+    fresh = [torch.zeros_like(t) for t in src]
+    target = KVLayout(kind, fresh)
+    target.copier.engines(store=engine, load=engine)
+    side = torch.cuda.Stream()
+    for step in range(6):
+        for t in fresh:
+            t.zero_()
+        torch.cuda.synchronize()
+        dest = [target.slots_for_blocks(rng.permutation(16)[:2].astype(np.int64), len(idx)) for idx, _ in stored]
+        batch = target.copier.batch([(d, r, {}) for d, (_, r) in zip(dest, stored)], side)
+        for layer in range(len(fresh)):
+            batch.copy_layer(layer, side)
+        batch.release(side)
+        side.synchronize()
+        ref = [torch.zeros_like(t).cpu() for t in fresh]
+        for d, (_, r) in zip(dest, stored):
+            payload = torch.frombuffer(bytearray(r.view()), dtype=torch.uint8)
+            ref_scatter(kind, ref, torch.from_numpy(d), payload)
+        assert all(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fresh, ref)), step
+    assert target.copier._c.batch_buffers <= 2, "the steps reused the pool's buffers"
+    for _, r in stored:
+        r.abort()
