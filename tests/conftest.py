@@ -79,8 +79,10 @@ PRODUCT_MEMOS = ("weights-digests.json",)
 
 
 def _remove_what_the_run_made(before: dict[str, set[str]]) -> None:
+    from shmkv.bench.engines import sweep_weights_boards
     from shmkv.paths import runtime_dir_path
 
+    sweep_weights_boards()  # what the harness does after each engine, once more (shmkv's own sweep)
     patterns = {**VLLM_LEFTOVERS, runtime_dir_path(): PRODUCT_MEMOS}
     for d, prefixes in patterns.items():
         try:

@@ -256,6 +256,7 @@ class EngineProcess:
         self._log.close()
         remove_orphan_shm(vllm_shm_names() - self._shm_before)
         remove_unbound_sockets(vllm_ipc_sockets() - self._sockets_before)
+        sweep_weights_boards()
 
     def kill(self) -> None:
         """End the engine as `vllm serve` does by default: no teardown (SIGKILL to every process of it)."""
@@ -267,6 +268,19 @@ class EngineProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def sweep_weights_boards() -> None:
+    """The weights bells and boards (runtime directory) of engines that
+    ended without their teardown, killed or killed at shutdown, removed by
+    shmkv's own sweep (which every engine's start runs too): only those no
+    live process holds."""
+    try:
+        from shmkv.integration.vllm.weights import sweep_stale
+
+        sweep_stale("")
+    except (ImportError, OSError):
+        pass
 
 
 def _note_start(label: str, seconds: float) -> None:

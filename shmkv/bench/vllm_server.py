@@ -111,13 +111,20 @@ class VllmServer:
         self.close()
 
     def close(self) -> None:
-        from shmkv.bench.engines import remove_orphan_shm, remove_unbound_sockets, vllm_ipc_sockets, vllm_shm_names
+        from shmkv.bench.engines import (
+            remove_orphan_shm,
+            remove_unbound_sockets,
+            sweep_weights_boards,
+            vllm_ipc_sockets,
+            vllm_shm_names,
+        )
 
         end_group(self.proc, timeout=60, first=signal.SIGTERM)
         self.log.close()
         # vLLM's message queues of a server group that did not unlink them (its workers killed at shutdown)
         remove_orphan_shm(vllm_shm_names() - self._psm_before)
         remove_unbound_sockets(vllm_ipc_sockets() - self._sockets_before)
+        sweep_weights_boards()
 
 
 class StickyRouter:
