@@ -37,9 +37,6 @@ class Switches:
     evict_before_load: bool = False
     worker_off: str = ""  # the reason; "": workers serve
 
-    def __bool__(self) -> bool:
-        return bool(self.skip_load_layers or self.evict_before_load or self.worker_off)
-
 
 _warned: set[str] = set()
 
