@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import stat
 import sys
 import time
@@ -370,8 +371,6 @@ def run_checks(cfg: ShmkvConfig, *, vllm: str | None = None, workdir: str | None
         workdir = workdir or tempfile.mkdtemp(prefix="shmkv-check-")
         finding = check_vllm(cfg, vllm, workdir)
         if own and (finding.status == OK or not os.listdir(workdir)):  # its own: kept only for a failure's logs
-            import shutil
-
             shutil.rmtree(workdir, ignore_errors=True)
         findings.append(finding)
     return findings

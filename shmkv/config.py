@@ -346,9 +346,6 @@ def _parse_remote_url(key: str, value: Any) -> str:
     return ",".join(parts)
 
 
-def _parse_seconds(key: str, value: Any) -> float:
-    return _parse_float(key, value, lambda x: 0.001 <= x <= 600, "seconds in [0.001, 600]")
-
 
 def parse_listen(value: str) -> tuple[str, str, int]:
     """("unix", path, 0) or ("tcp", address, port) of a controller address;

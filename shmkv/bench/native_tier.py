@@ -178,7 +178,6 @@ def run(argv: list[str]) -> dict:
     import tempfile
     import uuid
 
-
     ap = argparse.ArgumentParser(prog="shmkv bench native-tier")
     ap.add_argument("--chunks", type=int, default=256, help="chunks of 256 KiB moved per round")
     ap.add_argument("--repeats", type=int, default=3)
