@@ -119,7 +119,7 @@ def _worker_figures(repeats: int, n: int) -> dict:
                 job = w.submit_load(loads)
                 job.events[0].synchronize()
                 t1 = time.perf_counter()
-                job.events[-1].synchronize()
+                job.synchronize()
                 [(_, failed)] = w.poll_loads()
                 t2 = time.perf_counter()
                 if failed:
@@ -250,7 +250,7 @@ def _layout_cases(repeats: int, layers: int = 8, chunks: int = 8) -> list[dict]:
                                            "timing would not be of copies")
                     job = eng.submit_load([LoadItem("q", (k,), (GroupWindow(0, bpc, tuple(b)),))
                                            for k, b in zip(keys, dst)])
-                    job.events[-1].synchronize()
+                    job.synchronize()
                     [(_, failed)] = eng.poll_loads()
                     t2 = time.perf_counter()
                     if failed:

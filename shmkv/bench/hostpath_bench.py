@@ -8,7 +8,11 @@ streams (a copy runs only when something waits for it, as on a device that
 has not got to it yet) on a Llama-3-8B-shaped TP rank in vLLM's CUDA layout
 (32 layers, 8 KV heads of 128, bfloat16, 16-token blocks, 256-token chunks)
 over host tensors: an 8k-token hit (32 chunks; 2 GiB of cache and segment) loaded, a prefill step's 8
-chunks stored, each on a fragmented block table; and the copy-engine
+chunks stored, each on a fragmented block table. submit_load issues the
+first load_issue_ahead layers' copies and returns; the rest are issued by
+the forward's per-layer hooks (their host time, per layer, is measured as
+`issue_per_layer_us`); `submit_load_every_layer_us` is submit_load issuing
+every layer before it returns (what it did before). And the copy-engine
 choice's walk of one 256-token unit, over the first layer (what the choice
 reads now) and over every layer (what it walked before). The wait for a
 step's load copies (`_settle_loading`) is device time and not measured here.
@@ -27,6 +31,7 @@ import torch
 from shmkv import Store
 from shmkv.bench import drop_cache
 from shmkv.transfer import GroupWindow, LoadItem, StoreItem, TransferEngine
+from shmkv.transfer.engine import LOAD_ISSUE_AHEAD
 from shmkv.transfer.layout import KVLayout
 from shmkv.transfer.streams import CpuBackend
 
@@ -51,13 +56,18 @@ def measure(hit_tokens: int, store_chunks: int, repeats: int) -> dict:
     nbytes = layout.payload_bytes(CHUNK)
     chunks = hit_tokens // CHUNK
     name = f"shmkv-bench-{uuid.uuid4().hex[:8]}"
-    store = Store.create(name, (chunks + 2 * store_chunks + 2) * nbytes + 64 * MiB, max_payload_bytes=nbytes)
+    store = Store.create(name, (chunks + store_chunks + 2) * nbytes + 64 * MiB, max_payload_bytes=nbytes)
+    # NOTE: a put goes only where the arena is reserved: before the background reservation has
+    # ended it would evict the hit's first chunks, and submit_load would time a lookup of a miss
+    store.wait_reserved()
     rng = np.random.default_rng(0)
     try:
         keys = [i.to_bytes(16, "little") for i in range(1, chunks + 1)]
         for k in keys:
             store.put(k, bytes(nbytes), tokens=CHUNK)
-        loads, stores, choice_one, choice_all = [], [], [], []
+        if store.stats()["ready_entries"] != chunks:
+            raise RuntimeError(f"{store.stats()['ready_entries']} of the hit's {chunks} chunks are in the segment")
+        loads, loads_all, rest, stores, choice_one, choice_all = [], [], [], [], [], []
         for rep in range(repeats):
             eng = TransferEngine(store, layout, 0, backend=CpuBackend(deferred=True))
             table = rng.permutation(np.arange(1, blocks))  # a long-running server's free list
@@ -68,13 +78,32 @@ def measure(hit_tokens: int, store_chunks: int, repeats: int) -> dict:
             t0 = time.perf_counter()
             job = eng.submit_load(items)
             loads.append(time.perf_counter() - t0)
+            if len(job.jobs) != chunks:
+                raise RuntimeError(f"{len(job.jobs)} of the hit's {chunks} chunks were leased: the timing would "
+                                   "not be of a load")
+            issued = len(job.events)
+            t0 = time.perf_counter()
+            job.issue_all()  # what the hooks of the layers after them issue, a layer at a time
+            rest.append((time.perf_counter() - t0) / max(1, LAYERS - issued))
             sitems = [StoreItem("p", ((10_000 + rep * 100 + i).to_bytes(16, "little"),), CHUNK, window(chunks + i))
                       for i in range(store_chunks)]
             t0 = time.perf_counter()
             eng.submit_store(sitems)
             stores.append(time.perf_counter() - t0)
+            if len(eng.pending_stores()) != store_chunks:
+                raise RuntimeError(f"{len(eng.pending_stores())} of the step's {store_chunks} chunks were reserved")
             job.synchronize()  # the copies run; shutdown gives the leases back
             eng.shutdown()
+            for it in sitems:  # room for the next round's: the hit stays whole
+                store.delete(it.keys[0])
+            every = TransferEngine(store, layout, 0, backend=CpuBackend(deferred=True), load_issue_ahead=LAYERS)
+            t0 = time.perf_counter()
+            job = every.submit_load(items)
+            loads_all.append(time.perf_counter() - t0)
+            if len(job.jobs) != chunks:
+                raise RuntimeError(f"{len(job.jobs)} of the hit's {chunks} chunks were leased")
+            job.synchronize()
+            every.shutdown()
             slots = layout.slots_for_blocks(np.array(table[:per_chunk]), CHUNK)
             c = layout.copier._c
             t0 = time.perf_counter()
@@ -84,6 +113,8 @@ def measure(hit_tokens: int, store_chunks: int, repeats: int) -> dict:
             c.token_copy_runs(slots, 0, -1)
             choice_all.append(time.perf_counter() - t0)
         return {"submit_load_us": _median_us(loads), "submit_load_us_per_chunk": round(_median_us(loads) / chunks, 2),
+                "submit_load_every_layer_us": _median_us(loads_all), "issue_per_layer_us": _median_us(rest),
+                "load_issue_ahead": LOAD_ISSUE_AHEAD,
                 "submit_store_us": _median_us(stores),
                 "submit_store_us_per_chunk": round(_median_us(stores) / store_chunks, 2),
                 "choice_walk_first_layer_us_per_unit": _median_us(choice_one),
@@ -108,7 +139,9 @@ def run(argv: list[str]) -> dict:
 
 def report(r: dict) -> None:
     print(f"hit of {r['hit_tokens']} tokens: submit_load {r['submit_load_us']} us "
-          f"({r['submit_load_us_per_chunk']} per chunk); {r['store_chunks']} chunks stored: submit_store "
+          f"({r['submit_load_us_per_chunk']} per chunk; {r['load_issue_ahead']} layers issued, then "
+          f"{r['issue_per_layer_us']} us per layer in the hooks; every layer at once: "
+          f"{r['submit_load_every_layer_us']} us); {r['store_chunks']} chunks stored: submit_store "
           f"{r['submit_store_us']} us ({r['submit_store_us_per_chunk']} per chunk); copy-engine choice per unit: "
           f"{r['choice_walk_first_layer_us_per_unit']} us (first layer) vs {r['choice_walk_every_layer_us_per_unit']} "
           "us (every layer)")

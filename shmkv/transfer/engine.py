@@ -7,13 +7,20 @@ readiness of loads, poll for completed work, and an ordering barrier
 One code path above the copy primitive (shmkv.transfer.streams): a CUDA
 stream and events on a GPU, a copy thread and completion flags on the CPU.
 
-  loads   submit_load acquires the leases, then issues one copy per layer
-          (every unit of the batch) on the load stream, in forward order,
-          each followed by an event; LoadJob.wait_layer(name) makes the
-          compute wait on that layer's event. The leases are released once
-          the last event has completed (poll), never by blocking the host.
+  loads   submit_load acquires the leases, plans and uploads the batch's
+          copies once, then issues the first few layers' copies
+          (every unit of the batch, one call per layer) on the load stream,
+          each followed by an event, and returns: the forward's launch does
+          not wait for the host to issue every layer. The rest are issued in
+          forward order as the forward goes: LoadJob.wait_layer(name) issues
+          every job's copies up to load_issue_ahead layers past that layer
+          (its own job first), then makes the compute wait on that layer's
+          event; wait_all, done and synchronize issue all that is left. The
+          leases are released once the last event has completed (poll),
+          never by blocking the host.
   stores  submit_store reserves each unit's room, issues its gather on the
-          store stream after the compute, and records an event. poll
+          store stream after the compute, and records an event after each
+          request's units (one per request of the step, not per unit). poll
           commits a store whose event has completed, or aborts it if any of
           its copies failed: never while a copy issued for it may still run
           (a freed extent is never written). Until then its source blocks
@@ -48,12 +55,17 @@ import xxhash
 from shmkv.errors import InvalidArgumentError
 from shmkv.store import PutResult, Reservation, Store
 from shmkv.testing import SKIP_LOAD_LAYERS
-from shmkv.tiers.format import decode_or_none
+from shmkv.tiers.format import DamagedChunk, decode_into
 from shmkv.transfer.items import GroupWindow, LoadItem, StoreItem
 from shmkv.transfer.layout import KVLayout
 from shmkv.transfer.streams import backend_for
 
 log = logging.getLogger("shmkv.transfer")
+
+# NOTE: layers whose load copies are in flight ahead of the layer the forward waits for: enough that
+# the load stream never runs dry while the host launches a layer (CPU: while it computes one), few
+# enough that start_load_kv returns after a handful of launches, not after every layer's
+LOAD_ISSUE_AHEAD = 4
 
 
 @dataclass
@@ -83,9 +95,14 @@ class RequestTally:
 
 
 class LoadJob:
-    """One step's loads: the leased units, which layers are in place, what failed."""
+    """One step's loads: the leased units, which layers are in place, what failed.
 
-    def __init__(self, items: list[LoadItem], positions: dict[str, int], backend: Any) -> None:
+    Its copies are issued a few layers at a time (`issue`, the engine's): a
+    layer's event exists once that layer is issued; everything that waits
+    for a layer issues it (and the ones just after) first."""
+
+    def __init__(self, items: list[LoadItem], positions: dict[str, int], backend: Any,
+                 issue: Callable[[LoadJob, int], None], ahead: int) -> None:
         self.t0 = time.perf_counter()
         self.by_request: dict[str, list[LoadItem]] = defaultdict(list)
         for it in items:
@@ -97,29 +114,45 @@ class LoadJob:
         self.sources: dict[int, Any] = {}  # job index -> decoded payload (compressed entries)
         self.batches: dict[int, tuple[list[int], Any]] = {}  # group -> (job index of each entry, its copy batch)
         self.events: list[Any] = []  # per forward position, once issued
+        self.layers = 0  # forward positions to issue (0: nothing leased, nothing to copy)
         self._positions = positions  # layer name -> forward position
         self._backend = backend
+        self._issue = issue  # (job, through position) -> issues the job's copies up to it, and the other jobs'
+        self._ahead = ahead  # layers issued past the one waited for
         self.seconds = 0.0  # from submit to completion
         self.loaded: dict[str, int] = {}  # request -> tokens loaded, once complete
 
     def wait_layer(self, name: str) -> None:
         """The compute goes on only once this layer's loads are in place (the
-        host blocks on the CPU; on a GPU the compute stream waits)."""
+        host blocks on the CPU; on a GPU the compute stream waits). The
+        layers after it are issued first (the engine's load_issue_ahead)."""
         idx = self._positions.get(name)
-        if idx is not None and idx < len(self.events):
-            self._backend.compute_waits(self.events[idx])
+        if idx is None or idx >= self.layers:
+            return
+        self._issue(self, min(self.layers, idx + 1 + self._ahead))
+        self._backend.compute_waits(self.events[idx])
+
+    def issue_all(self) -> None:
+        """Every layer's copies issued (what is waited for as a whole, or polled)."""
+        if len(self.events) < self.layers:
+            self._issue(self, self.layers)
 
     def wait_all(self) -> None:
         """The compute goes on only once every layer is in place (a forward
         that cannot wait layer by layer, e.g. a whole CUDA graph)."""
+        self.issue_all()
         if self.events:
             self._backend.compute_waits(self.events[-1])
 
     def done(self) -> bool:
+        """Whether every copy has run (what is left is issued first: a job
+        nobody waits for, an asynchronous load, completes by being polled)."""
+        self.issue_all()
         return not self.events or self.events[-1].query()
 
     def synchronize(self) -> None:
         """The host waits until every copy of the job has run."""
+        self.issue_all()
         if self.events:
             self.events[-1].synchronize()
 
@@ -130,7 +163,8 @@ class TransferEngine:
     def __init__(self, store: Store, layouts: KVLayout | Sequence[KVLayout], tp_rank: int, *,
                  digest_file: str = "", on_commit: Callable[[bytes, bytes, int], None] | None = None,
                  layer_order: Sequence[str] | None = None, lossy_ok: bool = False, deferred: bool = False,
-                 skip_load_layers: str = "", layout_groups: Sequence[int] | None = None, backend: Any = None):
+                 skip_load_layers: str = "", layout_groups: Sequence[int] | None = None, backend: Any = None,
+                 load_issue_ahead: int | None = None):
         """`layouts`: one per KV-cache group, in the caller's group order, or
         several per group (one per layer shape) with `layout_groups` giving
         each layout's KV-cache group (the index into an item's `groups`);
@@ -141,7 +175,10 @@ class TransferEngine:
         something waits for them; `skip_load_layers` (tests only: proves
         that a test would catch a layer left unloaded): a regex of layer
         names whose loads are not copied; `backend` (tests): the streams'
-        backend (the tests' DeviceModel), else the device's."""
+        backend (the tests' DeviceModel), else the device's; `load_issue_ahead`:
+        layers whose load copies are issued ahead of the one the forward waits
+        for (default LOAD_ISSUE_AHEAD; at least the whole forward: every
+        layer issued by submit_load, as before)."""
         self.cache = store
         self.on_commit = on_commit
         self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
@@ -181,11 +218,14 @@ class TransferEngine:
         self._load_stream = self.backend.stream("load")
         self._stores: list[StoreJob] = []  # issued, not yet committed or aborted (issue order)
         self._loads: list[LoadJob] = []  # issued, leases not yet released
+        self.load_issue_ahead = LOAD_ISSUE_AHEAD if load_issue_ahead is None else load_issue_ahead
+        if self.load_issue_ahead < 0:
+            raise ValueError(f"load_issue_ahead must be 0 or more, not {self.load_issue_ahead}")
 
     # ------------------------------------------------------------ loads --
     def submit_load(self, items: list[LoadItem]) -> LoadJob:
-        """Lease the units and issue their copies, layer by layer."""
-        job = LoadJob(items, self._position, self.backend)
+        """Lease the units, plan their copies and issue the first layers'."""
+        job = LoadJob(items, self._position, self.backend, self._issue_through, self.load_issue_ahead)
         for req_id, its in job.by_request.items():
             try:
                 leases = self.cache.acquire_prefix([it.keys[self.rank] for it in its], count_lookup=False)
@@ -199,13 +239,16 @@ class TransferEngine:
                 else:
                     job.failed.update(it.block_ids)
                     self.counters["load_missing_units"] += 1
-        self._loads.append(job)  # completed by poll_loads, in issue order (at once when nothing is leased)
+        self._loads.append(job)  # completed by poll_loads (at once when nothing is leased)
         if not job.jobs:
             return job
+        job.layers = len(self._order)
         self._decode_compressed(job)
         # NOTE: the blocks being filled may still be read by compute issued before, and by the
         # gathers of pending stores (vLLM freed a request's blocks and gave them to this load,
-        # perhaps in no list the scheduler half sees: a request parked for an asynchronous load)
+        # perhaps in no list the scheduler half sees: a request parked for an asynchronous load).
+        # The copies issued later (layer by layer, as the forward goes) are behind these waits
+        # on the same stream
         self._load_stream.after_compute()
         self.counters["loads_after_stores"] += self._order_after_stores(
             self._load_stream, {b for it, _ in job.jobs for b in it.block_ids})
@@ -215,7 +258,32 @@ class TransferEngine:
             log.exception("shmkv: preparing a load failed; its units are recomputed")
             self.counters["load_errors"] += 1
             job.broken.update(range(len(job.jobs)))
-        for g, layer in self._order:
+        self._issue_layers(job, min(job.layers, self.load_issue_ahead))
+        return job
+
+    def issue_loads_through(self, name: str) -> None:
+        """The forward reached layer `name` without a job to wait for (only
+        asynchronous loads in flight): their copies are issued as far as a
+        waiting job's would be."""
+        pos = self._position.get(name)
+        if pos is not None:
+            for job in self._loads:
+                self._issue_layers(job, min(job.layers, pos + 1 + self.load_issue_ahead))
+
+    def _issue_through(self, job: LoadJob, upto: int) -> None:
+        """`job`'s copies issued up to forward position `upto`, then every
+        other pending job's as far (the one the forward waits for first)."""
+        self._issue_layers(job, upto)
+        for other in self._loads:
+            if other is not job:
+                self._issue_layers(other, min(other.layers, upto))
+
+    def _issue_layers(self, job: LoadJob, upto: int) -> None:
+        """Issue `job`'s copies of the forward positions it has not issued, up
+        to `upto`: one call per layer (every unit of the batch), each followed
+        by that layer's event."""
+        for pos in range(len(job.events), upto):
+            g, layer = self._order[pos]
             try:
                 touches, label = (), ""
                 if self._tracks:
@@ -228,7 +296,6 @@ class TransferEngine:
                 self.counters["load_errors"] += 1
                 job.broken.update(range(len(job.jobs)))
             job.events.append(self._load_stream.record())
-        return job
 
     def _prepare_batches(self, job: LoadJob, stream: Any) -> None:
         """Each group's copies of every unit, as one batch per group (on a GPU
@@ -251,26 +318,41 @@ class TransferEngine:
             job.batches[g] = ([j for j, _ in entries], self.layouts[g].copier.batch([e for _, e in entries], stream))
 
     def _decode_compressed(self, job: LoadJob) -> None:
-        """Decode the compressed entries of the batch (POST /compress) into
-        host buffers the copies read from; a damaged one is recomputed."""
+        """Decode the compressed entries of the batch (POST /compress) straight
+        into host buffers the copies read from; a damaged one is recomputed."""
         for j, (it, lease) in enumerate(job.jobs):
             if not lease.compressed:
                 continue
-            raw = decode_or_none(lease.view(), it.keys[self.rank], lossy_ok=self.lossy_ok)
-            if raw is None:
-                log.warning("shmkv: a compressed chunk of request %s is damaged%s; it is recomputed", it.req_id,
-                            "" if self.lossy_ok else " (or lossy)")
+            try:
+                got = decode_into(lease.view(), it.keys[self.rank], lambda n, _ns: self._host_buffer(n),
+                                  lossy_ok=self.lossy_ok)
+            except DamagedChunk as e:
+                log.warning("shmkv: a compressed chunk of request %s is damaged (%s); it is recomputed", it.req_id, e)
                 job.broken.add(j)
                 self.counters["load_damaged"] += 1
                 continue
-            if self.on_gpu:
-                import torch
-
-                # NOTE: pinned, so the copy kernels read it through unified addressing
-                job.sources[j] = torch.frombuffer(raw, dtype=torch.uint8).pin_memory()
-            else:
-                job.sources[j] = raw
+            assert got is not None  # _host_buffer always gives one
+            job.sources[j] = self._as_source(got[0])
             self.counters["load_decoded"] += 1
+
+    def _host_buffer(self, nbytes: int) -> Any:
+        """Where a decoded unit lies until its copies have run: on a GPU
+        page-locked (torch's caching host allocator: a block reused, not a
+        cudaHostAlloc per unit), which the copy kernels read through unified
+        addressing; decoded into directly, no copy in between."""
+        if self.on_gpu:
+            import torch
+
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        return bytearray(nbytes)
+
+    def _as_source(self, buf: Any) -> Any:
+        """What the copy backends take as a unit's payload."""
+        if self.on_gpu:
+            import torch
+
+            return torch.from_numpy(buf)
+        return buf
 
     def _load_layer(self, job: LoadJob, group: int, layer: int, stream: Any) -> None:
         """One layer of every unit of the batch (on the load stream): one call."""
@@ -315,17 +397,21 @@ class TransferEngine:
         """Load now (submit, wait, complete): (block ids that failed, per
         request (tokens loaded, seconds))."""
         job = self.submit_load(items)
-        if job.events:
-            job.events[-1].synchronize()  # and so every job issued before it
+        job.synchronize()
         self.poll_loads()
         return job.failed, {r: (job.loaded.get(r, 0), job.seconds) for r in job.by_request}
 
     def poll_loads(self) -> list[tuple[LoadJob, set[int]]]:
-        """Complete the load jobs whose copies have run (in issue order)."""
-        out = []
-        while self._loads and self._loads[0].done():
-            job = self._loads.pop(0)
-            out.append((job, self._complete_load(job)))
+        """Complete the load jobs whose copies have run (each job on its own:
+        their layers are issued interleaved, so one job done says nothing of
+        one issued before it)."""
+        out, still = [], []
+        for job in self._loads:
+            if job.done():
+                out.append((job, self._complete_load(job)))
+            else:
+                still.append(job)
+        self._loads = still
         return out
 
     def _windows(self, groups: Sequence[GroupWindow]) -> list[tuple[KVLayout, GroupWindow]]:
@@ -389,9 +475,15 @@ class TransferEngine:
     # ----------------------------------------------------------- stores --
     def submit_store(self, items: Iterable[StoreItem]) -> None:
         """Reserve each unit's room and issue its gather after the compute
-        issued so far; poll() commits it once its copies have run."""
+        issued so far; poll() commits it once its copies have run. One event
+        marks the end of each request's run of units (a GPU records an
+        event per request of the step, not per unit): its units commit
+        together."""
         ordered = False
+        run: list[StoreJob] = []  # the current request's units, waiting for their event
         for it in items:
+            if run and run[0].item.req_id != it.req_id:
+                self._end_store_run(run)
             t0 = time.perf_counter()
             tally = self.tallies[it.req_id]
             try:
@@ -429,10 +521,19 @@ class TransferEngine:
             except Exception:
                 log.exception("shmkv: storing a chunk of request %s failed; continuing without it", it.req_id)
                 job.failed = True
-            # NOTE: recorded even after a failed issue: the room is given back only
+            # NOTE: a failed issue waits for the event too: the room is given back only
             # once every copy issued before has run (an earlier group's may be queued)
-            job.event = self._store_stream.record()
+            run.append(job)
             self._stores.append(job)
+        if run:
+            self._end_store_run(run)
+
+    def _end_store_run(self, run: list[StoreJob]) -> None:
+        """One event after a request's run of units, shared by them."""
+        ev = self._store_stream.record()
+        for job in run:
+            job.event = ev
+        run.clear()
 
     def poll_stores(self) -> list[StoreJob]:
         """Commit (or abort) the stores whose copies have run; those stores."""
@@ -489,16 +590,18 @@ class TransferEngine:
     def order_compute_after_stores(self, req_ids: Iterable[str] | None = None) -> int:
         """The compute goes on only after the pending stores (of `req_ids`, or
         all) have read their blocks: on a GPU the compute stream waits on the
-        device, on the CPU the host waits. How many stores it waited for."""
+        device, on the CPU the host waits. How many waits."""
         want = None if req_ids is None else set(req_ids)
         return self.order_compute_after(j for j in self._stores if want is None or j.item.req_id in want)
 
     def _order_after_stores(self, stream: Any, block_ids: set[int]) -> int:
         """`stream`'s next copies run only after the pending stores reading
-        any of `block_ids` have read them. How many it had to wait for."""
-        n = 0
+        any of `block_ids` have read them. How many waits (a request's stores
+        of a step share one)."""
+        n, seen = 0, set()
         for job in self.stores_on_blocks(block_ids):
-            if job.event is not None and not job.event.query():
+            if id(job.event) not in seen and not job.event.query():
+                seen.add(id(job.event))
                 stream.wait(job.event)
                 n += 1
         return n
@@ -512,10 +615,12 @@ class TransferEngine:
 
     def order_compute_after(self, jobs: Iterable[StoreJob]) -> int:
         """The compute (and the loads issued after it) go on only after these
-        stores have read their blocks. How many it had to wait for."""
-        n = 0
+        stores have read their blocks. How many waits (a request's stores of a
+        step share one)."""
+        n, seen = 0, set()
         for job in jobs:
-            if not job.event.query():
+            if id(job.event) not in seen and not job.event.query():
+                seen.add(id(job.event))
                 self.backend.compute_waits(job.event)
                 n += 1
         return n
@@ -543,8 +648,7 @@ class TransferEngine:
     def wait_loads(self) -> None:
         """Block until every issued load's copies have run (poll_loads then completes them)."""
         for job in self._loads:
-            if job.events:
-                job.events[-1].synchronize()
+            job.synchronize()
 
     def shutdown(self) -> None:
         """Finish every copy in flight, commit and release, stop the streams."""

@@ -331,8 +331,13 @@ class WorkerSide:
         self._recv_done |= async_reqs
 
     def wait_layer(self, layer_name: str) -> None:
+        """The forward reaches `layer_name`: this step's synchronous loads of
+        it are waited for; the copies of the layers just after (asynchronous
+        loads' too) are issued."""
         if self._loading is not None:
             self._loading[1].wait_layer(layer_name)
+        elif self._async_jobs and self.worker is not None:
+            self.worker.issue_loads_through(layer_name)
 
     def finish_forward(self) -> None:
         """Model Runner V2, after the target's forward: what runs next (an

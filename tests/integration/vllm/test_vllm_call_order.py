@@ -20,7 +20,11 @@ engine of linear-attention state alone, refused; MLA at TP=2 (rank 0 stores
 once for the host, both ranks load, their outputs combined as vLLM does); a
 load copy that fails on the device, found only once the copies ran, is
 recomputed in the step that read it. The cases whose loads succeed run with
-vLLM's asynchronous scheduling too.
+vLLM's asynchronous scheduling too. Every case runs twice: with the load
+copies issued LOAD_ISSUE_AHEAD layers ahead of the forward (the default; the
+toy models' two layers are all issued by start_load_kv) and one layer at a
+time, each as the forward's hook for it runs or when the job is polled (what
+a deep model's later layers see).
 """
 
 from __future__ import annotations
@@ -37,6 +41,14 @@ RUNNERS = ["v2", "v1"]
 # take-back under asynchronous scheduling is vLLM's own bookkeeping, which the harness does not mirror
 SCHEDULED = ["v2", "v1", "v2+async", "v1+async"]
 SEEDS = [0, 1, 2]
+
+
+@pytest.fixture(autouse=True, params=["ahead", "layer_by_layer"])
+def load_issue(request, monkeypatch):
+    """How far ahead of the forward the load copies are issued."""
+    if request.param == "layer_by_layer":
+        monkeypatch.setattr("shmkv.transfer.engine.LOAD_ISSUE_AHEAD", 0)
+    return request.param
 
 
 def prompt(n: int, seed: int) -> list[int]:
