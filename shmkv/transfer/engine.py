@@ -102,7 +102,7 @@ class LoadJob:
     for a layer issues it (and the ones just after) first."""
 
     def __init__(self, items: list[LoadItem], positions: dict[str, int], backend: Any,
-                 issue: Callable[[LoadJob, int], None], ahead: int) -> None:
+                 issue: Callable[[LoadJob, int], None], ahead: int, layerwise: bool = True) -> None:
         self.t0 = time.perf_counter()
         self.by_request: dict[str, list[LoadItem]] = defaultdict(list)
         for it in items:
@@ -113,7 +113,9 @@ class LoadJob:
         self.broken: set[int] = set()  # job indices whose copy failed (written by the copies)
         self.sources: dict[int, Any] = {}  # job index -> decoded payload (compressed entries)
         self.batches: dict[int, tuple[list[int], Any]] = {}  # group -> (job index of each entry, its copy batch)
-        self.events: list[Any] = []  # per forward position, once issued
+        self.events: list[Any] = []  # per forward position, once issued (None: no event of its own)
+        self.layerwise = layerwise  # an event per layer (else one after the last: nobody waits per layer)
+        self.copy_error: BaseException | None = None  # the first copy of the job that failed (written by the copies)
         self.layers = 0  # forward positions to issue (0: nothing leased, nothing to copy)
         self._positions = positions  # layer name -> forward position
         self._backend = backend
@@ -128,6 +130,9 @@ class LoadJob:
         layers after it are issued first (the engine's load_issue_ahead)."""
         idx = self._positions.get(name)
         if idx is None or idx >= self.layers:
+            return
+        if not self.layerwise:
+            self.wait_all()
             return
         self._issue(self, min(self.layers, idx + 1 + self._ahead))
         self._backend.compute_waits(self.events[idx])
@@ -223,9 +228,12 @@ class TransferEngine:
             raise ValueError(f"load_issue_ahead must be 0 or more, not {self.load_issue_ahead}")
 
     # ------------------------------------------------------------ loads --
-    def submit_load(self, items: list[LoadItem]) -> LoadJob:
-        """Lease the units, plan their copies and issue the first layers'."""
-        job = LoadJob(items, self._position, self.backend, self._issue_through, self.load_issue_ahead)
+    def submit_load(self, items: list[LoadItem], *, layerwise: bool = True) -> LoadJob:
+        """Lease the units, plan their copies and issue the first layers'.
+        `layerwise=False`: nothing will wait for a single layer (an
+        asynchronous load, a forward that waits for all): one event after
+        the last layer instead of one per layer."""
+        job = LoadJob(items, self._position, self.backend, self._issue_through, self.load_issue_ahead, layerwise)
         for req_id, its in job.by_request.items():
             try:
                 leases = self.cache.acquire_prefix([it.keys[self.rank] for it in its], count_lookup=False)
@@ -281,7 +289,8 @@ class TransferEngine:
     def _issue_layers(self, job: LoadJob, upto: int) -> None:
         """Issue `job`'s copies of the forward positions it has not issued, up
         to `upto`: one call per layer (every unit of the batch), each followed
-        by that layer's event."""
+        by that layer's event (the last layer's alone, if not layerwise). A
+        copy's failure is the job's (never carried to another job's event)."""
         for pos in range(len(job.events), upto):
             g, layer = self._order[pos]
             try:
@@ -290,12 +299,23 @@ class TransferEngine:
                     lay = self.layouts[g]
                     ids = [b for it, _ in job.jobs for b in self._tensor_blocks(lay, it.groups[self._layout_groups[g]])]
                     touches, label = [(lay.layers[layer], ids, "w")], f"load {lay.names[layer]}"
-                self._load_stream.run(lambda s, g=g, layer=layer: self._load_layer(job, g, layer, s), touches, label)
+                self._load_stream.run(lambda s, g=g, layer=layer: self._copy_of_job(job, g, layer, s), touches,
+                                      label)
             except Exception:
                 log.exception("shmkv: issuing a load failed; its units are recomputed")
                 self.counters["load_errors"] += 1
                 job.broken.update(range(len(job.jobs)))
-            job.events.append(self._load_stream.record())
+            job.events.append(self._load_stream.record() if job.layerwise or pos == job.layers - 1 else None)
+
+    def _copy_of_job(self, job: LoadJob, group: int, layer: int, stream: Any) -> None:
+        """A layer's copy, its failure kept by its job (a CUDA launch error on
+        the host, a CPU copy on the copy thread): the job's units are
+        recomputed once its copies have run."""
+        try:
+            self._load_layer(job, group, layer, stream)
+        except Exception as e:
+            if job.copy_error is None:
+                job.copy_error = e
 
     def _prepare_batches(self, job: LoadJob, stream: Any) -> None:
         """Each group's copies of every unit, as one batch per group (on a GPU
@@ -362,7 +382,8 @@ class TransferEngine:
 
     def _complete_load(self, job: LoadJob) -> set[int]:
         """Its copies have run: release the leases; the blocks that failed."""
-        error = next((ev.error for ev in job.events if ev.error is not None), None)
+        error = job.copy_error or next((ev.error for ev in job.events if ev is not None and ev.error is not None),
+                                       None)
         if error is not None:
             log.error("shmkv: a load copy failed (%s); its units are recomputed", error)
             self.counters["load_errors"] += 1

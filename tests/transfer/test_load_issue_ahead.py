@@ -160,3 +160,45 @@ def test_a_synchronous_load_completes_without_waiting_for_an_asynchronous_one_be
 def test_a_negative_issue_ahead_is_refused_naming_it(store):
     with pytest.raises(ValueError, match="load_issue_ahead must be 0 or more, not -1"):
         engine(store, 2, load_issue_ahead=-1)
+
+
+def test_a_job_nobody_waits_for_layer_by_layer_records_one_event(store):
+    """An asynchronous load (or one a FULL CUDA graph waits for whole): no
+    event per layer, one after the last."""
+    src = stored(store, b"k" * 16, 3, 5)
+    eng, dst = engine(store, 2)
+    job = eng.submit_load([load_item("later", b"k" * 16, 8, 9)], layerwise=False)
+    job.issue_all()
+    assert len(job.events) == LAYERS and [ev is not None for ev in job.events] == [False] * (LAYERS - 1) + [True]
+    job.wait_layer(NAMES[0])  # nothing to wait for per layer: the whole job is waited for
+    assert [raw(d[[8, 9]]) for d in dst] == [raw(s[[3, 5]]) for s in src]
+    assert [j for j, _ in eng.poll_loads()] == [job] and job.failed == set()
+    eng.shutdown()
+
+
+def test_a_copy_that_fails_fails_its_own_job_not_the_one_issued_beside_it(store):
+    """Two jobs' layers interleave on the stream, the asynchronous one with no
+    event per layer: its failed copy is its own (recomputed), never carried
+    by the next event on the stream (the synchronous job's)."""
+    stored(store, b"a" * 16, 1, 2)
+    src_b = stored(store, b"b" * 16, 6, 7)
+    eng, dst = engine(store, 2)
+    later = eng.submit_load([load_item("later", b"a" * 16, 8, 9)], layerwise=False)
+    now = eng.submit_load([load_item("now", b"b" * 16, 10, 11)])
+    real = eng._load_layer
+
+    def failing(job, group, layer, stream):
+        if job is later and layer == LOAD_ISSUE_AHEAD + 1:
+            raise RuntimeError("injected: a copy of the asynchronous load failed")
+        real(job, group, layer, stream)
+
+    eng._load_layer = failing
+    for name in NAMES:
+        now.wait_layer(name)
+    eng.wait_loads()
+    done = dict(eng.poll_loads())
+    assert done[now] == set() and now.loaded == {"now": 2 * BS}
+    assert [raw(d[[10, 11]]) for d in dst] == [raw(s[[6, 7]]) for s in src_b]
+    assert done[later] == {8, 9} and later.loaded == {"later": 0}
+    assert eng.counters["load_errors"] == 1 and store.stats()["leases_held"] == 0
+    eng.shutdown()

@@ -303,19 +303,20 @@ class WorkerSide:
         later = [it for it in meta.loads if it.req_id in async_reqs]
         if later:
             # NOTE: vLLM computes these requests only once get_finished reports them
-            job = self.worker.submit_load(later)
+            job = self.worker.submit_load(later, layerwise=False)
             self._summaries[id(job)] = meta.summaries
             self._async_jobs[id(job)] = {it.req_id for it in later}
         now = [it for it in meta.loads if it.req_id not in async_reqs]
         if not now:
             return
-        job = self.worker.submit_load(now)
+        whole = whole_forward or self.read_without_hooks
+        job = self.worker.submit_load(now, layerwise=not whole)
         self._summaries[id(job)] = meta.summaries
         # NOTE: units that failed already (evicted since the lookup, a damaged compressed chunk)
         # are vLLM's to recompute in this step's output, before it samples from their blocks
         job.reported = job.failed | {b for j in job.broken for b in job.jobs[j][0].block_ids}
         self._load_errors |= job.reported
-        if whole_forward or self.read_without_hooks:
+        if whole:
             job.wait_all()
             self.worker.counters["whole_forward_loads"] += 1
         self._loading = meta, job

@@ -435,10 +435,10 @@ def test_a_hit_admitted_into_blocks_a_pending_store_reads_loads_after_the_gather
     engine = a.worker._work.worker
     submit_load = engine.submit_load
 
-    def watched_submit_load(items):  # the blocks of h's load a store of r1 still reads, when it is issued
+    def watched_submit_load(items, **kw):  # the blocks of h's load a store of r1 still reads, when it is issued
         mine = {b for it in items if it.req_id == "h" for b in it.block_ids}
         seen["raced"] |= {b for j in engine.pending_stores() if not j.event.op.done for b in j.blocks & mine}
-        return submit_load(items)
+        return submit_load(items, **kw)
 
     engine.submit_load = watched_submit_load
     try:
