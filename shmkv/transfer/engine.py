@@ -274,7 +274,7 @@ class TransferEngine:
         asynchronous loads in flight): their copies are issued as far as a
         waiting job's would be."""
         pos = self._position.get(name)
-        if pos is not None:
+        if pos is not None and self._loads and not self.backend.capturing():
             for job in self._loads:
                 self._issue_layers(job, min(job.layers, pos + 1 + self.load_issue_ahead))
 

@@ -175,6 +175,11 @@ class CpuBackend:
         """The compute (the calling host thread) goes on only after `ev`."""
         ev.synchronize()
 
+    @staticmethod
+    def capturing() -> bool:
+        """Whether the compute is being recorded into a CUDA graph (never on the CPU)."""
+        return False
+
 
 class CudaEvent:
     __slots__ = ("_ev", "error")
@@ -246,6 +251,14 @@ class CudaBackend:
         import torch
 
         torch.cuda.current_stream(self.device).wait_event(ev._ev)
+
+    @staticmethod
+    def capturing() -> bool:
+        """Whether the compute is being recorded into a CUDA graph (vLLM's
+        capture at start-up runs the forward's hooks): no copy is issued then."""
+        import torch
+
+        return bool(torch.cuda.is_current_stream_capturing())
 
 
 def backend_for(device: Any, *, deferred: bool = False) -> CpuBackend | CudaBackend:

@@ -218,6 +218,11 @@ class DeviceModel:
         """Later compute comes after `ev`; nothing runs now."""
         self.compute_stream.wait(ev)
 
+    @staticmethod
+    def capturing() -> bool:
+        """No CUDA graph is ever captured here."""
+        return False
+
     # ---------------------------------------------------- runner interface --
     def name_tensor(self, tensor: Any, name: str) -> None:
         """How violations name the blocks of `tensor` (a layer's KV cache)."""

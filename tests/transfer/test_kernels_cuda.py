@@ -159,16 +159,20 @@ def test_cuda_copies_refuse_an_unregistered_payload(gpu_store, engine):
         layout.gather(layout.slots_for_blocks(np.array([0]), 16), pageable, stream=torch.cuda.Stream())
 
 
-def test_a_layer_read_after_wait_layer_sees_the_loaded_bytes(cache_name):
+@pytest.mark.parametrize("layers", [3, 12])
+def test_a_layer_read_after_wait_layer_sees_the_loaded_bytes(cache_name, layers):
     """The compute stream waits on the device for each layer's load: the load
     stream is held back (torch.cuda._sleep) before its copies, and a read
-    issued on the compute stream after wait_layer still sees the loaded KV."""
+    issued on the compute stream after wait_layer still sees the loaded KV.
+    With more layers than LOAD_ISSUE_AHEAD the later layers' copies are
+    launched from the waits themselves."""
     from shmkv.transfer import GroupWindow, LoadItem, StoreItem, TransferEngine
+    from shmkv.transfer.engine import LOAD_ISSUE_AHEAD
 
     store = Store.create(cache_name, 64 << 20, alignment=256)
     try:
-        names = ["l0", "l1", "l2"]
-        src = make_cache("nhd", 3, 8, 16, 2, 64, torch.bfloat16, device="cuda", seed=1)
+        names = [f"l{i}" for i in range(layers)]
+        src = make_cache("nhd", layers, 8, 16, 2, 64, torch.bfloat16, device="cuda", seed=1)
         dst = [torch.zeros_like(t) for t in src]
         a = TransferEngine(store, KVLayout("nhd", src, names), 0)
         b = TransferEngine(store, KVLayout("nhd", dst, names), 0)
@@ -178,12 +182,13 @@ def test_a_layer_read_after_wait_layer_sees_the_loaded_bytes(cache_name):
         a.store([StoreItem("r", (b"k" * 16,), 32, (GroupWindow(0, 2, (3, 5)),))])
         b._load_stream.run(lambda s: torch.cuda._sleep(200_000_000))  # ~0.1 s of GPU time before the copies
         job = b.submit_load([LoadItem("q", (b"k" * 16,), (GroupWindow(0, 2, (1, 2)),))])
+        assert len(job.events) == min(layers, LOAD_ISSUE_AHEAD)
         seen = []
         for i, name in enumerate(names):
             job.wait_layer(name)
             seen.append(dst[i][[1, 2]].clone())  # on the compute stream, after the wait
         torch.cuda.synchronize()
-        for i in range(3):
+        for i in range(layers):
             assert torch.equal(seen[i].view(torch.uint8), src[i][[3, 5]].view(torch.uint8)), f"layer {i}"
         b.shutdown()
         a.shutdown()

@@ -9,6 +9,7 @@ something waits for it), on a ten-layer cache:
     bytes in place; the whole walk loads every layer exactly;
   * a job nobody waits for layer by layer (an asynchronous load) is issued
     whole by being polled, and by the hooks of the forward it runs beside;
+  * no copy is issued from a hook while vLLM captures a CUDA graph;
   * a synchronous load completes, and its outcome is known, without waiting
     for an asynchronous one submitted before it (their layers interleave on
     the stream: one done no longer says the other is).
@@ -201,4 +202,21 @@ def test_a_copy_that_fails_fails_its_own_job_not_the_one_issued_beside_it(store)
     assert [raw(d[[10, 11]]) for d in dst] == [raw(s[[6, 7]]) for s in src_b]
     assert done[later] == {8, 9} and later.loaded == {"later": 0}
     assert eng.counters["load_errors"] == 1 and store.stats()["leases_held"] == 0
+    eng.shutdown()
+
+
+def test_no_copy_is_issued_from_a_hook_while_a_cuda_graph_is_captured(store):
+    """vLLM captures its CUDA graphs by running the forward, hooks included:
+    an asynchronous load still in flight then is not advanced from there
+    (its copies would land in no graph, or break the capture); polling
+    issues them after."""
+    stored(store, b"k" * 16, 3, 5)
+    eng, _ = engine(store, 2)
+    job = eng.submit_load([load_item("later", b"k" * 16, 8, 9)], layerwise=False)
+    eng.backend.capturing = lambda: True
+    eng.issue_loads_through(NAMES[-1])
+    assert len(job.events) == LOAD_ISSUE_AHEAD
+    eng.backend.capturing = lambda: False
+    eng.issue_loads_through(NAMES[-1])
+    assert len(job.events) == LAYERS
     eng.shutdown()
