@@ -119,6 +119,8 @@ def _worker_figures(repeats: int, n: int) -> dict:
                 job = w.submit_load(loads)
                 job.events[0].synchronize()
                 t1 = time.perf_counter()
+                for nm in names:  # the forward's hooks: each issues the layers after its own
+                    job.wait_layer(nm)
                 job.synchronize()
                 [(_, failed)] = w.poll_loads()
                 t2 = time.perf_counter()

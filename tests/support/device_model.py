@@ -276,6 +276,10 @@ class DeviceModel:
             if op.fn is not None:
                 op.fn()
             op.done = True
+            # NOTE: the checker keeps run operations (the last accesses of each block) by their
+            # clocks alone: their closures (a store's reservation, a load's batch: views of the
+            # segment) and their chains of dependencies go, or a test's segments stay mapped
+            op.fn, op.deps = None, []
         self.ops = [op for op in self.ops if not op.done]
 
     def observe(self, op: Op) -> None:

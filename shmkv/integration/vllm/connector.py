@@ -73,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from shmkv import engine_registry
 from shmkv.config import load_config
-from shmkv.errors import ConfigError
+from shmkv.errors import ConfigError, StoreInUseError
 from shmkv.integration.vllm.engine_inputs import (
     chunk_bytes,
     drafter_field,
@@ -510,7 +510,16 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched.take_events() if self._sched is not None else ()
 
     def shutdown(self) -> None:
+        """Every copy finished, then the segment detached: an engine ended in
+        a process that goes on (an in-process LLM, a notebook, a test) leaves
+        no mapping of the segment behind."""
         for side in (self._work, self._sched):
             if side is not None:
                 side.shutdown()
+        if self.store is not None:
+            try:
+                self.store.close()
+                self.store = None
+            except StoreInUseError as e:  # a copy of this process still holds a lease: the mapping stays
+                log.warning("shmkv: %s", e)
         log.info("shmkv: %s connector shut down", self._kv_role_name)
