@@ -30,13 +30,6 @@ BS, LAYERS, BLOCKS = 16, 10, 16
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-@pytest.fixture
-def store(cache_name):
-    s = Store.create(cache_name, 16 << 20, alignment=256)
-    yield s
-    s.close()
-
-
 def engine(store: Store, seed: int, **kw) -> tuple[TransferEngine, list[torch.Tensor]]:
     caches = make_cache("cpu", LAYERS, BLOCKS, BS, 2, 8, torch.bfloat16, seed=seed)
     return TransferEngine(store, KVLayout("cpu", caches, NAMES), 0, deferred=True, **kw), caches

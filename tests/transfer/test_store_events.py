@@ -6,7 +6,6 @@ deferred CPU streams (a copy runs only when something waits for it)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from kv_reference import make_cache
 
@@ -16,13 +15,6 @@ from shmkv.transfer.layout import KVLayout
 
 BS, LAYERS, BLOCKS = 16, 2, 16
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-
-
-@pytest.fixture
-def store(cache_name):
-    s = Store.create(cache_name, 16 << 20, alignment=256)
-    yield s
-    s.close()
 
 
 def item(req: str, key: bytes, *blocks: int) -> StoreItem:

@@ -19,7 +19,6 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import pytest
 import torch
 from helpers import REPO
 from kv_reference import make_cache
@@ -31,13 +30,6 @@ from shmkv.integration.vllm.engine_inputs import KVGroup
 from shmkv.integration.vllm.worker import WorkerSide
 from shmkv.transfer import GroupWindow, StoreItem, TransferEngine
 from shmkv.transfer.layout import KVLayout
-
-
-@pytest.fixture
-def store(cache_name):
-    s = Store.create(cache_name, 16 << 20, alignment=256)
-    yield s
-    s.close()
 
 
 def run_speculative_step(side: WorkerSide, meta, finished=()) -> set[str] | None:
