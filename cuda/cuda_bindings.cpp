@@ -115,7 +115,7 @@ PYBIND11_MODULE(_C_cuda, m) {
              {
                py::gil_scoped_release nogil;
                DeviceGuard on(self.device);
-               s = prepare_token_batch(self.L, es, stream, &b->batch, &err, self.pool.get());
+               s = prepare_token_batch(self.L, es, stream, *self.pool, &b->batch, &err);
              }
              if (s != Status::kOk) {
                delete b;
@@ -131,19 +131,20 @@ PYBIND11_MODULE(_C_cuda, m) {
                              "index buffers this layout's pool has made (reused step after step)");
   py::class_<CudaBatch>(m, "CudaBatch")
       .def("copy_layer",
-           [](CudaBatch& b, bool gather, int64_t layer, uintptr_t stream, bool dma) {
+           [](CudaBatch& b, int64_t layer, uintptr_t stream, bool dma) {
              if (b.released) throw py::value_error("the batch was released");
              std::string err;
              Status s;
              {
                py::gil_scoped_release nogil;
                DeviceGuard on(b.layout->device);
-               s = launch_token_batch(b.layout->L, b.batch, gather, layer, stream, dma, &err);
+               s = launch_token_batch(b.layout->L, b.batch, layer, stream, dma, &err);
              }
              check(s, err);
            },
-           py::arg("gather"), py::arg("layer"), py::arg("stream"), py::arg("dma") = false,
-           "One layer of every payload of the batch, on `stream` (ordered after prepare_batch's stream).")
+           py::arg("layer"), py::arg("stream"), py::arg("dma") = false,
+           "One layer of every payload of the batch into the cache (a step's loads), on `stream` (ordered "
+           "after prepare_batch's stream).")
       .def("release",
            [](CudaBatch& b, uintptr_t stream) {
              DeviceGuard on(b.layout->device);

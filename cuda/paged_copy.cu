@@ -131,15 +131,15 @@ cudaError_t launch_by_value(const PagedLayout& L, bool token_mode, bool gather, 
   return cudaSuccess;
 }
 
-// A batch of payloads, one layer: grid (batch tokens); token t's payload
-// bytes of layer l at payload0[t] + l * pitch[t] (device addresses).
+// A batch of payloads loaded, one layer: grid (batch tokens); token t's
+// payload bytes of layer l at payload0[t] + l * pitch[t] (device addresses).
 // slots, payload0, pitch: [n]
-template <bool kGather>
-__global__ void copy_token_batch_kernel(uint64_t layer, const int64_t* __restrict__ slots,
+__global__ void load_token_batch_kernel(uint64_t layer, const int64_t* __restrict__ slots,
                                         const uint64_t* __restrict__ payload0,
                                         const uint64_t* __restrict__ pitch, PagedLayout L, int64_t l) {
   int64_t t = blockIdx.x;
-  copy_one_token<kGather>(L, layer, slots[t], reinterpret_cast<uint8_t*>(payload0[t] + uint64_t(l) * pitch[t]));
+  copy_one_token</*kGather=*/false>(L, layer, slots[t],
+                                    reinterpret_cast<uint8_t*>(payload0[t] + uint64_t(l) * pitch[t]));
 }
 
 std::string cuda_error(const char* what, cudaError_t e) {
@@ -363,7 +363,7 @@ size_t BatchBufferPool::size() {
 }
 
 Status prepare_token_batch(const PagedLayout& L, const std::vector<BatchEntry>& entries, uintptr_t stream_handle,
-                           TokenBatch* b, std::string* err, BatchBufferPool* pool) {
+                           BatchBufferPool& pool, TokenBatch* b, std::string* err) {
   Status s = validate_layout(L, true, err);
   if (s != Status::kOk) return s;
   const int64_t tok_bytes = L.token_payload_bytes();
@@ -397,28 +397,15 @@ Status prepare_token_batch(const PagedLayout& L, const std::vector<BatchEntry>& 
     // NOTE: one upload per batch, stream-ordered; every layer's launch reads the same device arrays
     cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
     size_t bytes = size_t(n) * (sizeof(int64_t) + 2 * sizeof(uint64_t));
-    uint8_t* host = nullptr;
-    std::vector<uint8_t> pageable;
-    if (pool != nullptr) {
-      s = pool->take(bytes, &out.buf, err);
-      if (s != Status::kOk) return s;
-      out.pool = pool;
-      host = static_cast<uint8_t*>(out.buf.staging);
-    } else {
-      cudaError_t ce = cudaMallocAsync(&out.buf.device, bytes, stream);
-      if (ce != cudaSuccess) {
-        cudaGetLastError();
-        *err = cuda_error("cudaMallocAsync", ce);
-        return Status::kSystem;
-      }
-      pageable.resize(bytes);
-      host = pageable.data();
-    }
+    s = pool.take(bytes, &out.buf, err);
+    if (s != Status::kOk) return s;
+    out.pool = &pool;
+    auto* host = static_cast<uint8_t*>(out.buf.staging);
     std::memcpy(host, out.slots.data(), size_t(n) * sizeof(int64_t));
     std::memcpy(host + n * sizeof(int64_t), out.dev0.data(), size_t(n) * sizeof(uint64_t));
     std::memcpy(host + n * (sizeof(int64_t) + sizeof(uint64_t)), out.pitch.data(), size_t(n) * sizeof(uint64_t));
-    // NOTE: from the pool's page-locked staging the upload is asynchronous; from pageable memory
-    // (no pool) the driver stages it and the host waits for the stream's earlier work first
+    // NOTE: from page-locked staging the upload is asynchronous (from pageable memory the driver
+    // would stage it, the host waiting for the stream's earlier work first)
     cudaError_t ce = cudaMemcpyAsync(out.buf.device, host, bytes, cudaMemcpyHostToDevice, stream);
     if (ce != cudaSuccess) {
       cudaGetLastError();
@@ -451,8 +438,8 @@ void build_runs0(const PagedLayout& L, TokenBatch& b) {
 
 }  // namespace
 
-Status launch_token_batch(const PagedLayout& L, TokenBatch& b, bool gather, int64_t layer,
-                          uintptr_t stream_handle, bool dma, std::string* err) {
+Status launch_token_batch(const PagedLayout& L, TokenBatch& b, int64_t layer, uintptr_t stream_handle, bool dma,
+                          std::string* err) {
   if (layer < 0 || layer >= L.num_layers) {
     *err = "layer " + std::to_string(layer) + " is not within the " + std::to_string(L.num_layers) + " layers";
     return Status::kInvalidArgument;
@@ -461,18 +448,7 @@ Status launch_token_batch(const PagedLayout& L, TokenBatch& b, bool gather, int6
   if (n == 0) return Status::kOk;
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   cudaError_t e;
-  if (dma && gather) {
-    // a gather zeroes the payload's skipped tokens in host memory: one visit of this layer per payload
-    std::vector<Run> runs;
-    for (const auto& x : b.entries) {
-      auto abs = reinterpret_cast<uint64_t>(x.payload_host);
-      visit_token_runs(
-          L, b.slots.data() + x.first, x.n, layer, layer + 1,
-          [&](uint64_t dev, uint64_t off, uint64_t bytes) { runs.push_back(Run{dev, abs + off, bytes}); },
-          [&](uint64_t off, uint64_t bytes) { std::memset(reinterpret_cast<void*>(abs + off), 0, size_t(bytes)); });
-    }
-    e = runs.empty() ? cudaSuccess : issue_batch(runs, gather, nullptr, stream);
-  } else if (dma) {
+  if (dma) {
     if (!b.runs_built) build_runs0(L, b);
     std::vector<Run> runs(b.runs0.size());
     const uint64_t base = L.layer_base[layer];
@@ -480,15 +456,14 @@ Status launch_token_batch(const PagedLayout& L, TokenBatch& b, bool gather, int6
       const auto& r = b.runs0[i];  // r.dev is relative to layer 0's base (modular: any base order)
       runs[i] = Run{r.dev + base, r.host + uint64_t(layer) * r.pitch, r.bytes};
     }
-    e = runs.empty() ? cudaSuccess : issue_batch(runs, gather, nullptr, stream);
+    e = runs.empty() ? cudaSuccess : issue_batch(runs, /*gather=*/false, nullptr, stream);
   } else {
     auto* d = static_cast<uint8_t*>(b.buf.device);
     auto* slots = reinterpret_cast<const int64_t*>(d);
     auto* dev0 = reinterpret_cast<const uint64_t*>(d + n * sizeof(int64_t));
     auto* pitch = reinterpret_cast<const uint64_t*>(d + n * (sizeof(int64_t) + sizeof(uint64_t)));
     uint64_t base = L.layer_base[layer];
-    if (gather) copy_token_batch_kernel<true><<<unsigned(n), kThreads, 0, stream>>>(base, slots, dev0, pitch, L, layer);
-    else copy_token_batch_kernel<false><<<unsigned(n), kThreads, 0, stream>>>(base, slots, dev0, pitch, L, layer);
+    load_token_batch_kernel<<<unsigned(n), kThreads, 0, stream>>>(base, slots, dev0, pitch, L, layer);
     e = cudaGetLastError();
   }
   if (e != cudaSuccess) {
@@ -501,12 +476,7 @@ Status launch_token_batch(const PagedLayout& L, TokenBatch& b, bool gather, int6
 
 void release_token_batch(TokenBatch* b, uintptr_t stream_handle) {
   if (b->buf.device != nullptr) {
-    if (b->pool != nullptr) {
-      b->pool->give_back(b->buf, stream_handle);
-    } else {
-      cudaFreeAsync(b->buf.device, reinterpret_cast<cudaStream_t>(stream_handle));
-      cudaGetLastError();
-    }
+    b->pool->give_back(b->buf, stream_handle);
     b->buf = BatchBuffers{};
   }
   b->slots.clear();

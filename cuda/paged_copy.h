@@ -64,7 +64,7 @@ class BatchBufferPool {
   Status take(size_t bytes, BatchBuffers* out, std::string* err);
   // Back to the pool once the work queued on `stream_handle` has passed it.
   void give_back(BatchBuffers b, uintptr_t stream_handle);
-  size_t size();  // buffers the pool holds (tests, stats)
+  size_t size();  // buffer pairs the pool has made (tests: reused, not made per step)
 
  private:
   std::mutex mu_;
@@ -95,14 +95,15 @@ struct TokenBatch {
   std::vector<uint64_t> dev0;   // the same, as a device address
   std::vector<uint64_t> pitch;  // bytes from one layer's payload bytes to the next
   BatchBuffers buf;             // slots | dev0 | pitch on the device (buf.device)
-  BatchBufferPool* pool = nullptr;  // where buf goes back (null: freed stream-ordered)
+  BatchBufferPool* pool = nullptr;  // where buf goes back
   std::vector<Run0> runs0;      // built at the first copy-engine launch
   bool runs_built = false;
 };
 Status prepare_token_batch(const PagedLayout& L, const std::vector<BatchEntry>& entries, uintptr_t stream_handle,
-                           TokenBatch* b, std::string* err, BatchBufferPool* pool = nullptr);
-Status launch_token_batch(const PagedLayout& L, TokenBatch& b, bool gather, int64_t layer,
-                          uintptr_t stream_handle, bool dma, std::string* err);
+                           BatchBufferPool& pool, TokenBatch* b, std::string* err);
+// One layer of every payload, payload -> cache (a batch is a step's loads).
+Status launch_token_batch(const PagedLayout& L, TokenBatch& b, int64_t layer, uintptr_t stream_handle, bool dma,
+                          std::string* err);
 void release_token_batch(TokenBatch* b, uintptr_t stream_handle);
 
 // Pin (and map for the device) a host range, e.g. a whole shmkv segment; a

@@ -346,7 +346,6 @@ def _parse_remote_url(key: str, value: Any) -> str:
     return ",".join(parts)
 
 
-
 def parse_listen(value: str) -> tuple[str, str, int]:
     """("unix", path, 0) or ("tcp", address, port) of a controller address;
     the host must be a loopback address. A name (localhost) comes back as the

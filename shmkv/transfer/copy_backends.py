@@ -140,7 +140,7 @@ class CudaBatch:
         self._c = copier._c.prepare_batch(spans, _stream_handle(stream))
 
     def copy_layer(self, layer: int, stream: Any) -> None:
-        self._c.copy_layer(False, layer, _stream_handle(stream), self.dma)
+        self._c.copy_layer(layer, _stream_handle(stream), self.dma)
 
     def release(self, stream: Any) -> None:
         self._c.release(_stream_handle(stream))

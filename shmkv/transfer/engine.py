@@ -134,7 +134,7 @@ class LoadJob:
         if not self.layerwise:
             self.wait_all()
             return
-        self._issue(self, min(self.layers, idx + 1 + self._ahead))
+        self._issue(self, idx + 1 + self._ahead)
         self._backend.compute_waits(self.events[idx])
 
     def issue_all(self) -> None:
@@ -266,7 +266,7 @@ class TransferEngine:
             log.exception("shmkv: preparing a load failed; its units are recomputed")
             self.counters["load_errors"] += 1
             job.broken.update(range(len(job.jobs)))
-        self._issue_layers(job, min(job.layers, self.load_issue_ahead))
+        self._issue_layers(job, self.load_issue_ahead)
         return job
 
     def issue_loads_through(self, name: str) -> None:
@@ -275,23 +275,24 @@ class TransferEngine:
         waiting job's would be."""
         pos = self._position.get(name)
         if pos is not None and self._loads and not self.backend.capturing():
-            for job in self._loads:
-                self._issue_layers(job, min(job.layers, pos + 1 + self.load_issue_ahead))
+            self._issue_through(None, pos + 1 + self.load_issue_ahead)
 
-    def _issue_through(self, job: LoadJob, upto: int) -> None:
-        """`job`'s copies issued up to forward position `upto`, then every
-        other pending job's as far (the one the forward waits for first)."""
-        self._issue_layers(job, upto)
-        for other in self._loads:
-            if other is not job:
-                self._issue_layers(other, min(other.layers, upto))
+    def _issue_through(self, first: LoadJob | None, upto: int) -> None:
+        """Every pending job's copies issued up to forward position `upto`,
+        `first`'s before the others' (the one the forward waits for)."""
+        if first is not None:
+            self._issue_layers(first, upto)
+        for job in self._loads:
+            if job is not first:
+                self._issue_layers(job, upto)
 
     def _issue_layers(self, job: LoadJob, upto: int) -> None:
         """Issue `job`'s copies of the forward positions it has not issued, up
-        to `upto`: one call per layer (every unit of the batch), each followed
-        by that layer's event (the last layer's alone, if not layerwise). A
-        copy's failure is the job's (never carried to another job's event)."""
-        for pos in range(len(job.events), upto):
+        to `upto` (at most its last): one call per layer (every unit of the
+        batch), each followed by that layer's event (the last layer's alone,
+        if not layerwise). A copy's failure is the job's (never carried to
+        another job's event)."""
+        for pos in range(len(job.events), min(upto, job.layers)):
             g, layer = self._order[pos]
             try:
                 touches, label = (), ""

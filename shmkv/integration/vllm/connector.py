@@ -325,9 +325,16 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         sched, self._sched = self._sched, None
         if sched is not None:
             sched.shutdown()
+        self._detach()
+
+    def _detach(self) -> None:
+        """This engine's mapping of the segment closed (what it stored stays)."""
         if self.store is not None:
-            self.store.close()
-            self.store = None
+            try:
+                self.store.close()
+                self.store = None
+            except StoreInUseError as e:  # a copy of this process still holds a lease: the mapping stays
+                log.warning("shmkv: %s", e)
 
     # ============================================================ scheduler
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -516,10 +523,5 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         for side in (self._work, self._sched):
             if side is not None:
                 side.shutdown()
-        if self.store is not None:
-            try:
-                self.store.close()
-                self.store = None
-            except StoreInUseError as e:  # a copy of this process still holds a lease: the mapping stays
-                log.warning("shmkv: %s", e)
+        self._detach()
         log.info("shmkv: %s connector shut down", self._kv_role_name)
