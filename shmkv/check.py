@@ -11,16 +11,22 @@ then one line per check: ok, warn, fail or skip, and for each warning or
 failure the fix. Checks: the segment directory (a memory filesystem of ours,
 its parents nobody else can change), the capacity against the memory the
 host can give it, huge pages, what other users can reach (segment, runtime
-directory, disk directory), the segment itself (created or attached, as the
-daemon would, and a timed put/get of one chunk under a namespace of the
-check's own, removed after), and each visible GPU (the CUDA part against the
-driver, pinning of host memory, host<->device copies; skipped with the
-reason where there is none). Exit status: 1 when a check failed, else 0.
+directory, disk directory), the segment itself (an existing one attached as
+the daemon would; where there is none, one of the check's own with the same
+directory and capacity, removed after; a timed put/get of one chunk under a
+namespace of the check's own, removed after), and each visible GPU (the CUDA
+part against the driver, pinning of host memory, host<->device copies;
+skipped with the reason where there is none). --vllm runs its engines on a
+small cache of its own, shared memory only, removed after. The last line but
+one says what the check left on the host: nothing, unless --vllm failed
+(its logs are kept) or --workdir was given. Exit status: 1 when a check
+failed, else 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,6 +42,7 @@ from shmkv.errors import ShmkvError
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 PROBE_BYTES = 4 << 20  # the timed put/get's chunk
+VLLM_CHECK_CAPACITY = "256MiB"  # the --vllm check's own cache (two engines' 1,200-token prompt)
 
 
 @dataclass
@@ -160,16 +167,24 @@ def check_access(cfg: ShmkvConfig) -> Finding:
 
 
 def check_segment(cfg: ShmkvConfig) -> Finding:
-    """The segment as the daemon opens it (created or attached), and one
-    timed put and get of a chunk under a namespace of the check's own."""
+    """The segment as the daemon opens it, and one timed put and get of a
+    chunk under a namespace of the check's own. A segment that exists is
+    attached as it is (the probe chunk deleted after); where there is none,
+    the check creates one of its own in the same directory with the same
+    capacity and removes it after: a check leaves no segment behind."""
     from shmkv.keys import KEY_BYTES
+    from shmkv.names import segments_dir
     from shmkv.store.opening import open_store
 
+    existed = os.path.lexists(os.path.join(segments_dir(), cfg.cache_name))
+    probe_cfg = cfg if existed else dataclasses.replace(cfg, cache_name=_own_cache_name())
     try:
         t0 = time.perf_counter()
-        store = open_store(cfg, populate=False)
+        store = open_store(probe_cfg, populate=False)
         opened_s = time.perf_counter() - t0
     except (ShmkvError, OSError) as e:
+        if not existed:
+            _drop_own_cache(probe_cfg.cache_name)
         return Finding("segment", FAIL, f"cannot open '{cfg.cache_name}': {e}", _fix_for(e))
     key = os.urandom(KEY_BYTES)
     payload = os.urandom(PROBE_BYTES)
@@ -182,18 +197,40 @@ def check_segment(cfg: ShmkvConfig) -> Finding:
         get_s = time.perf_counter() - t0
         store.delete(key)
         st = store.stats()
-        data = {"outcome": store.outcome.name.lower(), "open_s": round(opened_s, 4), "put": put.name.lower(),
+        outcome = store.outcome.name.lower() if existed else "created for the check and removed"
+        data = {"outcome": outcome, "segment": probe_cfg.cache_name, "existed": existed,
+                "open_s": round(opened_s, 4), "put": put.name.lower(),
                 "put_gbps": round(PROBE_BYTES / put_s / 1e9, 2), "get_gbps": round(PROBE_BYTES / get_s / 1e9, 2),
                 "capacity_bytes": st["capacity_bytes"], "ready_entries": st["ready_entries"]}
     finally:
         store.close()
+        if not existed:
+            _drop_own_cache(probe_cfg.cache_name)
     if got is None or bytes(got) != payload:
         return Finding("segment", FAIL, f"the probe chunk did not come back ({put.name.lower()})",
                        "the segment is full of pinned or leased chunks, or damaged: `shmkv stats`, then "
                        "`shmkv ctl POST /clear`", data)
-    return Finding("segment", OK, f"'{cfg.cache_name}' {data['outcome']} ({_gib(data['capacity_bytes'])}); a "
-                   f"{PROBE_BYTES >> 20} MiB chunk put at {data['put_gbps']} GB/s, read at {data['get_gbps']} GB/s",
-                   data=data)
+    what = (f"'{cfg.cache_name}' {data['outcome']}" if existed else
+            f"no segment '{cfg.cache_name}' yet: one of the check's own ('{probe_cfg.cache_name}') created and "
+            "removed")
+    return Finding("segment", OK, f"{what} ({_gib(data['capacity_bytes'])}); a {PROBE_BYTES >> 20} MiB chunk put at "
+                   f"{data['put_gbps']} GB/s, read at {data['get_gbps']} GB/s", data=data)
+
+
+def _own_cache_name() -> str:
+    """A cache name of this check's own, beside the configured one."""
+    return f"shmkv-check-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+def _drop_own_cache(name: str) -> None:
+    """The check's own segment and runtime files, gone (never the configured cache's)."""
+    from shmkv import Store
+    from shmkv.paths import remove_cache_files
+
+    with contextlib.suppress(FileNotFoundError, ShmkvError):
+        Store.unlink(name)
+    with contextlib.suppress(OSError, ShmkvError):  # a runtime directory the check refuses has nothing of ours
+        remove_cache_files(name)
 
 
 def check_gpus(cfg: ShmkvConfig) -> list[Finding]:
@@ -295,6 +332,12 @@ def check_vllm(cfg: ShmkvConfig, model: str, workdir: str) -> Finding:
         return Finding("vllm", FAIL, f"--vllm {model}: not a model directory", "give a local model directory "
                        "(config.json and weights) or `tiny` for a random-weight model")
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(ShmkvConfig(), k)}
+    # a cache of the check's own, small, shared memory only: the engines' chunks go nowhere the
+    # configured cache or its tiers keep them, and it is removed after (a check leaves nothing)
+    own = _own_cache_name()
+    settings.update(cache_name=own, capacity=VLLM_CHECK_CAPACITY)
+    for tier in ("disk_dir", "remote_url"):
+        settings.pop(tier, None)
     prompt = [random.Random(0).randrange(3, 500) for _ in range(1200)]
     rows = []
     try:
@@ -306,15 +349,18 @@ def check_vllm(cfg: ShmkvConfig, model: str, workdir: str) -> Finding:
     except (RuntimeError, OSError, TimeoutError) as e:
         return Finding("vllm", FAIL, f"an engine did not serve: {str(e)[-500:]}",
                        f"read the engine logs in {workdir}")
+    finally:
+        _drop_own_cache(own)
     (out1, _), (out2, hit) = rows
-    data = {"model": model, "hit_tokens": hit, "outputs_equal": out1 == out2}
+    data = {"model": model, "hit_tokens": hit, "outputs_equal": out1 == out2, "segment": own}
     if hit <= 0:
         return Finding("vllm", FAIL, "the second engine found nothing of the first's prompt in the cache",
                        f"read {workdir}/engine2.log (shmkv logs why it is off, if it is)", data)
     if out1 != out2:
         return Finding("vllm", FAIL, f"the second engine loaded {hit} tokens but its output differs",
                        "report it with both engine logs: a loaded prefix must give the same greedy output", data)
-    return Finding("vllm", OK, f"engine 2 loaded {hit} of {len(prompt)} prompt tokens; outputs equal", data=data)
+    return Finding("vllm", OK, f"engine 2 loaded {hit} of {len(prompt)} prompt tokens; outputs equal (a "
+                   f"{VLLM_CHECK_CAPACITY} cache of the check's own, removed after)", data=data)
 
 
 # --------------------------------------------------------------- helpers --
@@ -372,8 +418,16 @@ def run_checks(cfg: ShmkvConfig, *, vllm: str | None = None, workdir: str | None
         finding = check_vllm(cfg, vllm, workdir)
         if own and (finding.status == OK or not os.listdir(workdir)):  # its own: kept only for a failure's logs
             shutil.rmtree(workdir, ignore_errors=True)
+        finding.data.setdefault("workdir", workdir)
         findings.append(finding)
     return findings
+
+
+def left_behind(findings: list[Finding]) -> list[str]:
+    """What the checks left on the host: nothing but a --vllm work directory
+    kept for a failure's logs, or one the caller named (--workdir)."""
+    return [f"{f.data['workdir']} (the engine logs and model)" for f in findings
+            if f.check == "vllm" and os.path.isdir(f.data.get("workdir", ""))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,9 +450,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     findings = run_checks(cfg, vllm=args.vllm, workdir=args.workdir)
     failed = any(f.status == FAIL for f in findings)
+    left = left_behind(findings)
     settings = {k: {"value": _plain(getattr(cfg, k)), "source": sources[k]} for k in sources}
     if args.json:
-        print(json.dumps({"ok": not failed, "settings": settings,
+        print(json.dumps({"ok": not failed, "settings": settings, "left": left,
                           "checks": [dataclasses.asdict(f) for f in findings]}, sort_keys=True))
         return 1 if failed else 0
     width = max(len(k) for k in settings)
@@ -410,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  [{f.status:4}] {f.check}: {f.detail}")
         if f.fix and f.status in (WARN, FAIL):
             print(f"         fix: {f.fix}")
+    print(f"\nleft on this host: {', '.join(left) if left else 'nothing (no segment, no files)'}")
     print("\n" + ("FAILED: fix the lines marked fail before serving" if failed else "ready to serve"))
     return 1 if failed else 0
 

@@ -4,7 +4,6 @@ engines of the end-to-end tests. Plain helpers live in helpers.py."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -41,89 +40,16 @@ def pytest_configure(config) -> None:
         os.environ["PYTEST_ENGINE_START_LOG"] = path
 
 
-# The places a run must leave as it found them (#54): what vLLM's killed engines leave there is
-# removed by the harness that ends them (shmkv.bench.engines.remove_orphan_shm); pytest's own
-# temporary directories (it keeps the last three runs) and this run's engine-start log are not leftovers
-def _watched() -> dict[str, set[str]]:
-    from shmkv.paths import runtime_dir_path
-
-    out = {}
-    for d in ("/dev/shm", runtime_dir_path(), tempfile.gettempdir()):
-        try:
-            out[d] = set(os.listdir(d))
-        except OSError:
-            out[d] = set()
-    return out
+# The run leaves /dev/shm, the runtime directory and the temporary directory as it found them:
+# leftovers.py (a plugin of its own, so that a nested session in a test can load it too)
+from leftovers import pytest_sessionfinish, pytest_sessionstart  # noqa: E402,F401
 
 
-def _not_a_leftover(directory: str, name: str) -> bool:
-    return (directory == tempfile.gettempdir() and name.startswith("pytest-of-")) or \
-        os.path.join(directory, name) == os.environ.get("PYTEST_ENGINE_START_LOG")
+def pytest_report_header(config) -> str:
+    """The CPU this run is on and what vLLM chose on it (tests/support/vllm_host.py)."""
+    from vllm_host import header
 
-
-def pytest_sessionstart(session) -> None:
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        session.config.stash[_BEFORE] = _watched()
-
-
-# What vLLM's own engines leave when they end without their teardown (killed, as `vllm serve` is by
-# default, or their workers killed at shutdown): a TP group's shared-memory regions and the named
-# semaphores of its multiprocessing, in /dev/shm, and its gloo file-store directories in the
-# temporary directory. They cannot be told apart from a live engine's while others run (glibc maps a
-# semaphore under a temporary name before it links its own), so the run removes the ones it made
-# once every engine of the run has ended: here.
-VLLM_LEFTOVERS = {"/dev/shm": ("sem.mp-", "vllm_dist_"), tempfile.gettempdir(): ("vllm_dist_",)}
-# A file shmkv keeps in the runtime directory on purpose across processes (the weights' digests, so
-# an engine does not hash the same checkpoint twice): the run removes it if the run made it.
-PRODUCT_MEMOS = ("weights-digests.json",)
-
-
-def _remove_what_the_run_made(before: dict[str, set[str]]) -> None:
-    from shmkv.bench.engines import sweep_weights_boards
-    from shmkv.paths import runtime_dir_path
-
-    sweep_weights_boards()  # what the harness does after each engine, once more (shmkv's own sweep)
-    patterns = {**VLLM_LEFTOVERS, runtime_dir_path(): PRODUCT_MEMOS}
-    for d, prefixes in patterns.items():
-        try:
-            names = set(os.listdir(d)) - before.get(d, set())
-        except OSError:
-            continue
-        for n in names:
-            if n.startswith(prefixes):
-                path = os.path.join(d, n)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
-
-
-def pytest_sessionfinish(session, exitstatus) -> None:
-    """Fails the run when it left files in /dev/shm, the runtime directory or
-    the temporary directory that were not there when it started, naming
-    them (SHMKV_TEST_LEFTOVERS=report: says so without failing). vLLM's own
-    leftovers of the run's engines are removed first (VLLM_LEFTOVERS)."""
-    before = session.config.stash.get(_BEFORE, None)
-    if before is None or os.environ.get("PYTEST_XDIST_WORKER") or exitstatus == pytest.ExitCode.INTERRUPTED:
-        return
-    _remove_what_the_run_made(before)
-    left = {d: sorted(n for n in names - before.get(d, set()) if not _not_a_leftover(d, n))
-            for d, names in _watched().items()}
-    left = {d: names for d, names in left.items() if names}
-    if left:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        for d, names in left.items():
-            line = f"LEFT BEHIND in {d} by this run: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}"
-            if reporter is not None:
-                reporter.write_line(line, red=True)
-            else:
-                print(line)
-        if os.environ.get("SHMKV_TEST_LEFTOVERS") != "report":
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-_BEFORE = pytest.StashKey[dict]()
+    return header()
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

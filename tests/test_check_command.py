@@ -50,8 +50,12 @@ def test_a_host_ready_to_serve(cache, tmp_path):
     assert settings["chunk_size"] == {"value": 128, "source": f"file {cfg}"}
     assert settings["cache_name"] == {"value": cache, "source": "explicit"}
     assert settings["lock_timeout"]["source"] == "default"
-    assert got["segment"]["status"] == "ok" and got["segment"]["data"]["outcome"] == "created"
-    assert got["segment"]["data"]["ready_entries"] == 0, "the probe chunk is removed"
+    seg = got["segment"]
+    assert seg["status"] == "ok" and seg["data"]["existed"] is False
+    assert seg["data"]["outcome"] == "created for the check and removed" and seg["data"]["segment"] != cache
+    assert seg["data"]["capacity_bytes"] == 64 << 20, "the geometry the daemon would create"
+    assert not os.path.exists(f"/dev/shm/{cache}") and not os.path.exists(f"/dev/shm/{seg['data']['segment']}")
+    assert got["_"]["left"] == []
     assert {got[k]["status"] for k in ("segment directory", "capacity", "other users")} == {"ok"}
     assert got["huge pages"]["status"] in ("ok", "warn")
     if got["huge pages"]["status"] == "warn":
@@ -61,6 +65,16 @@ def test_a_host_ready_to_serve(cache, tmp_path):
     text = check("--cache", cache, env={"SHMKV_CAPACITY": "64MiB"})
     assert text.returncode == 0 and "ready to serve" in text.stdout
     assert "capacity" in text.stdout and "environment SHMKV_CAPACITY" in text.stdout
+
+
+def test_an_existing_segment_is_attached_as_it_is_and_keeps_its_chunks(cache):
+    with Store.create(cache, 32 << 20, populate=False) as s:
+        s.put(b"k" * 16, b"kept" * 1000)
+        got = by_name(check("--cache", cache, "--json").stdout)
+        seg = got["segment"]
+        assert seg["status"] == "ok" and seg["data"]["existed"] is True and seg["data"]["segment"] == cache
+        assert seg["data"]["outcome"] == "attached" and seg["data"]["capacity_bytes"] == 32 << 20
+        assert bytes(s.get(b"k" * 16)) == b"kept" * 1000 and s.stats()["ready_entries"] == 1, "the probe chunk gone"
 
 
 @pytest.mark.skipif(os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidiactl"),
@@ -141,11 +155,30 @@ def test_a_vllm_model_that_is_not_a_directory_fails_with_its_fix(cache, tmp_path
     assert c["status"] == "fail" and "not a model directory" in c["detail"] and "`tiny`" in c["fix"]
 
 
+def _check_files(cache: str) -> set[str]:
+    """The files a check of `cache` could make: its segments, runtime files and work directory."""
+    from shmkv.paths import runtime_dir_path
+
+    out = set()
+    for d in ("/dev/shm", runtime_dir_path(), "/tmp"):
+        if os.path.isdir(d):
+            out |= {os.path.join(d, n) for n in os.listdir(d) if n.startswith((cache, "shmkv-check-"))}
+    return out
+
+
 @pytest.mark.slow
-def test_two_engines_on_a_tiny_model_share_the_prompt(cache, tmp_path):
+def test_two_engines_on_a_tiny_model_share_the_prompt_and_leave_nothing(cache):
+    """As an operator runs it on a host with no segment, the settings left at
+    their defaults (the default capacity: a quarter of /dev/shm): the engines
+    share the prompt, and the host holds what it held before (#67: the check
+    left a populated default-size segment behind)."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
-    r = check("--cache", cache, "--json", "--vllm", "tiny", "--workdir", str(tmp_path),
-              env={"SHMKV_CAPACITY": "256MiB"})
+    assert not os.path.exists(f"/dev/shm/{cache}")
+    before = _check_files(cache)
+    r = check("--cache", cache, "--json", "--vllm", "tiny")
     got = by_name(r.stdout)
     assert r.returncode == 0, (got.get("vllm"), r.stderr[-2000:])
     assert got["vllm"]["data"]["hit_tokens"] > 0 and got["vllm"]["data"]["outputs_equal"] is True
+    assert got["segment"]["data"]["existed"] is False
+    assert got["_"]["left"] == []
+    assert _check_files(cache) == before, "the check left its segment, runtime files or work directory"

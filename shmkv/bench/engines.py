@@ -9,21 +9,18 @@ parent; ending the group ends them all). It answers JSON lines prefixed with
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import shlex
 import signal
-import stat
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shmkv.bench.owned_files import OwnedFiles
 from shmkv.bench.process_groups import end_group, signal_group, wait_exited
 
 PREFIX = "SHMKV-JSON "
@@ -142,7 +139,9 @@ class EngineProcess:
             env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - reserved)))
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self._shm_before, self._sockets_before = vllm_shm_names(), vllm_ipc_sockets()
+        # what vLLM's processes of this engine leave behind is removed by ownership (owned_files)
+        self.owned_files = OwnedFiles("engine")
+        env["TMPDIR"] = self.owned_files.tmpdir
         if launch is not None and spec.in_process and not spec.pid_namespace:
             self.proc: Any = launch(json.dumps(asdict(spec)), env, self._log.fileno())
         else:
@@ -152,12 +151,17 @@ class EngineProcess:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
                 start_new_session=True,
             )
+        self.owned_files.watch(self.proc.pid)  # its process group (started as a session of its own)
         self._pending = b""  # stdout bytes read past the last whole line
         self.pid = self.proc.pid
         t0 = time.monotonic()
         ready = self._read(start_timeout)
         if not ready.get("ready"):
             raise RuntimeError(f"engine failed to start: {ready}; see {log_path}")
+        # what vLLM chose for this host (ask it, never assume the CPU's backend); the backends of the
+        # layers are known with EngineCore in the engine's process (spec.in_process), else []
+        self.block_size: int = ready["block_size"]
+        self.attention_backends: list[str] = ready["attention_backends"]
         self.start_s = time.monotonic() - t0  # spawn to ready: what a caller waits for
         _note_start(os.path.basename(log_path), self.start_s)
 
@@ -247,6 +251,7 @@ class EngineProcess:
         """Shut the engine down, giving EngineCore `shutdown_timeout` s for
         its teardown before vLLM kills it (vLLM's own default for LLM is 5 s;
         `vllm serve` gives --shutdown-timeout, default 0: killed at once)."""
+        self.owned_files.sample()
         if not wait_exited(self.proc, 0):
             try:
                 self.call(cmd="quit", shutdown_timeout=shutdown_timeout, timeout=shutdown_timeout + 60)
@@ -254,12 +259,12 @@ class EngineProcess:
                 pass
         end_group(self.proc, timeout=60, first=None)  # then EngineCore/workers left behind are killed
         self._log.close()
-        remove_orphan_shm(vllm_shm_names() - self._shm_before)
-        remove_unbound_sockets(vllm_ipc_sockets() - self._sockets_before)
+        self.owned_files.remove()
         sweep_weights_boards()
 
     def kill(self) -> None:
         """End the engine as `vllm serve` does by default: no teardown (SIGKILL to every process of it)."""
+        self.owned_files.sample()
         signal_group(self.proc, signal.SIGKILL)
         self.close()
 
@@ -290,80 +295,6 @@ def _note_start(label: str, seconds: float) -> None:
     if path:
         with open(path, "a") as f:
             f.write(f"{label} {seconds:.2f}\n")
-
-
-# What vLLM's processes leave in /dev/shm when they are killed and nothing else can be using once
-# no live process maps it: multiprocessing shared memory (vLLM's message queues). NOT the CPU
-# backend's TP regions (vllm_dist_*) nor named semaphores (sem.mp-*): a semaphore is mapped under a
-# temporary name before it gets its own (glibc's sem_open), so "mapped by nobody" does not mean
-# unused, and removing one broke engines starting beside (a full run: 7 failures)
-VLLM_SHM_PREFIXES = ("psm_",)
-
-
-def vllm_shm_names() -> set[str]:
-    """vLLM's shared-memory files in /dev/shm (VLLM_SHM_PREFIXES)."""
-    try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith(VLLM_SHM_PREFIXES)}
-    except OSError:
-        return set()
-
-
-_UUID_NAME = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
-
-
-def vllm_ipc_sockets() -> set[str]:
-    """vLLM's ZMQ IPC sockets in the temporary directory (ipc://TMP/<uuid4>)."""
-    tmp = tempfile.gettempdir()
-    out = set()
-    try:
-        for n in os.listdir(tmp):
-            if _UUID_NAME.match(n):
-                with contextlib.suppress(OSError):
-                    if stat.S_ISSOCK(os.lstat(os.path.join(tmp, n)).st_mode):
-                        out.add(n)
-    except OSError:
-        pass
-    return out
-
-
-def remove_unbound_sockets(names: set[str]) -> None:
-    """Remove those of `names` (in the temporary directory) no process has
-    bound any more (/proc/net/unix): vLLM leaves its IPC socket files behind."""
-    if not names:
-        return
-    tmp = tempfile.gettempdir()
-    try:
-        with open("/proc/net/unix") as f:
-            bound = {line.split()[-1] for line in f if line.count(" ") >= 7 and line.split()[-1].startswith("/")}
-    except OSError:
-        return
-    for n in names:
-        path = os.path.join(tmp, n)
-        if path not in bound:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-
-
-def remove_orphan_shm(names: set[str]) -> None:
-    """Remove those of `names` no live process maps: an engine group killed
-    with SIGKILL leaves its message queues behind (hundreds of MB per run)."""
-    if not names:
-        return
-    mapped: set[str] = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                mapped.update(n for line in f if "/dev/shm/" in line
-                              for n in [line.rsplit("/", 1)[-1].split()[0]] if n in names)
-        except OSError:
-            continue
-    for n in names - mapped:
-        try:
-            os.unlink(os.path.join("/dev/shm", n))
-        except OSError:
-            pass
 
 
 def _abort_after_tokens(llm: Any, prompt: list[int], tokens: int) -> dict[str, Any]:
@@ -411,6 +342,12 @@ def _pause_and_resume(llm: Any) -> dict[str, Any]:
         paused.result(timeout=60)
     core.resume_scheduler()
     return {"paused": True}
+
+
+def _attention_backends(worker: Any) -> list[str]:
+    """The attention backends vLLM chose for this worker's layers (a collective_rpc function)."""
+    layers = worker.vllm_config.compilation_config.static_forward_context.values()
+    return sorted({m.get_attn_backend().get_name() for m in layers if hasattr(m, "get_attn_backend")})
 
 
 def _negate_weight_everywhere(llm: Any, name: str, through_loader: bool) -> dict[str, Any]:
@@ -483,7 +420,12 @@ def _serve(spec: EngineSpec) -> None:
         "pause_and_resume": lambda c: _pause_and_resume(llm),
         "negate_weight": lambda c: _negate_weight_everywhere(llm, c["name"], bool(c["through_loader"])),
     }
-    say({"ready": True, "pid": os.getpid()})
+    # NOTE: a function reaches the workers only from an EngineCore in this process (vLLM's process
+    # split serialises calls with msgpack, which sends no function): [] there
+    in_process = getattr(llm.llm_engine.engine_core, "engine_core", None) is not None
+    backends = sorted(set().union(*llm.collective_rpc(_attention_backends))) if in_process else []
+    say({"ready": True, "pid": os.getpid(), "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+         "attention_backends": backends})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "quit":

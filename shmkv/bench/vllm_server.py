@@ -37,14 +37,14 @@ class VllmServer:
     def __init__(self, model_dir: str, log_path: str, *, args: Sequence[str] = (),
                  kv_transfer_config: dict | None = None, env: dict[str, str] | None = None,
                  timeout: float = 300, python: str = sys.executable) -> None:
-        from shmkv.bench.engines import vllm_ipc_sockets, vllm_shm_names
+        from shmkv.bench.owned_files import OwnedFiles
 
-        self._psm_before, self._sockets_before = vllm_shm_names(), vllm_ipc_sockets()
+        self._owned = OwnedFiles("server")  # what its processes leave behind, removed by ownership
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model_dir
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-               "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+               "VLLM_SERVER_DEV_MODE": "1", **(env or {}), "TMPDIR": self._owned.tmpdir}
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--dtype", "bfloat16", "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
                 "--seed", "0", *args]
@@ -54,11 +54,14 @@ class VllmServer:
         self.log_path = log_path
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
+        self._owned.watch(self.proc.pid)  # its process group (a session of its own)
         t0 = time.monotonic()
         deadline = t0 + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.close()
+                end_group(self.proc, timeout=10, first=None)  # what it started
+                self._owned.remove()
                 raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); see {log_path}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
@@ -111,19 +114,12 @@ class VllmServer:
         self.close()
 
     def close(self) -> None:
-        from shmkv.bench.engines import (
-            remove_orphan_shm,
-            remove_unbound_sockets,
-            sweep_weights_boards,
-            vllm_ipc_sockets,
-            vllm_shm_names,
-        )
+        from shmkv.bench.engines import sweep_weights_boards
 
+        self._owned.sample()
         end_group(self.proc, timeout=60, first=signal.SIGTERM)
         self.log.close()
-        # vLLM's message queues of a server group that did not unlink them (its workers killed at shutdown)
-        remove_orphan_shm(vllm_shm_names() - self._psm_before)
-        remove_unbound_sockets(vllm_ipc_sockets() - self._sockets_before)
+        self._owned.remove()  # what the server's group left (its workers killed at shutdown)
         sweep_weights_boards()
 
 

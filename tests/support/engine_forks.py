@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -230,6 +231,7 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
     os.close(fds[3])  # the status pipe is the server's to write
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # the server's cached choice: the child's TMPDIR (its own, owned_files) decides
     code = 0
     try:
         if "module" in request:

@@ -1,12 +1,13 @@
 """A remote that misbehaves cannot stall or break the callers: a server that
 drips its answer a byte at a time is cut at the call's deadline (remote_timeout
-in total, not per read), a server that answers +OK to everything is a counted
-fault with the backoff, never an exception, and a redis:// URL to another
-host is named in a warning (chunks would travel in clear)."""
+in total, not per read; counted on a fake clock and in bytes sent, never
+timed), a server that answers +OK to everything is a counted fault with the
+backoff, never an exception, and a redis:// URL to another host is named in a warning (chunks would travel in clear)."""
 
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ from helpers import key
 
 from shmkv import Store
 from shmkv.tiers import TierChain
+from shmkv.tiers.remote import client as remote_client
 from shmkv.tiers.remote.tier import RemoteTier
 
 NS = b"N" * 16
@@ -72,11 +74,21 @@ def fake_server(answer: Callable[[socket.socket, bytes], None]) -> Iterator[str]
         c.close()
 
 
+DRIP = b"*100\r\n" + b":1\r\n" * 100
+DRIPPED: queue.Queue[int] = queue.Queue()  # per answer: the bytes sent before the client hung up (or all)
+
+
 def drip(conn: socket.socket, _data: bytes) -> None:
-    """Answer with a long array, one byte every 0.05 s (about 20 s in all)."""
-    for b in b"*100\r\n" + b":1\r\n" * 100:
-        conn.sendall(bytes([b]))
+    """Answer with a long array, one byte every 0.05 s (about 20 s in all);
+    put in DRIPPED how many bytes went out before the client hung up."""
+    for i, b in enumerate(DRIP):
+        try:
+            conn.sendall(bytes([b]))
+        except OSError:
+            DRIPPED.put(i)
+            raise
         time.sleep(0.05)  # the fake server's pace, not a wait in the test
+    DRIPPED.put(len(DRIP))
 
 
 def ok_to_everything(conn: socket.socket, data: bytes) -> None:
@@ -100,13 +112,76 @@ def remote(url: str, store: Store) -> RemoteTier:
 
 
 def test_a_dripping_server_is_cut_at_the_calls_deadline(store, dripping):
-    r = remote(dripping, store)
-    t0 = time.monotonic()
+    """Counted, not timed: the client hangs up on the drip (a per-read
+    timeout would read it all: each byte comes within one), once per call."""
+    while not DRIPPED.empty():
+        DRIPPED.get()
+    r = remote(dripping, store)  # the cluster probe, at start: an answer of its own, cut too
     assert r.contains([key(i) for i in range(100)], [NS] * 100) == [False] * 100
-    elapsed = time.monotonic() - t0
-    assert elapsed < 2 * TIMEOUT, f"contains() took {elapsed:.2f} s with remote_timeout {TIMEOUT} s"
-    assert store.stats()["remote_errors"] == 1
+    assert store.stats()["remote_errors"] == 1, "one failed call, counted once"
     r.close()
+    sent = sorted(DRIPPED.get(timeout=30) for _ in range(2))  # the probe's answer and the lookup's
+    assert all(n < len(DRIP) // 2 for n in sent), f"bytes sent before the client hung up: {sent} of {len(DRIP)}"
+
+
+class FakeSocket:
+    """A socket whose every read takes 1/16 s of a fake clock (exact in binary) and returns a byte."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+        self.reads = 0
+        self.timeouts: list[float] = []
+
+    def settimeout(self, t: float | None) -> None:
+        self.timeouts.append(t)
+
+    def recv(self, n: int) -> bytes:
+        self.reads += 1
+        self.clock[0] += 0.0625
+        return b"x"
+
+    def sendall(self, data: bytes) -> None:
+        self.clock[0] += 0.0625
+
+
+def test_the_deadline_bounds_a_call_not_each_read(monkeypatch):
+    """The deadline socket on a fake clock: 0.5 s of reads that each take
+    1/16 s end after 8 reads, whatever the per-read timeout; each read's
+    timeout is what is left of the call; a send past the deadline fails too."""
+    clock = [100.0]
+    monkeypatch.setattr(remote_client.time, "monotonic", lambda: clock[0])
+    sock = FakeSocket(clock)
+    wrapped = remote_client._DeadlineSocket(sock, timeout_s=TIMEOUT)
+    remote_client.set_deadline(clock[0] + TIMEOUT)
+    try:
+        with pytest.raises(TimeoutError):
+            while True:
+                wrapped.recv(1)
+        assert sock.reads == 8
+        assert sock.timeouts[0] == TIMEOUT and sock.timeouts == sorted(sock.timeouts, reverse=True)
+        with pytest.raises(TimeoutError):
+            wrapped.sendall(b"PING")
+        remote_client.set_deadline(None)
+        armed = len(sock.timeouts)
+        wrapped.recv(1)  # no deadline: the socket's own timeout is left as it is
+        assert len(sock.timeouts) == armed
+    finally:
+        remote_client.set_deadline(None)
+
+
+def test_a_connect_gets_what_is_left_of_the_call(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(remote_client.time, "monotonic", lambda: clock[0])
+    remote_client.set_deadline(clock[0] + TIMEOUT)
+    try:
+        clock[0] += 0.4
+        assert remote_client.time_left(TIMEOUT) == pytest.approx(0.1)
+        clock[0] += 0.2
+        with pytest.raises(TimeoutError):
+            remote_client.time_left(TIMEOUT)
+    finally:
+        remote_client.set_deadline(None)
+    assert remote_client.time_left(TIMEOUT) == TIMEOUT
 
 
 def test_a_server_that_says_ok_to_everything_is_a_fault_not_an_error(store, yes_server):

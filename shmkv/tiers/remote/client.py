@@ -9,10 +9,12 @@ call made through it:
     seed nodes' URLs (always a cluster). A cluster gets redis-py's cluster
     client: keys spread over every slot, MOVED/ASK and failovers handled by
     it; the single-server mode stays as it was;
-  * every call has one deadline across its connect and socket reads (a
-    thread-local set by RemoteTier._call): redis-py bounds each read by
-    socket_timeout, not a call, so a server dripping its answer would hold a
-    call for ever;
+  * every call has one deadline across its connect, its sends and its
+    socket reads (a thread-local set by RemoteTier._call): redis-py bounds
+    each read by socket_timeout, not a call, so a server dripping its answer
+    would hold a call for ever. Whether the server is a cluster is asked once,
+    when the tier is made, under a deadline of its own: never inside a
+    caller's call;
   * a redis:// URL to a host that is not loopback is named in a warning:
     chunks would travel in clear.
 
@@ -42,25 +44,32 @@ _deadline = threading.local()
 
 
 def set_deadline(at: float | None) -> None:
-    """The calling thread's deadline (time.monotonic()) for its remote reads; None: none."""
+    """The calling thread's deadline (time.monotonic()) for its remote calls; None: none."""
     _deadline.at = at
 
 
+def time_left(cap: float) -> float:
+    """Seconds the calling thread's call may still take, at most `cap`
+    (`cap` without a deadline); TimeoutError once the deadline passed."""
+    at = getattr(_deadline, "at", None)
+    if at is None:
+        return cap
+    left = at - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the remote call's deadline passed")
+    return min(left, cap)
+
+
 class _DeadlineSocket:
-    """A connected socket whose reads end at the calling thread's deadline."""
+    """A connected socket whose reads and sends end at the calling thread's deadline."""
 
     def __init__(self, sock: Any, timeout_s: float) -> None:
         self._sock = sock
         self._timeout_s = timeout_s
 
     def _arm(self) -> None:
-        at = getattr(_deadline, "at", None)
-        if at is None:
-            return
-        left = at - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the remote call's deadline passed")
-        self._sock.settimeout(min(left, self._timeout_s))
+        if getattr(_deadline, "at", None) is not None:
+            self._sock.settimeout(time_left(self._timeout_s))
 
     def recv(self, *args: Any) -> Any:
         self._arm()
@@ -69,6 +78,14 @@ class _DeadlineSocket:
     def recv_into(self, *args: Any) -> Any:
         self._arm()
         return self._sock.recv_into(*args)
+
+    def send(self, *args: Any) -> Any:
+        self._arm()
+        return self._sock.send(*args)
+
+    def sendall(self, *args: Any) -> Any:
+        self._arm()  # NOTE: sendall's timeout bounds the whole send (CPython), so the deadline holds
+        return self._sock.sendall(*args)
 
     def settimeout(self, t: float | None) -> None:
         self._timeout_s = self._timeout_s if t is None else t
@@ -80,7 +97,13 @@ class _DeadlineSocket:
 
 class _DeadlineMixin:
     def _connect(self) -> Any:
-        sock = super()._connect()  # type: ignore[misc]
+        cap = self.socket_connect_timeout or self.socket_timeout or 1.0  # type: ignore[attr-defined]
+        saved = self.socket_connect_timeout  # type: ignore[attr-defined]
+        self.socket_connect_timeout = time_left(cap)  # a connect within the call's deadline too
+        try:
+            sock = super()._connect()  # type: ignore[misc]
+        finally:
+            self.socket_connect_timeout = saved
         return _DeadlineSocket(sock, self.socket_timeout or 1.0)  # type: ignore[attr-defined]
 
 

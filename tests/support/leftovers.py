@@ -1,0 +1,110 @@
+"""The test run leaves /dev/shm, shmkv's runtime directory and the
+temporary directory as it found them (#54, #67): a pytest plugin that notes
+what each held at the session's start and, at its end, fails the run when
+new files are there that nothing holds, naming them
+(SHMKV_TEST_LEFTOVERS=report: only says so).
+
+Nothing here removes vLLM's files by name: what the run's engines leave is
+removed by the harness that ends each one, by ownership
+(shmkv.bench.owned_files). A neighbour's engine started while the run ran
+keeps its files: a new file of vLLM's kinds that a live process holds is
+named as in use, not counted. tests/conftest.py loads this plugin; a test
+that runs a nested session loads it with `-p leftovers`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+
+import pytest
+
+
+# The places a run must leave as it found them (#54): what vLLM's killed engines leave there is
+# removed by the harness that ends them (shmkv.bench.owned_files); pytest's own
+# temporary directories (it keeps the last three runs) and this run's engine-start log are not leftovers
+def _watched() -> dict[str, set[str]]:
+    from shmkv.paths import runtime_dir_path
+
+    out = {}
+    for d in ("/dev/shm", runtime_dir_path(), tempfile.gettempdir()):
+        try:
+            out[d] = set(os.listdir(d))
+        except OSError:
+            out[d] = set()
+    return out
+
+
+def _not_a_leftover(directory: str, name: str) -> bool:
+    return (directory == tempfile.gettempdir() and name.startswith("pytest-of-")) or \
+        os.path.join(directory, name) == os.environ.get("PYTEST_ENGINE_START_LOG")
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def pytest_sessionstart(session) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        session.config.stash[_BEFORE] = _watched()
+
+
+# vLLM's own files of the run's engines (message queues, TP regions, semaphores, gloo stores, IPC
+# sockets) are removed by the harness that ends each engine, by ownership (shmkv.bench.owned_files):
+# never here by name and time, which removed a neighbour engine's semaphores while it started (#67).
+# A file shmkv keeps in the runtime directory on purpose across processes (the weights' digests, so
+# an engine does not hash the same checkpoint twice) is a cache: the run removes it if it was not
+# there before (a neighbour that wrote to it too hashes its checkpoint once more, nothing breaks).
+PRODUCT_MEMOS = ("weights-digests.json",)
+
+
+def _remove_what_the_run_made(before: dict[str, set[str]]) -> None:
+    from shmkv.bench.engines import sweep_weights_boards
+    from shmkv.paths import runtime_dir_path
+
+    sweep_weights_boards()  # what the harness does after each engine, once more (shmkv's own sweep)
+    d = runtime_dir_path()
+    for n in PRODUCT_MEMOS:
+        if n not in before.get(d, set()):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(d, n))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Fails the run when it left files in /dev/shm, the runtime directory or
+    the temporary directory that were not there when it started, naming
+    them (SHMKV_TEST_LEFTOVERS=report: says so without failing). What the
+    run's engines left is removed by their harness, by ownership."""
+    before = session.config.stash.get(_BEFORE, None)
+    if before is None or os.environ.get("PYTEST_XDIST_WORKER") or exitstatus == pytest.ExitCode.INTERRUPTED:
+        return
+    _remove_what_the_run_made(before)
+    from shmkv.bench.owned_files import VLLM_SHM_PREFIXES, held_by_live_processes
+
+    new = {d: sorted(n for n in names - before.get(d, set()) if not _not_a_leftover(d, n))
+           for d, names in _watched().items()}
+    # a new file of vLLM's kinds (or a socket) that a live process holds is in use: a neighbour engine's,
+    # started while the run ran; named, not counted. shmkv's own files always count (a leaked daemon's too)
+    held = held_by_live_processes([os.path.join(d, n) for d, names in new.items() for n in names
+                                   if n.startswith(VLLM_SHM_PREFIXES) or _is_socket(os.path.join(d, n))])
+    left = {d: [n for n in names if os.path.join(d, n) not in held] for d, names in new.items()}
+    left = {d: names for d, names in left.items() if names}
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    say = reporter.write_line if reporter is not None else (lambda line, **kw: print(line))
+    if held:
+        say(f"in use by live processes, not this run's to remove: {', '.join(sorted(held)[:20])}")
+    if left:
+        for d, names in left.items():
+            say(f"LEFT BEHIND in {d} by this run: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}",
+                red=True)
+        if os.environ.get("SHMKV_TEST_LEFTOVERS") != "report":
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_BEFORE = pytest.StashKey[dict]()
+
+
