@@ -41,6 +41,7 @@ from shmkv.bench.engines import EngineProcess, EngineSpec
 
 def test_a_killed_engine_leaves_nothing_while_a_neighbour_starts(tmp_path):
     # vLLM's own process split (EngineCore and a worker): message queues and semaphores in /dev/shm
+    # (EngineCore in the engine's process with one rank makes none: its worker runs in that process)
     spec = EngineSpec(os.environ["MODEL_DIR"], shmkv=None, in_process=False)
     e = EngineProcess(spec, str(tmp_path / "engine.log"))
     prompt = [random.Random(0).randrange(3, 500) for _ in range(64)]
