@@ -23,7 +23,12 @@ the random model's weights: token i is the word `t<i>`):
 
 Reuse is read from the servers' counters (vLLM's prefix_cache_hits and
 external_prefix_cache_hits, shmkv's loaded tokens), never inferred from
-timings; the controls fail the run on those counters. Output: TTFT p50/p99
+timings; the controls fail the run on those counters.
+
+--small (CI's check: the test model, timings not compared) starts 12
+servers instead of 16: one server per variant serves no_reuse, in_cache,
+evicted and restart's first half in turn, vLLM's prefix cache reset before
+each arm (fresh prompts every arm; the counters are differences). Output: TTFT p50/p99
 and throughput per arm and variant, the ratios shmkv / vLLM alone, one JSON,
 one PNG (--plot).
 """
@@ -31,6 +36,7 @@ one PNG (--plot).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -39,6 +45,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -101,19 +108,43 @@ class Run:
         self._n = 0
         self._client: BenchServeClient | None = None
         self._started: dict[str, VllmServer] = {}  # --small: servers started ahead, by label
+        self._kept: dict[bool, VllmServer] = {}  # --small: each variant's server of the one-server arms
         self._started_segments: list[str] = []
 
     def prestart(self, arm: str) -> None:
         """--small (CI's check, whose timings are not compared): the servers
-        of both variants of a one-server arm started together; most of a
-        small run is server starts. The arm takes them by label."""
-        if arm not in ("no_reuse", "in_cache", "evicted", "restart"):
+        an arm needs, both variants started together; most of a small run is
+        server starts. One server per variant serves every one-server arm in
+        turn (one_server); restart's second servers start with the arm."""
+        if arm in ("no_reuse", "in_cache", "evicted") and not self._kept:
+            labels = [f"one-server-{_v(flag)}" for flag in (False, True)]
+            caches = [None, self.segment_name("one-server")]
+            self._started_segments.append(caches[1])
+            self._kept.update(zip((False, True), self.servers(labels, caches)))
+        elif arm == "restart":
+            labels = [f"restart-second-{_v(flag)}" for flag in (False, True)]
+            caches = [None, self.segment_name("one-server" if self._kept else "restart")]
+            if not self._kept:
+                self._started_segments.append(caches[1])
+            self._started.update(zip(labels, self.servers(labels, caches)))
+
+    @contextlib.contextmanager
+    def one_server(self, arm: str, shmkv: bool) -> Iterator[VllmServer]:
+        """The server of a one-server arm: a fresh one per arm, or with --small
+        the variant's one server, vLLM's prefix cache reset first (what a fresh
+        server holds of the arm's prompts: nothing; its segment keeps the
+        earlier arms' chunks, which the arm's fresh prompts never hit; the
+        counters are taken as differences)."""
+        kept = self._kept.get(shmkv)
+        if kept is None:
+            with self.server(f"{arm}-{_v(shmkv)}", self.segment(arm) if shmkv else None) as s:
+                yield s
             return
-        stages = ("first-", "second-") if arm == "restart" else ("",)
-        labels = [f"{arm}-{st}{_v(flag)}" for flag in (False, True) for st in stages]
-        caches = [None] * len(stages) + [self.segment_name(arm)] * len(stages)
-        self._started_segments.append(self.segment_name(arm))
-        self._started.update(zip(labels, self.servers(labels, caches)))
+        _wait_stores([kept])
+        if not kept.post("/reset_prefix_cache").get("success", True):
+            raise RuntimeError(f"{arm}: vLLM's prefix cache of the {_v(shmkv)} server would not reset; "
+                               f"see {kept.log_path}")
+        yield kept
 
     # ------------------------------------------------------------ helpers --
     def fresh(self, n: int, tokens: int) -> list[list[int]]:
@@ -143,11 +174,17 @@ class Run:
         with ThreadPoolExecutor(len(labels)) as pool:
             futures = [pool.submit(self.server, lb, c, capacity, e, peer) for lb, c, e in zip(labels, caches, env)]
             out, errors = [], []
-            for f in futures:
-                try:
-                    out.append(f.result())
-                except Exception as e:  # noqa: BLE001 - the others are closed, then it is raised
-                    errors.append(e)
+            try:
+                for f in futures:
+                    try:
+                        out.append(f.result())
+                    except Exception as e:  # noqa: BLE001 - the others are closed, then it is raised
+                        errors.append(e)
+            except BaseException:  # stopped while they start (SIGTERM, ^C): each that starts is closed
+                for f in futures:
+                    with contextlib.suppress(Exception):
+                        f.result().close()
+                raise
         if errors:
             for s in out:
                 s.close()
@@ -230,14 +267,14 @@ class Run:
 
     # --------------------------------------------------------------- arms --
     def no_reuse(self, shmkv: bool) -> dict[str, Any]:
-        with self.server(f"no_reuse-{_v(shmkv)}", self.segment("no_reuse") if shmkv else None) as s:
+        with self.one_server("no_reuse", shmkv) as s:
             return self.measure([s], s.url, self.fresh(self.w.prefixes, self.w.prefix_tokens + self.w.suffix_tokens),
                                 f"no_reuse-{_v(shmkv)}")
 
     def in_cache(self, shmkv: bool) -> dict[str, Any]:
         w = self.w
         prefixes = self.fresh(w.in_cache_prefixes, w.prefix_tokens)
-        with self.server(f"in_cache-{_v(shmkv)}", self.segment("in_cache") if shmkv else None) as s:
+        with self.one_server("in_cache", shmkv) as s:
             self.warm([s], self.asked(prefixes))
             asks = [p + q for p in prefixes for q in self.fresh(w.repeats, w.suffix_tokens)]
             return self.measure([s], s.url, asks, f"in_cache-{_v(shmkv)}")
@@ -245,7 +282,7 @@ class Run:
     def evicted(self, shmkv: bool) -> dict[str, Any]:
         w = self.w
         prefixes = self.fresh(w.prefixes, w.prefix_tokens)
-        with self.server(f"evicted-{_v(shmkv)}", self.segment("evicted") if shmkv else None) as s:
+        with self.one_server("evicted", shmkv) as s:
             self.warm([s], self.asked(prefixes))
             self.warm([s], self.fresh(w.vllm_cache_prompts + 1, w.prefix_tokens + w.suffix_tokens))  # evicts
             return self.measure([s], s.url, self.asked(prefixes), f"evicted-{_v(shmkv)}")
@@ -253,8 +290,9 @@ class Run:
     def restart(self, shmkv: bool) -> dict[str, Any]:
         w = self.w
         prefixes = self.fresh(w.prefixes, w.prefix_tokens)
-        cache = self.segment("restart") if shmkv else None
-        with self.server(f"restart-first-{_v(shmkv)}", cache) as first:
+        kept = self._kept.pop(shmkv, None)  # --small: the first server is the one-server arms' one
+        cache = (self.segment_name("one-server") if kept else self.segment("restart")) if shmkv else None
+        with kept or self.server(f"restart-first-{_v(shmkv)}", cache) as first:
             self.warm([first], self.asked(prefixes))
         with self.server(f"restart-second-{_v(shmkv)}", cache) as s:
             return self.measure([s], s.url, self.asked(prefixes), f"restart-{_v(shmkv)}")
@@ -312,7 +350,7 @@ class Run:
     def cleanup(self) -> None:
         if self._client is not None:
             self._client.close()
-        for srv in self._started.values():
+        for srv in [*self._started.values(), *self._kept.values()]:
             srv.close()
         self.segments += self._started_segments
         self.drop_segments()

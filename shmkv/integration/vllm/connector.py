@@ -80,6 +80,7 @@ from shmkv.integration.vllm.engine_inputs import (
     groups_field,
     kv_groups_of,
     max_chunk_bytes,
+    model_config_field,
     namespace_for,
     stores_on_rank,
 )
@@ -253,7 +254,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
 
             tp = vllm_config.parallel_config.tensor_parallel_size
             weights = self._engine_weights(vllm_config)
-            namespaces = [dataclasses.replace(n, extra=n.extra + groups_field(groups) + drafter_field(vllm_config))
+            fields = model_config_field(vllm_config) + groups_field(groups) + drafter_field(vllm_config)
+            namespaces = [dataclasses.replace(n, extra=n.extra + fields)
                           for n in (namespace_for(vllm_config, self.cfg, r) for r in range(tp))]
             self._sched = SchedulerSide(vllm_config, self.cfg, self.store, namespaces, groups,
                                         loads=ktc.is_kv_consumer, stores=ktc.is_kv_producer, ktc=ktc,

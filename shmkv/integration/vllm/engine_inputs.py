@@ -7,13 +7,15 @@ worker half into copy layouts.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import xxhash
 
 from shmkv.config import ShmkvConfig
 from shmkv.keys import ExtraInputs, MultiModalItem, Namespace
@@ -138,6 +140,56 @@ def drafter_field(vllm_config: VllmConfig) -> tuple[tuple[str, str], ...]:
         return ()
     draft = sc.draft_model_config.model if sc.draft_model_config is not None else ""
     return (("drafter", f"{sc.method};{draft};lookahead={drafter_lookahead(vllm_config)}"),)
+
+
+# Keys of a model's configuration that never change what its layers compute (bookkeeping, generation
+# defaults, labels, the path already in model_id): left out of the digest, which holds the rest
+CONFIG_KEYS_NOT_IN_KV = frozenset({
+    "_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "use_cache", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
+    "id2label", "label2id", "problem_type", "finetuning_task", "tokenizer_class", "task_specific_params",
+})
+
+
+def model_config_field(vllm_config: VllmConfig) -> tuple[tuple[str, str], ...]:
+    """Namespace field of the model's configuration as the engine computes
+    with it: vLLM's resolved hf_config (its hf_overrides, rope settings and
+    defaults applied), the quantization method and the overrides as given,
+    digested whole (xxh3-128) rather than field by field, less only
+    CONFIG_KEYS_NOT_IN_KV. Two engines of one checkpoint directory whose
+    configs differ in anything that shapes K and V (rope_theta, YaRN or
+    linear rope scaling, partial rotary factor, norm epsilon, activation,
+    online quantization, ...) never share keys (#63)."""
+    mc = vllm_config.model_config
+    overrides = mc.hf_overrides
+    doc = {"hf_config": _canonical(mc.hf_config.to_dict()),
+           "quantization": mc.quantization,
+           "hf_overrides": _callable_name(overrides) if callable(overrides) else _canonical(overrides or {})}
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=_canonical_leaf)
+    return (("model_config", xxhash.xxh3_128_hexdigest(text.encode())),)
+
+
+def _canonical(value: Any) -> Any:
+    """A config value as plain JSON-able data, CONFIG_KEYS_NOT_IN_KV left out at every depth."""
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items() if k not in CONFIG_KEYS_NOT_IN_KV}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if hasattr(value, "to_dict") and callable(value.to_dict):  # a nested config object
+        return _canonical(value.to_dict())
+    return value
+
+
+def _canonical_leaf(value: Any) -> str:
+    """What json cannot write, in words that are the same in every process (never an address)."""
+    if callable(value):
+        return _callable_name(value)
+    return f"{type(value).__module__}.{type(value).__qualname__}:{value}"
+
+
+def _callable_name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 def drafter_lookahead(vllm_config: VllmConfig) -> int:
