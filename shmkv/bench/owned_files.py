@@ -60,14 +60,13 @@ def group_pids(pgid: int) -> list[int]:
     return out
 
 
-def shm_files_of(pid: int) -> set[FileId]:
-    """The files of /dev/shm that process `pid` maps or holds open, as
+def files_held_by(pid: int, prefix: str = "/") -> set[FileId]:
+    """The files under `prefix` that process `pid` maps or holds open, as
     (device, inode): by inode, not name, since glibc maps a named semaphore
     under a temporary name that it links to the real one and then unlinks
     (the mapping shows the temporary name, deleted). A process in a container
     with a /dev/shm of its own shows its files with that device."""
     out: set[FileId] = set()
-    prefix = SHM_DIR + "/"
     with contextlib.suppress(OSError):
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
@@ -83,6 +82,11 @@ def shm_files_of(pid: int) -> set[FileId]:
                     st = os.stat(os.path.join(fd_dir, fd))
                     out.add((st.st_dev, st.st_ino))
     return out
+
+
+def shm_files_of(pid: int) -> set[FileId]:
+    """The files of /dev/shm that process `pid` maps or holds open (files_held_by)."""
+    return files_held_by(pid, SHM_DIR + "/")
 
 
 def shm_files_in_use() -> set[FileId]:
@@ -111,21 +115,8 @@ def held_by_live_processes(paths: list[str]) -> set[str]:
     socket) has bound: in use, whoever made them."""
     held: set[FileId] = set()
     for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{d}/maps") as f:
-                for line in f:
-                    parts = line.split(maxsplit=5)
-                    if len(parts) == 6 and parts[5].startswith("/"):
-                        major, minor = parts[3].split(":")
-                        held.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[4])))
-        with contextlib.suppress(OSError):
-            fd_dir = f"/proc/{d}/fd"
-            for fd in os.listdir(fd_dir):
-                with contextlib.suppress(OSError):
-                    st = os.stat(os.path.join(fd_dir, fd))
-                    held.add((st.st_dev, st.st_ino))
+        if d.isdigit():
+            held |= files_held_by(int(d))
     bound: set[str] = set()
     with contextlib.suppress(OSError):
         with open("/proc/net/unix") as f:
