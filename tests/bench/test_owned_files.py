@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from shmkv.bench.owned_files import OwnedFiles, group_pids, shm_files_of
 
 # A process that makes what vLLM's processes make: a message queue (psm_*), a named semaphore that a
@@ -40,8 +42,18 @@ def kill_group(p: subprocess.Popen) -> None:
     p.wait()
 
 
-def test_a_killed_groups_files_go_and_a_neighbours_stay():
-    owned = OwnedFiles("test")
+@pytest.fixture
+def owned():
+    """An OwnedFiles of the test's; what it recorded is gone after the test, passed or failed."""
+    o = OwnedFiles("test")
+    yield o
+    o.remove()
+    for name in o.shm:
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_killed_groups_files_go_and_a_neighbours_stay(owned):
     ours, (psm, sem, tmp) = start_maker({"TMPDIR": owned.tmpdir})
     owned.watch(ours.pid)
     assert os.path.dirname(tmp) == owned.tmpdir, "the group's temporary files are in its own directory"
@@ -67,8 +79,7 @@ def test_a_killed_groups_files_go_and_a_neighbours_stay():
         os.unlink(n_tmp)
 
 
-def test_a_name_that_holds_another_file_now_is_kept():
-    owned = OwnedFiles("test")
+def test_a_name_that_holds_another_file_now_is_kept(owned):
     ours, (psm, _sem, _tmp) = start_maker({"TMPDIR": owned.tmpdir})
     owned.watch(ours.pid)
     kill_group(ours)
@@ -81,13 +92,9 @@ def test_a_name_that_holds_another_file_now_is_kept():
         assert psm not in removed and os.path.exists(path), "another file under the name is not ours"
     finally:
         os.unlink(path)
-        for name in owned.shm:
-            if os.path.exists(f"/dev/shm/{name}"):
-                os.unlink(f"/dev/shm/{name}")
 
 
-def test_a_file_a_live_process_still_holds_is_kept():
-    owned = OwnedFiles("test")
+def test_a_file_a_live_process_still_holds_is_kept(owned):
     ours, (psm, sem, _tmp) = start_maker({"TMPDIR": owned.tmpdir})
     owned.watch(ours.pid)
     holder = subprocess.Popen([sys.executable, "-c", f"import mmap,os,sys; fd=os.open('/dev/shm/{psm}', os.O_RDWR);"
@@ -103,7 +110,6 @@ def test_a_file_a_live_process_still_holds_is_kept():
     finally:
         holder.kill()
         holder.wait()
-        os.unlink(f"/dev/shm/{psm}")
 
 
 def test_group_pids_finds_a_groups_children():
