@@ -43,6 +43,7 @@ def pytest_configure(config) -> None:
 # The run leaves /dev/shm, the runtime directory and the temporary directory as it found them:
 # leftovers.py (a plugin of its own, so that a nested session in a test can load it too)
 from leftovers import pytest_sessionfinish, pytest_sessionstart  # noqa: E402,F401
+from schedule import longest_first  # noqa: E402
 
 
 def pytest_report_header(config) -> str:
@@ -68,40 +69,11 @@ def pytest_terminal_summary(terminalreporter) -> None:
         os.unlink(path)
 
 
-# The files that take longest (seconds of a full run on 2 cores, --durations: the benchmark runs, the
-# suites of several engine pairs), run first: xdist hands files out in collection order, and a long
-# file started last keeps one worker busy while the other has nothing left (a longest-first schedule)
-LONGEST_FIRST = (
-    "tests/bench/test_bench_serve.py",  # ~540 s: 12 `vllm serve` starts
-    "tests/integration/vllm/test_vllm_speculative.py",  # ~360 s
-    "tests/bench/test_bench_concurrency.py",  # ~210 s
-    "tests/bench/test_bench_trace.py",  # ~200 s
-    "tests/bench/test_bench_fleet.py",  # ~190 s
-    "tests/deploy/test_deploy_recipes.py",  # ~180 s
-    "tests/integration/vllm/test_vllm_mla.py",  # ~150 s: two MLA backends on a Xeon with AMX
-    "tests/integration/vllm/test_vllm_async_stores.py",  # ~140 s
-    "tests/integration/vllm/test_gpu_v2_bundle.py",  # ~135 s
-    "tests/integration/vllm/test_vllm_serve.py",  # ~135 s
-    "tests/integration/vllm/test_vllm_preemption_abort.py",  # ~130 s
-    "tests/integration/vllm/test_vllm_tiny_kv_cache.py",  # ~125 s
-    "tests/integration/vllm/test_vllm_linear_attention.py",  # ~110 s
-    "tests/test_neighbour_files_kept.py",  # ~110 s
-    "tests/test_wheel.py",  # ~105 s
-    "tests/integration/vllm/test_vllm_cross_instance.py",  # ~100 s
-)
-
-
-def _longest_first(items) -> None:
-    """LONGEST_FIRST's files first, in its order; every other file after them as collected (stable)."""
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
 def pytest_collection_modifyitems(config, items) -> None:
-    """The longest files first (LONGEST_FIRST); the default runner choice (V1
+    """The longest files first (schedule.py); the default runner choice (V1
     on the cases marked v1 only); and a CUDA GPU without shmkv._C_cuda must
     not pass the gpu tests by skipping them all."""
-    _longest_first(items)
+    longest_first(items)
     if config.getoption("--vllm-runner") == "default":
         left_out = [item for item in items if _v1_left_out(item)]
         if left_out:
