@@ -109,6 +109,7 @@ class TraceRun(Run):
         self._seed, self._n = 0, 0
         self._client = None
         self._started, self._started_segments = {}, []
+        self._kept: dict[bool, Any] = {}  # serve_bench.Run.one_server: none here (no one-server arms)
 
     # ------------------------------------------------------------ routing --
     def conversation_key(self, prompt: Sequence[Any]) -> tuple[Any, ...]:
