@@ -32,10 +32,12 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 
 SHM_DIR = "/dev/shm"
 # vLLM's kinds of shared-memory files (module doc); shmkv's segments are their owners' to remove
 VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
+GROUP_EXIT_WAIT_S = 10.0  # how long remove() waits for the group's last (killed) processes to exit
 POLL_S = 0.5  # how often a live group's files are read again (a group that crashes keeps what it made since)
 
 FileId = tuple[int, int]  # (st_dev, st_ino)
@@ -180,6 +182,11 @@ class OwnedFiles:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        # NOTE: the caller reaped the leader and SIGKILLed the rest, but a killed process maps its files
+        # until it has exited: wait (bounded) until none of the group lives, else they look in use
+        deadline = time.monotonic() + GROUP_EXIT_WAIT_S
+        while self._pgid is not None and group_pids(self._pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         with self._lock:
             recorded = dict(self.shm)
