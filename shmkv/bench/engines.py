@@ -357,13 +357,18 @@ def _negate_weight_everywhere(llm: Any, name: str, through_loader: bool) -> dict
     return {"negated": all(done)}
 
 
+def _engine_core_here(llm: Any) -> Any:
+    """vLLM's EngineCore when it runs in this process (in_process), else None."""
+    return getattr(llm.llm_engine.engine_core, "engine_core", None)
+
+
 def _settle(llm: Any, timeout_s: float = 120.0) -> None:
     """With EngineCore in this process nothing steps the engine between
     commands, while vLLM's engine process keeps stepping until every delayed
     free is done (its scheduler's has_requests() counts requests held for the
     connector). Do the same here, so that an idle engine is the same state in
     both: stores landed, blocks given back (reset_prefix_cache needs them)."""
-    inproc = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    inproc = _engine_core_here(llm)
     if inproc is None:  # vLLM's process split: its own busy loop settles it
         return
     deadline = time.monotonic() + timeout_s
@@ -422,7 +427,7 @@ def _serve(spec: EngineSpec) -> None:
     }
     # NOTE: a function reaches the workers only from an EngineCore in this process (vLLM's process
     # split serialises calls with msgpack, which sends no function): [] there
-    in_process = getattr(llm.llm_engine.engine_core, "engine_core", None) is not None
+    in_process = _engine_core_here(llm) is not None
     backends = sorted(set().union(*llm.collective_rpc(_attention_backends))) if in_process else []
     say({"ready": True, "pid": os.getpid(), "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
          "attention_backends": backends})

@@ -39,12 +39,12 @@ class VllmServer:
                  timeout: float = 300, python: str = sys.executable) -> None:
         from shmkv.bench.owned_files import OwnedFiles
 
-        self._owned = OwnedFiles("server")  # what its processes leave behind, removed by ownership
+        self.owned_files = OwnedFiles("server")  # what its processes leave behind, removed by ownership
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model_dir
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-               "VLLM_SERVER_DEV_MODE": "1", **(env or {}), "TMPDIR": self._owned.tmpdir}
+               "VLLM_SERVER_DEV_MODE": "1", **(env or {}), "TMPDIR": self.owned_files.tmpdir}
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--dtype", "bfloat16", "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
                 "--seed", "0", *args]
@@ -54,14 +54,14 @@ class VllmServer:
         self.log_path = log_path
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
-        self._owned.watch(self.proc.pid)  # its process group (a session of its own)
+        self.owned_files.watch(self.proc.pid)  # its process group (a session of its own)
         t0 = time.monotonic()
         deadline = t0 + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.close()
                 end_group(self.proc, timeout=10, first=None)  # what it started
-                self._owned.remove()
+                self.owned_files.remove()
                 raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); see {log_path}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
@@ -116,10 +116,10 @@ class VllmServer:
     def close(self) -> None:
         from shmkv.bench.engines import sweep_weights_boards
 
-        self._owned.sample()
+        self.owned_files.sample()
         end_group(self.proc, timeout=60, first=signal.SIGTERM)
         self.log.close()
-        self._owned.remove()  # what the server's group left (its workers killed at shutdown)
+        self.owned_files.remove()  # what the server's group left (its workers killed at shutdown)
         sweep_weights_boards()
 
 
