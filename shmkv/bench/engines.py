@@ -46,6 +46,7 @@ class EngineSpec:
     pid_namespace: bool = False
     private_shm: bool = False
     binds: list[list[str]] = field(default_factory=list)  # [host path, container path] volumes (container_argv)
+    engine_id: str | None = None  # kv_transfer_config's engine_id (None: vLLM's random one)
 
 
 def container_argv(pid_namespace: bool, private_shm: bool = False, binds: Sequence[Sequence[str]] = (),
@@ -155,9 +156,14 @@ class EngineProcess:
         self._pending = b""  # stdout bytes read past the last whole line
         self.pid = self.proc.pid
         t0 = time.monotonic()
-        ready = self._read(start_timeout)
-        if not ready.get("ready"):
-            raise RuntimeError(f"engine failed to start: {ready}; see {log_path}")
+        try:
+            ready = self._read(start_timeout)
+            if not ready.get("ready"):
+                raise RuntimeError(f"engine failed to start: {ready}; see {log_path}")
+        except BaseException:
+            # NOTE: no caller holds it to close: its processes and files (vLLM's, by ownership) go now
+            self.kill()
+            raise
         # what vLLM chose for this host (ask it, never assume the CPU's backend); the backends of the
         # layers are known with EngineCore in the engine's process (spec.in_process), else []
         self.block_size: int = ready["block_size"]
@@ -241,11 +247,12 @@ class EngineProcess:
         too), then resume (EngineCore in this process only)."""
         return self.call(cmd="pause_and_resume")
 
-    def negate_weight(self, name: str, through_loader: bool) -> dict[str, Any]:
-        """Negate one parameter in memory on every worker: through the model's
-        load_weights (how vLLM's reload_weights, weight-transfer engines and
-        RLHF loaders update weights), or in place (then reset_prefix_cache())."""
-        return self.call(cmd="negate_weight", name=name, through_loader=through_loader)
+    def negate_weight(self, name: str, through_loader: bool, reset: bool = True) -> dict[str, Any]:
+        """Negate one parameter in memory on every worker (a collective_rpc):
+        through the model's load_weights (how vLLM's reload_weights,
+        weight-transfer engines and RLHF loaders update weights), or in place
+        (then vLLM's default reset_prefix_cache(), unless `reset` is False)."""
+        return self.call(cmd="negate_weight", name=name, through_loader=through_loader, reset=reset)
 
     def close(self, shutdown_timeout: float = 30.0) -> None:
         """Shut the engine down, giving EngineCore `shutdown_timeout` s for
@@ -350,9 +357,9 @@ def _attention_backends(worker: Any) -> list[str]:
     return sorted({m.get_attn_backend().get_name() for m in layers if hasattr(m, "get_attn_backend")})
 
 
-def _negate_weight_everywhere(llm: Any, name: str, through_loader: bool) -> dict[str, Any]:
+def _negate_weight_everywhere(llm: Any, name: str, through_loader: bool, reset: bool = True) -> dict[str, Any]:
     done = llm.collective_rpc(_negate_weight, args=(name, through_loader))
-    if not through_loader:
+    if not through_loader and reset:
         llm.reset_prefix_cache()  # vLLM's default: its own prefix cache only
     return {"negated": all(done)}
 
@@ -412,6 +419,7 @@ def _serve(spec: EngineSpec) -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ShmKVConnector", kv_connector_module_path=spec.module_path,
             kv_role=spec.kv_role, kv_connector_extra_config=spec.shmkv,
+            **({"engine_id": spec.engine_id} if spec.engine_id else {}),
         )
     llm = LLM(**kwargs)
     logging.getLogger("vllm").setLevel(logging.WARNING)
@@ -423,7 +431,8 @@ def _serve(spec: EngineSpec) -> None:
     one_call = {  # commands that run one function and say what it returns
         "abort_after_tokens": lambda c: _abort_after_tokens(llm, c["prompt"], c["tokens"]),
         "pause_and_resume": lambda c: _pause_and_resume(llm),
-        "negate_weight": lambda c: _negate_weight_everywhere(llm, c["name"], bool(c["through_loader"])),
+        "negate_weight": lambda c: _negate_weight_everywhere(llm, c["name"], bool(c["through_loader"]),
+                                                             bool(c.get("reset", True))),
     }
     # NOTE: a function reaches the workers only from an EngineCore in this process (vLLM's process
     # split serialises calls with msgpack, which sends no function): [] there

@@ -15,12 +15,18 @@ def register() -> None:
     """vLLM general plugin (entry point `vllm.general_plugins: shmkv`): make
     `kv_connector="ShmKVConnector"` work without kv_connector_module_path, and
     `{"type": "shmkv"}` a secondary tier of vLLM's native offloading.
-    vLLM calls it in every process it starts; it imports nothing heavy."""
+    vLLM calls it in every process it starts, before a worker loads its model;
+    it imports vLLM's model loader (to hook it) and nothing of shmkv's data path."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if "ShmKVConnector" not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector("ShmKVConnector", "shmkv.integration.vllm.connector",
                                               "ShmKVConnector")
+    # the weights' identity: the tensors as loaded (before kernel processing), and every call from the
+    # engine to its workers that may change them (loaded_weights.py)
+    from shmkv.integration.vllm.loaded_weights import install_hooks
+
+    install_hooks()
     try:  # vLLM's native offloading: {"type": "shmkv"} in secondary_tiers (native_tier.py)
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     except ImportError:

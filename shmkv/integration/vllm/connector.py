@@ -85,10 +85,11 @@ from shmkv.integration.vllm.engine_inputs import (
     stores_on_rank,
 )
 from shmkv.integration.vllm.kv_events import event_groups_of
+from shmkv.integration.vllm.loaded_weights import TensorsDigest, loaded_digest
 from shmkv.integration.vllm.metadata import ShmKVMetadata, ShmKVWorkerReport
 from shmkv.integration.vllm.metrics import HIT_SOURCES, ShmKVPromMetrics, ShmKVStats
 from shmkv.integration.vllm.versions import check_vllm_version
-from shmkv.integration.vllm.weights import FILES_WAIT_S, EngineWeights, FilesIdentity, WorkerWeights, find_models
+from shmkv.integration.vllm.weights import EngineWeights, FilesIdentity, WorkerWeights, find_models
 from shmkv.integration.vllm.worker import WorkerSide
 from shmkv.store import open_store
 from shmkv.testing import WORKER_OFF
@@ -180,6 +181,15 @@ def _no_layer_hooks(forward_context: Any, load_kwargs: dict[str, Any]) -> bool:
     return load_kwargs.get("attn_metadata") is not None or getattr(forward_context, "attn_metadata", None) is None
 
 
+def board_id(vllm_config: Any) -> str:
+    """The engine instance's name for its weights boards and bell: the
+    connector's engine_id (two LLMs built from one KVTransferConfig share it)
+    and the VllmConfig's instance id (one per engine, the same in its workers)."""
+    engine_id = str(vllm_config.kv_transfer_config.engine_id)
+    instance = str(getattr(vllm_config, "instance_id", "") or "")
+    return f"{engine_id}-{instance}" if instance else engine_id
+
+
 def _runs_v2(vllm_config: Any) -> bool:
     """Model Runner V2 (what a GPU runs by default in vLLM 0.32)."""
     try:
@@ -232,6 +242,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched = None
         self._work = None
         self._weights: WorkerWeights | None = None
+        self._tensors_digest: TensorsDigest | None = None  # this rank's weights as loaded (the handshake's)
         self.store = None
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._on_reported: bool | None = None  # the connector_on gauge, as last sent to vLLM's metrics
@@ -273,26 +284,24 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
                  "on" if ktc.is_kv_consumer else "off", "on" if ktc.is_kv_producer else "off")
 
     def _engine_weights(self, vllm_config: VllmConfig) -> EngineWeights:
-        """The weights' identity for the keys (weights.py): the files' digest,
-        waited for up to FILES_WAIT_S (vLLM has just read them: they come from
-        the page cache), then the engine serves without shmkv until known."""
+        """The weights' identity for the keys: the ranks' digests of their
+        tensors as loaded (loaded_weights.py), known at the handshake; where
+        a rank has none, the files' digest beside it (weights.py)."""
         mc = vllm_config.model_config
         commit = getattr(getattr(mc, "hf_config", None), "_commit_hash", None)
-        files = FilesIdentity(str(mc.model), commit if isinstance(commit, str) else None)
-        if files.wait(FILES_WAIT_S):
-            log.info("shmkv: weights identity %s (%.2f s)", (files.value or "unknown")[:40], files.seconds)
-        else:
-            log.info("shmkv: the digest of %s's weight files takes longer than %.0f s (every byte is read once per "
-                     "file content, then remembered): this engine serves without the shared cache until it is known",
-                     mc.model, FILES_WAIT_S)
-        return EngineWeights(str(self._kv_transfer_config.engine_id), vllm_config.parallel_config.tensor_parallel_size,
-                             files)
+        model, commit = str(mc.model), commit if isinstance(commit, str) else None
+        return EngineWeights(board_id(vllm_config), vllm_config.parallel_config.tensor_parallel_size,
+                             files_factory=lambda: FilesIdentity(model, commit))
 
     # ============================================================ handshake
     def get_handshake_metadata(self) -> ShmKVWorkerReport | None:
         """Worker: whether it can serve this engine, once its KV caches are registered."""
         w = self._work
-        return None if w is None else ShmKVWorkerReport(w.tp_rank, w.off_reason, w.sections)
+        if w is None:
+            return None
+        d = self._tensors_digest
+        return ShmKVWorkerReport(w.tp_rank, w.off_reason, w.sections, weights=d.digest if d else "",
+                                 weights_basis=d.basis if d else "")
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         """Scheduler: every worker's start report (before the first request).
@@ -312,6 +321,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         sections = {r: m.sections for r, m in reports.items() if m.sections}
         if sections:
             self._sched.name_sections(sections)
+        self._sched.weights.set_tensors({r: (getattr(m, "weights", ""), getattr(m, "weights_basis", ""))
+                                         for r, m in reports.items()})
         self._sched.announce_namespaces()
         engine_registry.record(self.cfg.cache_name, self._model, True)
 
@@ -427,22 +438,34 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._work.set_read_without_hooks(
                     layers_read_without_hooks(self._vllm_config.compilation_config.static_forward_context,
                                               kv_caches, self._work.state_layers()))
+                if self._tp_size > 1:  # no rank stores over another rank's failed load (rank_failures.py)
+                    self._work.share_failures(board_id(self._vllm_config))
                 self._watch_weights(kv_caches)
 
     def _watch_weights(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Fingerprint this rank's weights now, after every load_weights and
-        when the scheduler half asks (weights.py)."""
+        """This rank's weights identity (its tensors as loaded, for the
+        handshake), then its watch over them in memory: a fingerprint now,
+        after every load_weights and when the scheduler half asks (weights.py)."""
         t0 = time.perf_counter()
         ctx = self._vllm_config.compilation_config.static_forward_context
         models = find_models(ctx[n] for n in kv_caches if n in ctx)
         if not models:
             log.warning("shmkv: TP rank %d: the model holding the KV-cache layers was not found: weights changed "
-                        "in memory are not seen (those loaded from files are)", self._work.tp_rank)
+                        "in memory are not seen, and the keys name the weight files alone", self._work.tp_rank)
         t1 = time.perf_counter()
-        self._weights = WorkerWeights(str(self._kv_transfer_config.engine_id), self._work.tp_rank, models)
-        log.info("shmkv: TP rank %d watches its weights in memory (%s found in %.3f s, fingerprint %.3f s)",
-                 self._work.tp_rank, ", ".join(type(m).__name__ for m in models) or "no model", t1 - t0,
-                 time.perf_counter() - t1)
+        try:
+            self._tensors_digest = loaded_digest(models)
+        except Exception as e:  # noqa: BLE001 - the keys then name the files (weights.py)
+            log.warning("shmkv: TP rank %d: the digest of its weights failed (%s: %s): the keys name the weight "
+                        "files alone", self._work.tp_rank, type(e).__name__, e)
+        t2 = time.perf_counter()
+        self._weights = WorkerWeights(board_id(self._vllm_config), self._work.tp_rank, models)
+        d = self._tensors_digest
+        when = "at load" if d and d.basis == "loaded" else "now"
+        what = (f"{d.basis} digest {d.digest[:16]} of {d.tensors} tensors, {d.nbytes / 1e9:.3f} GB in "
+                f"{d.seconds:.3f} s ({when})" if d else "no digest of its tensors")
+        log.info("shmkv: TP rank %d weights: %s (%s found in %.3f s, fingerprint %.3f s)", self._work.tp_rank, what,
+                 ", ".join(type(m).__name__ for m in models) or "no model", t1 - t0, time.perf_counter() - t2)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -469,6 +492,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         asked = getattr(connector_metadata, "check_weights", 0)
         if self._weights is not None and self._weights.due(asked):
             self._weights.publish(answered=asked)  # loaded, or a prefix-cache reset: they may have changed
+        if self._weights is not None and self._weights.failed and self._work is not None:
+            self._work.stop(f"its weights check failed ({self._weights.failed})")
         if self._work is not None:
             self._work.bind(connector_metadata)
 

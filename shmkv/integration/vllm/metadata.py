@@ -52,8 +52,13 @@ class ShmKVWorkerReport(KVConnectorHandshakeMetadata):
     """One worker's answer at engine start: `off_reason` None when it copies
     this engine's KV cache; `sections` names the payload's per-shape
     sections where a KV-cache group's layers differ in shape ("" when every
-    group has one shape: plain engines keep their keys)."""
+    group has one shape: plain engines keep their keys); `weights` the
+    digest of the rank's weights (loaded_weights.py)."""
 
     tp_rank: int
     off_reason: str | None = None
     sections: str = ""
+    # the rank's weights as it computes with them (loaded_weights.py): a digest and its basis
+    # ("loaded", "held"); "" where no model was found (the files' digest names the weights alone)
+    weights: str = ""
+    weights_basis: str = ""

@@ -113,7 +113,7 @@ class SchedulerSide:
         self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0, "delayed_frees": 0,
                                          "finished_sending": 0, "unexpected_finished_sending": 0, "event_errors": 0,
                                          "connector_resets": 0, "weights_unknown": 0, "weights_generations": 0,
-                                         "block_plan_errors": 0}
+                                         "block_plan_errors": 0, "weights_check_failures": 0}
         # Delayed frees (worker.py): requests whose store items were shipped, then those
         # whose blocks vLLM keeps until the workers report them in finished_sending.
         self._shipped_stores: set[str] = set()
@@ -207,6 +207,7 @@ class SchedulerSide:
                 self._prefix_map = pool.cached_block_hash_to_block
                 self.weights.ask_check()  # vLLM's prefix cache was reset: the weights may have changed
             self.weights.refresh()
+            self.counters["weights_check_failures"] = self.weights.failures()
             fields = self.weights.fields()
             if fields is not None and fields != self._keyed_with:
                 if self._keyed_with is not None:

@@ -1,27 +1,34 @@
 """What an engine's weights are, so that no engine ever loads KV computed
-with other weights. It owns two identities, both in every key (the namespace):
+with other weights. The namespace names them in two parts:
 
-  * The files: an xxh3-128 digest of every byte of every weight file of a
-    local model (hub models: the commit vLLM resolved). Each file's digest is
-    remembered by (device, inode, size, mtime, ctime) in
-    <runtime dir>/weights-digests.json (0600), so restarts read nothing; a
-    new file content is read once, in a thread (vLLM's loader has just read
-    the files, so they come from the page cache). The engine waits for it up
-    to FILES_WAIT_S at start; past that it serves without shmkv (no lookup,
-    no store) until the digest is known: a namespace is right or unused.
-  * The weights in memory (RLHF updates, reload_weights, every weight-
-    transfer engine: all go through the model's load_weights). Each worker
-    fingerprints its parameters at registration; a load_weights (wrapped)
-    marks its per-rank board file in the runtime directory "dirty" before the
-    call returns (cheap: a weight sync calls it once per tensor) and rings
-    the engine's bell (a mapped file of one stamp per rank, read by the
-    scheduler every step without a system call), so the next step knows;
-    the worker fingerprints again at its next step, and
+  * The weights as the engine started with them: each TP rank's digest of
+    its tensors as loaded (loaded_weights.py), reported at the handshake.
+    Where a rank has none (a loader that skips vLLM's post-load step), the
+    files beside a digest of the tensors as held: an xxh3-128 of every byte
+    of every weight file of a local model (hub models: the commit vLLM
+    resolved), remembered by (device, inode, size, mtime, ctime) in
+    <runtime dir>/weights-digests.json (0600) and read once per content, in
+    a thread; the engine waits for it up to FILES_WAIT_S, then serves
+    without shmkv (no lookup, no store) until it is known.
+  * The weights in memory (RLHF updates, reload_weights, the weight-transfer
+    engines, a collective_rpc running a user's function, sleep and wake):
+    each worker fingerprints every byte of its parameters and buffers at
+    registration; a load_weights (wrapped), and every call from the engine
+    to its workers not known to leave the weights alone (install_hooks),
+    marks the rank's board file in the runtime directory "dirty" before it
+    runs and rings the engine's bell (a mapped file of one stamp per rank,
+    read by the scheduler every step without a system call), so the next
+    step knows; the worker fingerprints again before its next step, and
     when the scheduler half asks (after a prefix-cache reset, vLLM's or the
-    connector's). Weights that differ from those loaded at start name a new
+    connector's). Weights that differ from those of the start name a new
     generation (namespace field weights_gen); the same weights again are the
     starting generation. While a board is dirty or a check is unanswered,
-    lookups answer "ask again" and nothing is stored.
+    lookups answer "ask again" and nothing is stored; a rank whose
+    fingerprint fails stops the engine's use of shmkv (never vLLM's step).
+
+Boards and bells are named per engine instance (the connector's engine_id
+and the VllmConfig's instance id: two LLMs built from one KVTransferConfig
+share the engine_id).
 
 Invariant: a key's namespace names the weights that computed its KV; when in
 doubt (unknown digest, pending check), shmkv neither loads nor stores.
@@ -45,6 +52,7 @@ from typing import Any
 import torch
 import xxhash
 
+from shmkv.integration.vllm.loaded_weights import combine, digest_tensors, watch
 from shmkv.paths import runtime_dir, runtime_dir_path
 
 log = logging.getLogger("shmkv.connector")
@@ -55,7 +63,6 @@ FILES_WAIT_S = 5.0  # how long engine start waits for the files' digest (then se
 READ_BLOCK = 16 << 20
 DIGESTS_FILE = "weights-digests.json"
 MAX_REMEMBERED = 4096  # file digests kept in DIGESTS_FILE
-SAMPLES_PER_TENSOR = 64
 
 _digests_lock = threading.Lock()
 
@@ -181,36 +188,10 @@ class FilesIdentity:
 
 
 # -------------------------------------------------------------- in memory --
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as integers of the same width (its bits)."""
-    flat = t.detach().reshape(-1)
-    if not flat.is_floating_point() and not flat.is_complex():
-        return flat
-    by_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    size = flat.element_size()
-    if flat.is_complex() or size not in by_size:
-        return flat.contiguous().view(torch.uint8)
-    return flat.contiguous().view(by_size[size])
-
-
 def fingerprint(params: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A fingerprint of the parameters' values: per tensor the int64 sum of
-    its elements' bits and SAMPLES_PER_TENSOR elements spread through it,
-    computed where the tensors live, one copy to the host."""
-    parts: list[torch.Tensor] = []
-    h = xxhash.xxh3_128()
-    with torch.no_grad():
-        for name, p in params:
-            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}\0".encode())
-            b = _bits(p)
-            n = b.numel()
-            if n == 0:
-                continue
-            idx = torch.linspace(0, n - 1, min(n, SAMPLES_PER_TENSOR), device=b.device).long()
-            parts.append(torch.cat([b.sum(dtype=torch.int64).reshape(1), b[idx].to(torch.int64)]))
-    if parts:
-        h.update(torch.cat([p.to(parts[0].device) for p in parts]).cpu().numpy().tobytes())
-    return h.hexdigest()
+    """A digest of every byte of the parameters as held (loaded_weights.digest_tensors;
+    b7fe4e6 sampled 64 elements and a sum per tensor, which a change between samples escaped)."""
+    return digest_tensors(params, "held").digest
 
 
 def find_models(layers: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -276,13 +257,15 @@ class WorkerWeights:
         self.answered = 0  # the scheduler's last check request answered
         self.dirty = False  # a load_weights ran since the last fingerprint
         self.fingerprint = ""
+        self.failed: str | None = None  # why a fingerprint failed: the board says so, the engine stops using shmkv
         for m in models:
             self._wrap(m)
         self.publish()
+        watch(self)  # loaded_weights' worker-call hook marks it dirty before a call that may write the weights
 
     def due(self, asked: int) -> bool:
         """Whether this step must fingerprint (weights loaded, or a check asked for)."""
-        return self.dirty or asked > self.answered
+        return self.failed is None and (self.dirty or asked > self.answered)
 
     def _params(self) -> Iterable[tuple[str, torch.Tensor]]:
         for i, m in enumerate(self.models):
@@ -295,24 +278,52 @@ class WorkerWeights:
         original: Callable = model.load_weights
 
         def load_weights(*args: Any, **kwargs: Any) -> Any:
-            if not self.dirty:  # before the weights move: the scheduler stops using their keys
-                self.dirty = True
-                write_board(self.engine_id, self.rank, self._board())
+            self.mark_dirty("load_weights")
             return original(*args, **kwargs)
 
         model.load_weights = load_weights  # type: ignore[method-assign]
 
+    def mark_dirty(self, reason: str) -> None:
+        """Before the weights may move: the board says so (the scheduler stops
+        using their keys at its next step) and the next step fingerprints."""
+        if self.dirty:
+            return
+        self.dirty = True
+        log.debug("shmkv: TP rank %d weights may change (%s): fingerprinted before the next step", self.rank, reason)
+        try:
+            write_board(self.engine_id, self.rank, self._board())
+        except Exception as e:  # noqa: BLE001 - never into vLLM's call; unread dirt: the engine stops
+            self.failed = f"the board could not be written: {type(e).__name__}: {e}"
+            log.warning("shmkv: TP rank %d: %s; weights changed now are not seen by the scheduler, so "
+                        "this engine stops using the shared cache", self.rank, self.failed)
+
     def _board(self) -> dict[str, Any]:
-        return {"answered": self.answered, "fingerprint": self.fingerprint, "dirty": self.dirty}
+        board: dict[str, Any] = {"answered": self.answered, "fingerprint": self.fingerprint, "dirty": self.dirty}
+        if self.failed:
+            board["failed"] = self.failed
+        return board
 
     def publish(self, answered: int | None = None) -> None:
-        """Fingerprint the weights now and write the board (before returning)."""
+        """Fingerprint the weights now and write the board (before returning).
+        Never raises into vLLM's step: a failure (a device out of memory, a
+        full runtime directory) is written to the board if it can be, and the
+        engine serves without shmkv from then on (EngineWeights)."""
         if answered is not None:
             self.answered = max(self.answered, answered)
         t0 = time.perf_counter()
-        self.dirty = False
-        self.fingerprint = fingerprint(self._params())
-        write_board(self.engine_id, self.rank, self._board())
+        try:
+            self.fingerprint = fingerprint(self._params())
+            self.dirty = False
+            write_board(self.engine_id, self.rank, self._board())
+        except Exception as e:  # noqa: BLE001 - the step goes on; the scheduler half stops using shmkv
+            self.failed = f"{type(e).__name__}: {e}"
+            log.warning("shmkv: TP rank %d could not fingerprint its weights (%s): this engine serves without the "
+                        "shared cache from now on", self.rank, self.failed)
+            try:
+                write_board(self.engine_id, self.rank, self._board())
+            except Exception as e2:  # noqa: BLE001 - no board: the scheduler's check times out (CHECK_WAIT_S)
+                log.warning("shmkv: TP rank %d could not write its weights board either (%s)", self.rank, e2)
+            return
         log.debug("shmkv: TP rank %d weights fingerprint %s (%.3f s)", self.rank, self.fingerprint,
                   time.perf_counter() - t0)
 
@@ -472,8 +483,12 @@ def read_board(engine_id: str, rank: int) -> dict[str, Any] | None:
 
 
 def remove_boards(engine_id: str, tp_size: int) -> None:
+    """The engine's boards, its bell and its ranks' load-failure file (rank_failures.py)."""
     rd = runtime_dir()
-    for name in [board_name(engine_id, r) for r in range(tp_size)] + [bell_name(engine_id)]:
+    from shmkv.integration.vllm.rank_failures import failures_name
+
+    names = [board_name(engine_id, r) for r in range(tp_size)] + [failures_name(engine_id)]
+    for name in names + [bell_name(engine_id)]:
         try:
             rd.unlink(name)
         except OSError:
@@ -486,14 +501,22 @@ def remove_boards(engine_id: str, tp_size: int) -> None:
 
 
 class EngineWeights:
-    """The scheduler half's view of the engine's weights: the files' identity
-    and the workers' boards, read once per step. `fields()` are the
-    namespace's weight fields, or None while they are not known (no lookup,
-    no store)."""
+    """The scheduler half's view of the engine's weights: the ranks' digests
+    of their tensors (reported at the handshake, loaded_weights.py), the
+    files' identity where a rank has no digest of its tensors as loaded, and
+    the workers' boards, read once per step. `fields()` are the namespace's
+    weight fields, or None while they are not known (no lookup, no store)."""
 
-    def __init__(self, engine_id: str, tp_size: int, files: FilesIdentity) -> None:
+    def __init__(self, engine_id: str, tp_size: int, files: FilesIdentity | None = None,
+                 files_factory: Callable[[], FilesIdentity] | None = None) -> None:
         self.engine_id, self.tp_size = engine_id, tp_size
         self.files = files
+        self._files_factory = files_factory
+        # an engine (files_factory) waits for its ranks' tensor digests; a bare view (files) names the files alone
+        self._tensors_expected = files is None
+        self._tensors: str | None = None  # the ranks' digests, combined, once every rank reported one
+        self._tensors_basis = ""  # "loaded" when every rank's digest is of its tensors as loaded
+        self._reported = False
         _bell(engine_id)  # held from the start: no sweep takes it while this engine lives
         try:
             swept = sweep_stale(engine_id)
@@ -506,12 +529,50 @@ class EngineWeights:
         self._now: list[str | None] = [None] * tp_size
         self._answered = [0] * tp_size
         self._dirty = [False] * tp_size
+        self._failed: list[str | None] = [None] * tp_size  # a rank whose fingerprint failed: shmkv off
         self._stamps: list[tuple[int, int] | None] = [None] * tp_size
         self.asked = 0  # the last check request (ask_check), shipped to the workers in the step's metadata
         self._asked_at = 0.0
         self._check_late_logged = False
         self._fields: tuple[tuple[str, str], ...] | None = None
         self.generation = ""  # "" while the weights are those the engine started with
+
+    def set_tensors(self, reports: dict[int, tuple[str, str]]) -> None:
+        """At the handshake: each rank's (digest, basis) of its tensors. Where
+        a rank has none of its tensors as loaded, the files' digest joins the
+        identity (read once per file content, waited for up to FILES_WAIT_S;
+        then the engine serves without shmkv until it is known)."""
+        self._reported = True
+        digests = [reports.get(r, ("", ""))[0] for r in range(self.tp_size)]
+        bases = {reports.get(r, ("", ""))[1] for r in range(self.tp_size)}
+        if all(digests):
+            self._tensors = combine(digests)
+            self._tensors_basis = "loaded" if bases == {"loaded"} else "held"
+        if self._tensors_basis == "loaded":
+            log.info("shmkv: weights identity: the tensors as loaded on %d rank(s), digest %s", self.tp_size,
+                     self._tensors[:16] if self._tensors else "")
+            return
+        if self.files is None and self._files_factory is not None:
+            self.files = self._files_factory()
+        if self.files is None:
+            return
+        if self.files.wait(FILES_WAIT_S):
+            log.info("shmkv: weights identity: the files %s%s (%.2f s)", (self.files.value or "unknown")[:40],
+                     f" and the tensors as held ({self._tensors[:16]})" if self._tensors else "", self.files.seconds)
+        else:
+            log.info("shmkv: the digest of the weight files takes longer than %.0f s (every byte is read once per "
+                     "file content, then remembered): this engine serves without the shared cache until it is known",
+                     FILES_WAIT_S)
+
+    def _identity(self) -> tuple[tuple[str, str], ...] | None:
+        """The weights' fields before any change in memory, or None while unknown."""
+        if self._tensors_basis == "loaded":
+            return (("weights", f"tensors:{self._tensors}"),)
+        if self._tensors_expected and not self._reported:
+            return None
+        if self.files is None or self.files.value is None:
+            return None
+        return (("weights", self.files.value),) + ((("weights_held", self._tensors),) if self._tensors else ())
 
     def ask_check(self) -> None:
         """The workers fingerprint their weights at the next step (a prefix-cache reset: weights may have changed)."""
@@ -523,7 +584,7 @@ class EngineWeights:
         again), for at most CHECK_WAIT_S: then the engine serves without
         shmkv until the answers come (a worker that never answers must not
         hold requests)."""
-        if self.files.value is None or any(f is None for f in self._now):
+        if self._identity() is None or any(f is None for f in self._now) or any(self._failed):
             return False
         if all(a >= self.asked for a in self._answered) and not any(self._dirty):
             return False
@@ -545,6 +606,10 @@ class EngineWeights:
             if b is None:
                 continue
             self._stamps[r] = stamp
+            if b.get("failed") and not self._failed[r]:
+                self._failed[r] = str(b["failed"])
+                log.warning("shmkv: TP rank %d could not fingerprint its weights (%s): this engine serves without "
+                            "the shared cache from now on", r, self._failed[r])
             fp = str(b.get("fingerprint", ""))
             if self._start[r] is None:
                 self._start[r] = fp
@@ -560,11 +625,12 @@ class EngineWeights:
         return True
 
     def _compute(self) -> tuple[tuple[str, str], ...] | None:
-        if self.files.value is None or any(f is None for f in self._now):
+        ident = self._identity()
+        if ident is None or any(f is None for f in self._now) or any(self._failed):
             return None
         if any(a < self.asked for a in self._answered) or any(self._dirty):
             return None
-        fields: tuple[tuple[str, str], ...] = (("weights", self.files.value),)
+        fields: tuple[tuple[str, str], ...] = ident
         if self._now != self._start:
             gen = xxhash.xxh3_128("\0".join(str(f) for f in self._now).encode()).hexdigest()
             fields += (("weights_gen", gen),)
@@ -579,3 +645,7 @@ class EngineWeights:
 
     def fields(self) -> tuple[tuple[str, str], ...] | None:
         return self._fields
+
+    def failures(self) -> int:
+        """Ranks whose weights check failed (the engine serves without shmkv from then on)."""
+        return sum(1 for f in self._failed if f)

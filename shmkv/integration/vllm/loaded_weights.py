@@ -1,0 +1,327 @@
+"""The weights' identity as the engine computes with them: a digest of every
+byte of every parameter and buffer a worker holds, taken where vLLM's
+loader hands the model to its kernels.
+
+vLLM's loaders (safetensors, the runai streamer, GGUF, sharded state, the
+weight-cache daemon, a reload) end in `process_weights_after_loading`, which
+turns the tensors into each kernel's format; on vLLM-CPU that step prepacks
+every linear weight for oneDNN (or sgl's and zentorch's kernels) and leaves
+an empty `Parameter` in its place, so the model no longer holds what it
+computes with. shmkv's vLLM plugin (`register`, in every process vLLM
+starts) wraps that function: just before it runs, an engine that uses shmkv
+digests the model's tensors as the loader produced them (each TP rank its
+shard) and keeps the digest on the model (`LOADED_ATTR`). The worker's
+connector reports it at the handshake (connector.py), and the namespace
+names it (weights.py): two engines share keys only when their loaded
+tensors are equal to the byte, whatever their files, paths or loaders.
+
+Loaders that skip the function (tensorizer's vLLM-serialized models) leave
+no digest: the worker then digests what its model holds at KV-cache
+registration ("held" basis; on vLLM-CPU that misses the packed linear
+weights, so the files' digest stays in the namespace beside it).
+
+Invariant: a digest covers every byte of every tensor it names, in order,
+with names, shapes and dtypes; it never raises into vLLM's loading (a
+failure leaves no digest, logged, and the engine falls back as above).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import logging
+import os
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+log = logging.getLogger("shmkv.connector")
+
+LOADED_ATTR = "_shmkv_loaded_digest"
+PIECE_BYTES = 64 << 20  # a tensor is hashed in pieces of this size (threads; bounded host copies from a GPU)
+_HOOKED = "_shmkv_hooked"
+
+
+@dataclass(frozen=True)
+class TensorsDigest:
+    digest: str  # xxh3-128 hex of the tensors' names, shapes, dtypes and every byte
+    tensors: int
+    nbytes: int
+    seconds: float
+    basis: str  # "loaded": before kernel processing; "held": what the model held at registration
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (a view where it can be)."""
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat.view(torch.uint8) if flat.element_size() else flat
+
+
+def _pieces(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[bytes], list[tuple[int, torch.Tensor]]]:
+    """Each tensor's header and its byte pieces (index into the headers)."""
+    headers: list[bytes] = []
+    pieces: list[tuple[int, torch.Tensor]] = []
+    for name, t in named:
+        headers.append(f"{name}:{tuple(t.shape)}:{t.dtype}\0".encode())
+        if t.is_meta or t.numel() == 0:
+            continue
+        b = _bytes_of(t)
+        for start in range(0, b.numel(), PIECE_BYTES):
+            pieces.append((len(headers) - 1, b[start:start + PIECE_BYTES]))
+    return headers, pieces
+
+
+def _piece_digest(piece: torch.Tensor) -> bytes:
+    host = piece if piece.device.type == "cpu" else piece.to("cpu")
+    return xxhash.xxh3_128_digest(memoryview(host.numpy()))
+
+
+def digest_tensors(named: Iterable[tuple[str, torch.Tensor]], basis: str, threads: int | None = None) -> TensorsDigest:
+    """A digest of the tensors' names, shapes, dtypes and every byte: each
+    PIECE_BYTES piece hashed (xxh3-128, in threads: python-xxhash releases
+    the GIL on large buffers), then the headers and piece digests in order.
+    The same tensors give the same digest whatever the thread count."""
+    t0 = time.perf_counter()
+    headers, pieces = _pieces(named)
+    n = threads or min(8, os.cpu_count() or 1)
+    with torch.no_grad():
+        if n > 1 and len(pieces) > 1:
+            with ThreadPoolExecutor(n, thread_name_prefix="shmkv-digest") as pool:
+                digests = list(pool.map(lambda p: _piece_digest(p[1]), pieces))
+        else:
+            digests = [_piece_digest(p) for _, p in pieces]
+    h = xxhash.xxh3_128()
+    by_tensor: dict[int, list[bytes]] = {}
+    for (i, _), d in zip(pieces, digests):
+        by_tensor.setdefault(i, []).append(d)
+    for i, header in enumerate(headers):
+        h.update(header)
+        for d in by_tensor.get(i, ()):
+            h.update(d)
+    nbytes = sum(p.numel() for _, p in pieces)
+    return TensorsDigest(h.hexdigest(), len(headers), nbytes, time.perf_counter() - t0, basis)
+
+
+def model_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of the model, by name (shared ones once)."""
+    for name, p in model.named_parameters():
+        yield name, p
+    for name, b in model.named_buffers():
+        yield f"buffer.{name}", b
+
+
+def combine(digests: Iterable[str]) -> str:
+    return xxhash.xxh3_128("\0".join(digests).encode()).hexdigest()
+
+
+# ------------------------------------------------------------ vLLM's hook --
+def uses_shmkv(kv_transfer_config: Any) -> bool:
+    """Whether the engine's connector is shmkv's (alone or inside a MultiConnector)."""
+    if kv_transfer_config is None:
+        return False
+    name = str(getattr(kv_transfer_config, "kv_connector", "") or "")
+    module = str(getattr(kv_transfer_config, "kv_connector_module_path", "") or "")
+    if name == "ShmKVConnector" or module.startswith("shmkv"):
+        return True
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    for sub in extra.get("connectors", ()) if isinstance(extra, dict) else ():
+        if isinstance(sub, dict) and (sub.get("kv_connector") == "ShmKVConnector"
+                                      or str(sub.get("kv_connector_module_path", "")).startswith("shmkv")):
+            return True
+    return False
+
+
+def note_loaded(model: torch.nn.Module) -> None:
+    """Digest the model's tensors as loaded (before kernel processing), if
+    this engine uses shmkv; never raises."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vc = get_current_vllm_config_or_none()
+        if vc is None or not uses_shmkv(vc.kv_transfer_config):
+            return
+        d = digest_tensors(model_tensors(model), "loaded")
+        object.__setattr__(model, LOADED_ATTR, d)
+        log.info("shmkv: weights as loaded: %d tensors, %.2f GB, digest %s (%.2f s, %.1f GB/s)", d.tensors,
+                 d.nbytes / 1e9, d.digest[:16], d.seconds, d.nbytes / 1e9 / max(d.seconds, 1e-9))
+    except Exception as e:  # noqa: BLE001 - vLLM's loading goes on; the worker falls back (module doc)
+        object.__setattr__(model, LOADED_ATTR, None)
+        log.warning("shmkv: the digest of the weights as loaded failed (%s: %s): the keys name what the model "
+                    "holds at KV-cache registration instead", type(e).__name__, e)
+
+
+# the engine's calls to its workers known to leave the weights as they are (vLLM 0.32's every-step calls
+# first); any other (a method name or a user's function through collective_rpc) may write them
+READ_ONLY_CALLS = frozenset({
+    "execute_model", "sample_tokens", "take_draft_token_ids", "execute_dummy_batch", "check_health",
+    "get_kv_connector_handshake_metadata", "get_kv_cache_spec", "determine_available_memory", "get_supported_tasks",
+    "get_supported_kv_cache_layouts", "set_kv_cache_layout", "get_model_inspection", "get_encoder_timing_stats",
+    "supports_draft_weight_updates", "synchronize_device", "compute_weight_checksums", "update_max_model_len",
+    "list_loras", "add_lora", "remove_lora", "pin_lora", "reset_mm_cache", "reset_encoder_cache", "profile",
+    "save_sharded_state", "save_tensorized_model", "init_worker", "init_device", "initialize_from_config",
+    "compile_or_warm_up_model", "shutdown",
+})
+
+
+_watchers: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's weights watchers (weights.WorkerWeights)
+
+
+def watch(watcher: Any) -> None:
+    """A weights watcher of this process (one per rank it serves): told
+    (`mark_dirty(reason)`) before a worker call that may write the weights."""
+    _watchers.add(watcher)
+
+
+def mark_dirty(reason: str) -> int:
+    """Every watcher of this process: its weights may change now. How many were marked."""
+    watchers = list(_watchers)
+    for w in watchers:
+        w.mark_dirty(reason)
+    return len(watchers)
+
+
+def _before_call(method: Any) -> None:
+    """A worker is about to run `method` for the engine: unless it is known
+    read-only, its weights watchers go dirty first (weights.py)."""
+    if isinstance(method, str) and method in READ_ONLY_CALLS:
+        return
+    name = method if isinstance(method, str) else getattr(method, "__name__", "a function (collective_rpc)")
+    mark_dirty(f"the engine's call {name!r}")
+
+
+def _hook_worker_calls() -> None:
+    """vLLM's two ways a worker runs the engine's calls: the multiprocessing
+    executor's worker loop and the in-process executor's run_method (each
+    hooked once both modules are importable)."""
+    try:
+        from vllm.v1.executor import multiproc_executor, uniproc_executor
+    except Exception as e:  # noqa: BLE001 - another vLLM: only load_weights is watched
+        log.debug("shmkv: vLLM's worker calls could not be hooked: %s", e)
+        return
+    proc = multiproc_executor.WorkerProc
+    original_rpc = getattr(proc, "_execute_worker_rpc", None)
+    if original_rpc is not None and not getattr(original_rpc, _HOOKED, False):
+        def _execute_worker_rpc(self: Any, rpc_request: Any) -> Any:
+            try:
+                _before_call(rpc_request[0])
+            except Exception as e:  # noqa: BLE001 - never into vLLM's loop
+                log.warning("shmkv: marking the weights before a worker call failed: %s", e)
+            return original_rpc(self, rpc_request)
+
+        setattr(_execute_worker_rpc, _HOOKED, True)
+        proc._execute_worker_rpc = _execute_worker_rpc
+    original_run = uniproc_executor.run_method
+    if not getattr(original_run, _HOOKED, False):
+        def run_method(obj: Any, method: Any, args: Any, kwargs: Any) -> Any:
+            try:
+                _before_call(method)
+            except Exception as e:  # noqa: BLE001
+                log.warning("shmkv: marking the weights before a worker call failed: %s", e)
+            return original_run(obj, method, args, kwargs)
+
+        setattr(run_method, _HOOKED, True)
+        uniproc_executor.run_method = run_method
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a function on a module right after its first import (the
+    plugin then imports nothing of vLLM's loader or executors itself: a
+    process that never loads a model, as `vllm serve`'s API server, pays
+    nothing)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, Callable[[Any], None]] = {}
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        fn = self.pending.get(fullname)
+        if fn is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                loader = spec.loader
+                original_exec = loader.exec_module
+
+                def exec_module(module: Any, _exec: Callable = original_exec, _name: str = fullname) -> None:
+                    _exec(module)
+                    hook = self.pending.pop(_name, None)
+                    if hook is not None:
+                        hook(module)
+
+                loader.exec_module = exec_module  # type: ignore[method-assign]
+                return spec
+            if spec is not None:
+                return spec
+        return None
+
+
+_after_import = _AfterImport()
+
+
+def when_imported(name: str, fn: Callable[[Any], None]) -> None:
+    """fn(module) now if `name` is imported, else right after its import."""
+    module = sys.modules.get(name)
+    if module is not None:
+        fn(module)
+        return
+    _after_import.pending[name] = fn
+    if _after_import not in sys.meta_path:
+        sys.meta_path.insert(0, _after_import)
+
+
+def install_hooks() -> None:
+    """vLLM's plugin time (every process): the loader hook and the worker-call
+    hook, each installed when vLLM's module is (or once it is) imported."""
+    when_imported("vllm.model_executor.model_loader.utils", lambda _m: install_load_hook())
+    when_imported("vllm.v1.executor.multiproc_executor", lambda _m: _hook_worker_calls())
+    when_imported("vllm.v1.executor.uniproc_executor", lambda _m: _hook_worker_calls())
+
+
+def install_load_hook() -> bool:
+    """Wrap vLLM's process_weights_after_loading (utils and every loader
+    module that imported it) so that note_loaded runs first. Idempotent."""
+    try:
+        import vllm.model_executor.model_loader.base_loader  # noqa: F401 - binds the name there first
+        import vllm.model_executor.model_loader.utils as utils
+    except Exception as e:  # noqa: BLE001 - another vLLM: keys fall back to what the model holds
+        log.debug("shmkv: vLLM's loader could not be hooked: %s", e)
+        return False
+    original: Callable = utils.process_weights_after_loading
+    if getattr(original, _HOOKED, False):
+        return True
+
+    def process_weights_after_loading(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        note_loaded(model)
+        return original(model, *args, **kwargs)
+
+    setattr(process_weights_after_loading, _HOOKED, True)
+    process_weights_after_loading.__wrapped__ = original  # type: ignore[attr-defined]
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm.") and getattr(module, "process_weights_after_loading", None) is original:
+            module.process_weights_after_loading = process_weights_after_loading  # type: ignore[attr-defined]
+    return True
+
+
+def loaded_digest(models: list[torch.nn.Module]) -> TensorsDigest | None:
+    """The rank's weights identity: the digests its models kept at loading,
+    or (a loader that skipped the hook) a digest of what they hold now."""
+    if not models:
+        return None
+    kept = [getattr(m, LOADED_ATTR, None) for m in models]
+    if all(isinstance(k, TensorsDigest) for k in kept):
+        return TensorsDigest(combine(k.digest for k in kept), sum(k.tensors for k in kept),
+                             sum(k.nbytes for k in kept), sum(k.seconds for k in kept), "loaded")
+    t0 = time.perf_counter()
+    parts = [digest_tensors(((f"{i}.{n}", t) for n, t in model_tensors(m)), "held") for i, m in enumerate(models)]
+    return TensorsDigest(combine(p.digest for p in parts), sum(p.tensors for p in parts),
+                         sum(p.nbytes for p in parts), time.perf_counter() - t0, "held")
