@@ -10,6 +10,7 @@ a real fault.
 
     SHMKV_TEST_SKIP_LOAD_LAYERS=REGEX   loads leave the layers REGEX matches as they were
     SHMKV_TEST_EVICT_BEFORE_LOAD=1      a worker deletes each chunk it is about to load
+    SHMKV_TEST_EVICT_BEFORE_LOAD=rank:N ... only the worker of TP rank N (its lease fails, the others' not)
     SHMKV_TEST_WORKER_OFF=REASON        every worker turns off with REASON (the scheduler half does not)
 """
 
@@ -35,6 +36,7 @@ VARIABLES = (SKIP_LOAD_LAYERS, EVICT_BEFORE_LOAD, WORKER_OFF)
 class Switches:
     skip_load_layers: str = ""  # a regex over layer names; "": none
     evict_before_load: bool = False
+    evict_rank: int | None = None  # evict_before_load on this TP rank only (None: every rank)
     worker_off: str = ""  # the reason; "": workers serve
 
 
@@ -52,10 +54,11 @@ def switches(environ: dict[str, str] | None = None) -> Switches:
         except re.error as e:
             raise ConfigError(f"{SKIP_LOAD_LAYERS}={skip!r}: not a regular expression ({e})") from None
     evict_raw = env.get(EVICT_BEFORE_LOAD, "").strip().lower()
-    if evict_raw not in ("", "0", "1", "true", "false"):
-        raise ConfigError(f"{EVICT_BEFORE_LOAD}={evict_raw!r}: expected 1 or 0")
-    found = Switches(skip_load_layers=skip, evict_before_load=evict_raw in ("1", "true"),
-                         worker_off=env.get(WORKER_OFF, ""))
+    rank = re.fullmatch(r"rank:(\d+)", evict_raw)
+    if evict_raw not in ("", "0", "1", "true", "false") and rank is None:
+        raise ConfigError(f"{EVICT_BEFORE_LOAD}={evict_raw!r}: expected 1, 0 or rank:N")
+    found = Switches(skip_load_layers=skip, evict_before_load=evict_raw in ("1", "true") or rank is not None,
+                     evict_rank=int(rank.group(1)) if rank else None, worker_off=env.get(WORKER_OFF, ""))
     for name in VARIABLES:
         if env.get(name) and env.get(name) not in ("0", "false") and name not in _warned:
             _warned.add(name)

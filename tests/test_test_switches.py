@@ -33,3 +33,11 @@ def test_each_switch_is_read_and_said(caplog, monkeypatch):
 def test_a_bad_value_is_refused_naming_its_variable(env, named):
     with pytest.raises(ConfigError, match=named):
         switches(env)
+
+
+def test_an_eviction_can_be_one_ranks():
+    got = switches({EVICT_BEFORE_LOAD: "rank:1"})
+    assert (got.evict_before_load, got.evict_rank) == (True, 1)
+    assert switches({EVICT_BEFORE_LOAD: "1"}).evict_rank is None
+    with pytest.raises(ConfigError, match=EVICT_BEFORE_LOAD):
+        switches({EVICT_BEFORE_LOAD: "rank:x"})

@@ -186,6 +186,8 @@ class TransferEngine:
         layer issued by submit_load, as before)."""
         self.cache = store
         self.on_commit = on_commit
+        # a request whose stores must not commit (another TP rank's load of it failed: rank_failures.py)
+        self.veto: Callable[[str], bool] | None = None
         self.layouts = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
         self._layout_groups = list(layout_groups) if layout_groups is not None else list(range(len(self.layouts)))
         self._num_groups = len(set(self._layout_groups))
@@ -575,6 +577,9 @@ class TransferEngine:
         job.seconds = time.perf_counter() - job.t0
         tally.store_s += job.seconds
         error = job.event.error
+        if not job.doomed and self.veto is not None and self.veto(it.req_id):
+            job.doomed = "a TP rank's load of this request failed: its KV of that step is wrong on every rank"
+            self.counters["store_vetoed_rank_load_failed"] += 1
         if job.failed or job.doomed or error is not None:
             if error is not None:
                 log.error("shmkv: storing a chunk of request %s failed (%s); continuing without it", it.req_id,

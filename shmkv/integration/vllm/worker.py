@@ -53,6 +53,7 @@ from typing import Any
 from shmkv.activity import ActivitySummary
 from shmkv.errors import InvalidArgumentError
 from shmkv.integration.vllm.planner import ALL_BLOCKS
+from shmkv.integration.vllm.rank_failures import RankFailures
 from shmkv.store import Store
 from shmkv.testing import switches as test_switches
 from shmkv.tiers import TierChain, open_tiers
@@ -142,6 +143,29 @@ class WorkerSide:
         self._registered = False  # the segment is registered with CUDA for this worker
         self.writes_before_hooks = writes_before_hooks
         self.suspended = False  # sleep mode: between unregister_kv_caches and restore_kv_caches
+        self.stopped: str | None = None  # why this rank copies nothing more (stop): no resume
+        self.peers: RankFailures | None = None  # TP >= 2: the requests any rank's load failed for (share_failures)
+
+    def share_failures(self, engine: str) -> None:
+        """TP >= 2: this rank marks the requests its synchronous loads failed
+        for, and stores nothing of a request any rank marked (rank_failures.py)."""
+        try:
+            self.peers = RankFailures(engine)
+        except OSError as e:
+            # NOTE: without it a rank could store over another rank's failed load: this rank stores nothing
+            self.stop(f"the TP ranks' load-failure file could not be opened ({e})")
+            return
+        if self.worker is not None:
+            self.worker.veto = self.peers.marked
+
+    def _mark_failed(self, req_ids: set[str]) -> None:
+        """Requests computed (this step) over blocks a load of this rank did not fill: no rank stores them."""
+        new = req_ids - self._load_failed_reqs
+        if not new:
+            return
+        self._load_failed_reqs |= new
+        if self.peers is not None:
+            self.peers.mark(new)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self.off_reason is not None:
@@ -297,7 +321,8 @@ class WorkerSide:
         if self._asleep("loads", len(meta.loads)):
             self._refuse_loads(meta, async_reqs)
             return
-        if self._switches.evict_before_load:  # a test's: what another engine's eviction can do
+        if self._switches.evict_before_load and self._switches.evict_rank in (None, self.tp_rank):
+            # a test's: what another engine's eviction can do (to every rank, or to one)
             for it in meta.loads:
                 self.store.delete(it.keys[self.tp_rank])
         later = [it for it in meta.loads if it.req_id in async_reqs]
@@ -316,6 +341,9 @@ class WorkerSide:
         # are vLLM's to recompute in this step's output, before it samples from their blocks
         job.reported = job.failed | {b for j in job.broken for b in job.jobs[j][0].block_ids}
         self._load_errors |= job.reported
+        if job.reported:  # before this rank's forward starts, so before any rank passes its first all-reduce
+            self._mark_failed({r for r, items in job.by_request.items()
+                               if any(b in job.reported for it in items for b in it.block_ids)})
         if whole:
             job.wait_all()
             self.worker.counters["whole_forward_loads"] += 1
@@ -324,12 +352,15 @@ class WorkerSide:
     def _refuse_loads(self, meta: Any, async_reqs: set[str]) -> None:
         """This step's loads are not run: vLLM recomputes their blocks (never
         runs on blocks nobody filled); asynchronous ones are reported failed."""
+        refused = set()
         for it in getattr(meta, "loads", ()):
             if it.req_id in async_reqs:
                 self._recv_failed.add(it.req_id)
             else:
                 self._load_errors.update(it.block_ids)
+                refused.add(it.req_id)
         self._recv_done |= async_reqs
+        self._mark_failed(refused)  # other ranks may have loaded them: this rank computes over unfilled blocks
 
     def wait_layer(self, layer_name: str) -> None:
         """The forward reaches `layer_name`: this step's synchronous loads of
@@ -388,15 +419,18 @@ class WorkerSide:
         if self.worker is None:
             return
         stores = list(getattr(meta, "stores", None) or ()) if self.stores else []
-        if self._load_failed_reqs and stores:
-            # NOTE: those requests were computed over blocks a load did not fill: vLLM recomputes
-            # them (the invalid blocks of the step that read them); what was computed over them, in
-            # that step or in one vLLM scheduled before it heard (asynchronous scheduling), is not stored
-            kept = [it for it in stores if it.req_id not in self._load_failed_reqs]
+        if (self._load_failed_reqs or self.peers is not None) and stores:
+            # NOTE: those requests were computed over blocks a load (of any TP rank) did not fill: vLLM
+            # recomputes them (the invalid blocks of the step that read them); what was computed over them,
+            # in that step or in one vLLM scheduled before it heard (asynchronous scheduling), is not stored
+            peers = self.peers
+            kept = [it for it in stores if it.req_id not in self._load_failed_reqs
+                    and not (peers is not None and peers.marked(it.req_id))]
             if len(kept) < len(stores):
                 self.worker.counters["stores_dropped_after_failed_load"] += len(stores) - len(kept)
-                log.info("shmkv: %d chunks of requests %s not stored: computed over a load that failed",
-                         len(stores) - len(kept), sorted({it.req_id for it in stores} & self._load_failed_reqs))
+                log.info("shmkv: %d chunks of requests %s not stored: computed over a load that failed (this "
+                         "rank's or another TP rank's)", len(stores) - len(kept),
+                         sorted({it.req_id for it in stores} - {it.req_id for it in kept}))
                 stores = kept
         if stores and not self._asleep("stores", len(stores)):
             self.worker.submit_store(stores)
@@ -423,8 +457,8 @@ class WorkerSide:
             self._transfer["observations"].setdefault("load_outcome_wait_seconds", []).append(
                 time.perf_counter() - t0)
         self._poll()
-        self._load_failed_reqs |= {r for r, items in job.by_request.items()
-                                   if any(b in job.failed for it in items for b in it.block_ids)}
+        self._mark_failed({r for r, items in job.by_request.items()
+                           if any(b in job.failed for it in items for b in it.block_ids)})
 
     def take_transfer_stats(self) -> dict[str, Any] | None:
         """What this worker moved since the last call ({"counters", "observations"}), or None."""
@@ -449,6 +483,8 @@ class WorkerSide:
                 self._log_stores(req_id)
         self._finished_waiting |= set(finished_req_ids) & self._storing
         self._load_failed_reqs -= set(finished_req_ids)
+        if self.peers is not None:
+            self.peers.forget(finished_req_ids)
         pending = self.worker.pending_requests() if self.worker is not None else set()
         # NOTE: with speculative decoding vLLM asks before this step's wait_for_save:
         # stores bound this step but not yet issued are pending too
@@ -500,12 +536,25 @@ class WorkerSide:
 
     def resume(self) -> None:
         """Wake-up (vLLM 0.33+ restore_kv_caches)."""
-        self.suspended = False
+        self.suspended = self.stopped is not None
+
+    def stop(self, reason: str) -> None:
+        """This rank copies nothing more for this engine (its weights can no
+        longer be vouched for): pending copies complete, later loads are
+        recomputed by vLLM and stores dropped, counted (copies_refused_stopped)."""
+        if self.stopped is None:
+            self.suspend()
+            self.stopped = reason
+            self.suspended = True
+            log.warning("shmkv: TP rank %d copies nothing more for this engine: %s", self.tp_rank, reason)
 
     def _asleep(self, what: str, n: int) -> bool:
-        """Whether copies must not run now (sleep mode); counted and logged."""
+        """Whether copies must not run now (sleep mode, or stopped); counted and logged."""
         if not self.suspended or self.worker is None:
             return False
+        if self.stopped is not None:
+            self.worker.counters["copies_refused_stopped"] += n
+            return True
         self.worker.counters["copies_refused_asleep"] += n
         log.warning("shmkv: %d %s asked for while vLLM's KV cache is unregistered (sleep mode, before "
                     "restore_kv_caches): not run", n, what)
