@@ -5,6 +5,7 @@
 # lacks, as wheels for that Python. Carry the folder with the device call.
 #
 #   scripts/gpu_bundle.sh gpu-wheels            # PYTHON=python3.12 by default
+#   SHMKV_WHEEL_DIR=dist scripts/gpu_bundle.sh gpu-wheels   # its wheel for that Python, not built again
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-gpu-wheels}"
@@ -15,7 +16,13 @@ if ! "$PY" -c pass 2>/dev/null; then  # a pyenv shim of a version not selected: 
 fi
 TARGET="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 mkdir -p "$OUT"
-PYTHON="$PY" bash scripts/build_wheel.sh "$OUT" >/dev/null
+# SHMKV_WHEEL_DIR: a folder holding a wheel already built for that Python (scripts/build_wheel.sh), used as is
+TAG="cp${TARGET/./}"
+if [ -n "${SHMKV_WHEEL_DIR:-}" ] && ls "$SHMKV_WHEEL_DIR"/shmkv-*-"$TAG"-"$TAG"-manylinux_*.whl >/dev/null 2>&1; then
+  cp "$SHMKV_WHEEL_DIR"/shmkv-*-"$TAG"-"$TAG"-manylinux_*.whl "$OUT"/
+else
+  PYTHON="$PY" bash scripts/build_wheel.sh "$OUT" >/dev/null
+fi
 # shmkv's dependencies for that Python, resolved together (versions that fit each other); those the lent
 # machines' image already has are dropped (it holds numpy, xxhash, PyYAML, prometheus_client, packaging,
 # anyio, h11, click, idna, typing-extensions: .library/device/KINDS.md)

