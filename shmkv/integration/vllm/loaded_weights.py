@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +55,8 @@ class TensorsDigest:
     nbytes: int
     seconds: float
     basis: str  # "loaded": before kernel processing; "held": what the model held at registration
+    # name -> (its digest, data_ptr, numel) as digested: which tensors a model still holds at registration
+    per_tensor: dict[str, tuple[str, int, int]] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -65,12 +67,13 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.element_size() else flat
 
 
-def _pieces(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[bytes], list[tuple[int, torch.Tensor]]]:
-    """Each tensor's header and its byte pieces (index into the headers)."""
-    headers: list[bytes] = []
+def _pieces(named: Iterable[tuple[str, torch.Tensor]]
+            ) -> tuple[list[tuple[str, torch.Tensor, bytes]], list[tuple[int, torch.Tensor]]]:
+    """Each tensor's (name, tensor, header) and its byte pieces (index into the headers)."""
+    headers: list[tuple[str, torch.Tensor, bytes]] = []
     pieces: list[tuple[int, torch.Tensor]] = []
     for name, t in named:
-        headers.append(f"{name}:{tuple(t.shape)}:{t.dtype}\0".encode())
+        headers.append((name, t, f"{name}:{tuple(t.shape)}:{t.dtype}\0".encode()))
         if t.is_meta or t.numel() == 0:
             continue
         b = _bytes_of(t)
@@ -87,8 +90,9 @@ def _piece_digest(piece: torch.Tensor) -> bytes:
 def digest_tensors(named: Iterable[tuple[str, torch.Tensor]], basis: str, threads: int | None = None) -> TensorsDigest:
     """A digest of the tensors' names, shapes, dtypes and every byte: each
     PIECE_BYTES piece hashed (xxh3-128, in threads: python-xxhash releases
-    the GIL on large buffers), then the headers and piece digests in order.
-    The same tensors give the same digest whatever the thread count."""
+    the GIL on large buffers), each tensor's digest of its header and piece
+    digests, then the tensors' digests in order. The same tensors give the
+    same digest whatever the thread count."""
     t0 = time.perf_counter()
     headers, pieces = _pieces(named)
     n = threads or min(8, os.cpu_count() or 1)
@@ -98,16 +102,19 @@ def digest_tensors(named: Iterable[tuple[str, torch.Tensor]], basis: str, thread
                 digests = list(pool.map(lambda p: _piece_digest(p[1]), pieces))
         else:
             digests = [_piece_digest(p) for _, p in pieces]
-    h = xxhash.xxh3_128()
     by_tensor: dict[int, list[bytes]] = {}
     for (i, _), d in zip(pieces, digests):
         by_tensor.setdefault(i, []).append(d)
-    for i, header in enumerate(headers):
-        h.update(header)
+    h = xxhash.xxh3_128()
+    per_tensor: dict[str, tuple[str, int, int]] = {}
+    for i, (name, t, header) in enumerate(headers):
+        th = xxhash.xxh3_128(header)
         for d in by_tensor.get(i, ()):
-            h.update(d)
+            th.update(d)
+        h.update(th.digest())
+        per_tensor[name] = (th.hexdigest(), 0 if t.is_meta else t.data_ptr(), t.numel())
     nbytes = sum(p.numel() for _, p in pieces)
-    return TensorsDigest(h.hexdigest(), len(headers), nbytes, time.perf_counter() - t0, basis)
+    return TensorsDigest(h.hexdigest(), len(headers), nbytes, time.perf_counter() - t0, basis, per_tensor)
 
 
 def model_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
@@ -313,15 +320,46 @@ def install_load_hook() -> bool:
 
 
 def loaded_digest(models: list[torch.nn.Module]) -> TensorsDigest | None:
-    """The rank's weights identity: the digests its models kept at loading,
-    or (a loader that skipped the hook) a digest of what they hold now."""
+    """The rank's weights identity at KV-cache registration: per tensor its
+    models hold now (the target's first, a drafter's next; a tensor shared
+    between them counted once, as the first model's), the digest kept at
+    loading while the tensor is the one loaded or was emptied by kernel
+    processing (vLLM-CPU's packed linear weights), else a digest of what it
+    holds now (a drafter's embedding or head, given the target's after
+    loading: at loading it held memory nobody wrote). "held" where a model
+    kept no digest at loading (a loader that skipped the hook)."""
     if not models:
         return None
-    kept = [getattr(m, LOADED_ATTR, None) for m in models]
-    if all(isinstance(k, TensorsDigest) for k in kept):
-        return TensorsDigest(combine(k.digest for k in kept), sum(k.tensors for k in kept),
-                             sum(k.nbytes for k in kept), sum(k.seconds for k in kept), "loaded")
     t0 = time.perf_counter()
-    parts = [digest_tensors(((f"{i}.{n}", t) for n, t in model_tensors(m)), "held") for i, m in enumerate(models)]
-    return TensorsDigest(combine(p.digest for p in parts), sum(p.tensors for p in parts),
-                         sum(p.nbytes for p in parts), time.perf_counter() - t0, "held")
+    kept = [getattr(m, LOADED_ATTR, None) for m in models]
+    basis = "loaded" if all(isinstance(k, TensorsDigest) for k in kept) else "held"
+    resolved: dict[int, str] = {}  # id(tensor) -> its digest: a tensor shared by two models is the first's
+    lines: list[str] = []
+    tensors = nbytes = 0
+    load_s = 0.0
+    for i, (m, k) in enumerate(zip(models, kept)):
+        records = k.per_tensor if isinstance(k, TensorsDigest) else {}
+        load_s += k.seconds if isinstance(k, TensorsDigest) else 0.0
+        now, redo = dict(model_tensors(m)), []
+        for name, t in now.items():
+            if id(t) in resolved:
+                lines.append(f"{i}.{name}:{resolved[id(t)]}")
+                continue
+            rec = records.get(name)
+            if rec is not None and (t.numel() == 0 or (not t.is_meta and (t.data_ptr(), t.numel()) == rec[1:])):
+                resolved[id(t)] = rec[0]
+                lines.append(f"{i}.{name}:{rec[0]}")
+            else:
+                redo.append((name, t))
+        for name, rec in records.items():
+            if name not in now:  # gone since loading: its loaded bytes shaped what replaced it
+                lines.append(f"{i}.{name}:{rec[0]}")
+        if redo:
+            d = digest_tensors(redo, "held")
+            nbytes += d.nbytes
+            for name, t in redo:
+                resolved[id(t)] = d.per_tensor[name][0]
+                lines.append(f"{i}.{name}:{d.per_tensor[name][0]}")
+        tensors += len(now)
+        nbytes += k.nbytes if isinstance(k, TensorsDigest) else 0
+    return TensorsDigest(combine(sorted(lines)), tensors, nbytes, load_s + time.perf_counter() - t0, basis)

@@ -183,3 +183,42 @@ def test_worker_calls_that_may_write_the_weights_mark_them_first(tmp_path, monke
     assert ran[-1][1] is True
     e.refresh()
     assert e.fields() is None, "the scheduler half stops using the keys until the next fingerprint"
+
+
+class Drafter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4)  # a drafter checkpoint without it: vLLM gives it the target's
+        self.proj = torch.nn.Linear(4, 4)
+
+    def load_weights(self, weights):
+        return set()
+
+
+def engine_models(seed: int, garbage: int) -> list[torch.nn.Module]:
+    """A target and a drafter as a worker holds them at registration: both
+    digested at loading (the drafter's embedding then held memory nobody
+    wrote: `garbage`), then the target's linear weight packed away (an empty
+    Parameter, as vLLM-CPU leaves it) and the drafter given the target's
+    embedding (vLLM's EAGLE)."""
+    torch.manual_seed(seed)
+    target, drafter = Model(), Drafter()
+    target.embed = torch.nn.Embedding(16, 4)
+    with torch.no_grad():
+        target.embed.weight.fill_(0.25)  # only the target's linear weight (packed away) differs between seeds
+        target.proj.bias.zero_()
+        drafter.proj.weight.fill_(0.5)
+        drafter.proj.bias.zero_()
+        drafter.embed.weight.fill_(float(garbage))
+    for m in (target, drafter):
+        object.__setattr__(m, lw.LOADED_ATTR, lw.digest_tensors(lw.model_tensors(m), "loaded"))
+    target.proj.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    drafter.embed = target.embed
+    return [target, drafter]
+
+
+def test_what_a_drafter_is_given_after_loading_counts_as_held_and_packed_weights_as_loaded():
+    one, other_garbage = lw.loaded_digest(engine_models(1, garbage=7)), lw.loaded_digest(engine_models(1, garbage=9))
+    assert one.basis == other_garbage.basis == "loaded"
+    assert one.digest == other_garbage.digest, "the memory a drafter held before it was given the target's: no part"
+    assert lw.loaded_digest(engine_models(2, garbage=7)).digest != one.digest, "other target weights (packed away)"
