@@ -136,10 +136,7 @@ class Run:
             with self.server(f"{arm}-{_v(shmkv)}", self.segment(arm) if shmkv else None) as s:
                 yield s
             return
-        _wait_stores([kept])
-        if not kept.post("/reset_prefix_cache").get("success", True):
-            raise RuntimeError(f"{arm}: vLLM's prefix cache of the {_v(shmkv)} server would not reset; "
-                               f"see {kept.log_path}")
+        _as_fresh([kept], arm)
         yield kept
 
     # ------------------------------------------------------------ helpers --
@@ -312,9 +309,7 @@ class Run:
         systems = self.fresh(w.system_prompts, w.prefix_tokens)
         labels = self._pair_labels(label)
         if all(lb in self._started for lb in labels):  # --small: restart's servers; vLLM's cache as a fresh one's
-            _wait_stores([self._started[lb] for lb in labels])
-            for lb in labels:
-                self._started[lb].post("/reset_prefix_cache")
+            _as_fresh([self._started[lb] for lb in labels], label)
         servers = self.servers(labels, caches, capacity)
         proxy = RoundRobinProxy([s.url for s in servers])
         try:
@@ -381,6 +376,16 @@ def _counters(servers: list[VllmServer]) -> dict[str, float]:
         for k, name in COUNTERS.items():
             out[k] += totals[name]
     return out
+
+
+def _as_fresh(servers: list[VllmServer], arm: str) -> None:
+    """Servers kept from an earlier arm, as a fresh server holds the arm's
+    prompts in vLLM's own cache (nothing): their stores landed, then vLLM's
+    prefix cache reset."""
+    _wait_stores(servers)
+    for s in servers:
+        if not s.post("/reset_prefix_cache").get("success", True):
+            raise RuntimeError(f"{arm}: vLLM's prefix cache of a kept server would not reset; see {s.log_path}")
 
 
 def _wait_stores(servers: list[VllmServer], timeout_s: float = 60.0) -> None:

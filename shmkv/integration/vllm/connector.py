@@ -321,8 +321,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
         sections = {r: m.sections for r, m in reports.items() if m.sections}
         if sections:
             self._sched.name_sections(sections)
-        self._sched.weights.set_tensors({r: (getattr(m, "weights", ""), getattr(m, "weights_basis", ""))
-                                         for r, m in reports.items()})
+        self._sched.weights.set_tensors({r: (m.weights, m.weights_basis) for r, m in reports.items()})
         self._sched.announce_namespaces()
         engine_registry.record(self.cfg.cache_name, self._model, True)
 

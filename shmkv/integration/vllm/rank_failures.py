@@ -92,9 +92,8 @@ class RankFailures:
         """Whether any rank marked this request (a scan of the mapped slots: no system call)."""
         if req_id in self._known:
             return True
-        if int(self._words[0]) == 0:
-            return False
-        if bool(np.any(self._words[1:] == np.uint64(_hash(req_id)))):
+        used = min(int(self._words[0]), SLOTS)  # no failure yet (the usual case): nothing to scan
+        if used and bool(np.any(self._words[1:1 + used] == np.uint64(_hash(req_id)))):
             self._known.add(req_id)
             return True
         return False

@@ -53,6 +53,7 @@ import torch
 import xxhash
 
 from shmkv.integration.vllm.loaded_weights import combine, digest_tensors, watch
+from shmkv.integration.vllm.rank_failures import failures_name
 from shmkv.paths import runtime_dir, runtime_dir_path
 
 log = logging.getLogger("shmkv.connector")
@@ -485,8 +486,6 @@ def read_board(engine_id: str, rank: int) -> dict[str, Any] | None:
 def remove_boards(engine_id: str, tp_size: int) -> None:
     """The engine's boards, its bell and its ranks' load-failure file (rank_failures.py)."""
     rd = runtime_dir()
-    from shmkv.integration.vllm.rank_failures import failures_name
-
     names = [board_name(engine_id, r) for r in range(tp_size)] + [failures_name(engine_id)]
     for name in names + [bell_name(engine_id)]:
         try:
@@ -543,8 +542,8 @@ class EngineWeights:
         identity (read once per file content, waited for up to FILES_WAIT_S;
         then the engine serves without shmkv until it is known)."""
         self._reported = True
-        digests = [reports.get(r, ("", ""))[0] for r in range(self.tp_size)]
-        bases = {reports.get(r, ("", ""))[1] for r in range(self.tp_size)}
+        ranks = [reports.get(r, ("", "")) for r in range(self.tp_size)]
+        digests, bases = [d for d, _ in ranks], {b for _, b in ranks}
         if all(digests):
             self._tensors = combine(digests)
             self._tensors_basis = "loaded" if bases == {"loaded"} else "held"

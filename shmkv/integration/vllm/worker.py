@@ -95,6 +95,13 @@ def _shape_desc(t: Any, layers: int) -> str:
     return f"{'x'.join(str(d) for d in t.shape[1:])}/{str(t.dtype).replace('torch.', '')}/{layers}"
 
 
+def _requests_touching(job: LoadJob, blocks: set[int]) -> set[str]:
+    """The requests of a load job with an item on any of `blocks`."""
+    if not blocks:
+        return set()
+    return {r for r, items in job.by_request.items() if any(b in blocks for it in items for b in it.block_ids)}
+
+
 class WorkerSide:
     """The connector's worker half: it builds the copy layouts when vLLM
     registers its KV caches, then drives the transfer engine in vLLM's call
@@ -342,8 +349,7 @@ class WorkerSide:
         job.reported = job.failed | {b for j in job.broken for b in job.jobs[j][0].block_ids}
         self._load_errors |= job.reported
         if job.reported:  # before this rank's forward starts, so before any rank passes its first all-reduce
-            self._mark_failed({r for r, items in job.by_request.items()
-                               if any(b in job.reported for it in items for b in it.block_ids)})
+            self._mark_failed(_requests_touching(job, job.reported))
         if whole:
             job.wait_all()
             self.worker.counters["whole_forward_loads"] += 1
@@ -391,8 +397,7 @@ class WorkerSide:
                 self._load_errors |= failed - job.reported  # those reported at submit, once
             else:
                 self._recv_done |= async_reqs
-                self._recv_failed |= {r for r, items in job.by_request.items()
-                                      if any(b in failed for it in items for b in it.block_ids)}
+                self._recv_failed |= _requests_touching(job, failed)
             self._report_load(job, failed)
 
     def _report_load(self, job: LoadJob, failed: set[int]) -> None:
@@ -457,8 +462,7 @@ class WorkerSide:
             self._transfer["observations"].setdefault("load_outcome_wait_seconds", []).append(
                 time.perf_counter() - t0)
         self._poll()
-        self._mark_failed({r for r, items in job.by_request.items()
-                           if any(b in job.failed for it in items for b in it.block_ids)})
+        self._mark_failed(_requests_touching(job, job.failed))
 
     def take_transfer_stats(self) -> dict[str, Any] | None:
         """What this worker moved since the last call ({"counters", "observations"}), or None."""
