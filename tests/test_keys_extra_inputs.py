@@ -6,7 +6,6 @@ the keys they always had."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmkv.chunking import Chunker
-from shmkv.integration.vllm.engine_inputs import lora_extra, prompt_tokens, request_extras
+from shmkv.integration.vllm.engine_inputs import prompt_tokens, request_extras
 from shmkv.keys import ExtraInputs, MultiModalItem, Namespace, chunk_keys, piece_key
 
 CHUNK, BLOCK, N = 32, 16, 32 * 6 + 16  # six chunks and a tail piece
@@ -111,19 +110,6 @@ def test_request_extras_from_multimodal_features_and_embeddings():
     emb2[40, 3] += 1
     ex2 = request_extras(fake_request(prompt_token_ids=None, prompt_embeds=emb2, all_token_ids=[0] * 64))
     assert ex.for_range(0, 32) == ex2.for_range(0, 32) and ex.for_range(32, 64) != ex2.for_range(32, 64)
-
-
-def test_lora_digest_follows_the_adapter_files(tmp_path):
-    d = tmp_path / "adapter"
-    d.mkdir()
-    (d / "adapter_config.json").write_text('{"r": 8}')
-    (d / "adapter_model.safetensors").write_bytes(os.urandom(4096))
-    req = fake_request(lora_request=SimpleNamespace(lora_name="A", lora_path=str(d), lora_int_id=1))
-    first = lora_extra(req)
-    assert first[0] == ("lora_name", "A") and first == lora_extra(req)
-    (d / "adapter_model.safetensors").write_bytes(os.urandom(4096))  # replaced under the same name
-    assert lora_extra(req) != first
-    assert lora_extra(fake_request()) == ()
 
 
 @pytest.mark.parametrize("mask", [[True] * 32 + [False] * 32])

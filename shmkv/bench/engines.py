@@ -204,9 +204,9 @@ class EngineProcess:
         return reply
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, salts: list[str | None] | None = None,
-                 loras: list[tuple[str, int, str] | None] | None = None, logprobs: int = 0) -> dict[str, Any]:
+                 loras: list[tuple | None] | None = None, logprobs: int = 0) -> dict[str, Any]:
         """Greedy outputs, num_cached_tokens and the wall time of one batch;
-        `loras`: per prompt (name, int id, path) of a LoRA adapter, or None
+        `loras`: per prompt (name, int id, path[, load_inplace]) of a LoRA adapter, or None
         (the engine needs llm_kwargs enable_lora=True); `logprobs` > 0: also
         "logprobs", per prompt and output position {token id: logprob} of
         the top `logprobs` tokens (and the one chosen)."""
@@ -492,7 +492,8 @@ def _serve(spec: EngineSpec) -> None:
             if cmd.get("loras"):
                 from vllm.lora.request import LoRARequest
 
-                loras = [None if x is None else LoRARequest(x[0], x[1], x[2]) for x in cmd["loras"]]
+                loras = [None if x is None else LoRARequest(x[0], x[1], x[2], load_inplace=bool(x[3:4] and x[3]))
+                         for x in cmd["loras"]]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
             wall = time.perf_counter() - t0

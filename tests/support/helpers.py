@@ -359,16 +359,23 @@ class NativeEngine:
     plain OffloadingConfig (shmkv.bench.native_tier.offloading_config; no
     model), its primary CPU view, and one request."""
 
-    def __init__(self, cache: str, engine: str, **params) -> None:
+    def __init__(self, cache: str, engine: str, vllm_config=None, **params) -> None:
+        """`vllm_config`: the engine's VllmConfig, attached to the
+        OffloadingConfig as shmkv's hook on vLLM's build_offloading_config
+        does in an engine (native_identity.py)."""
         import numpy as np
         from vllm.plugins import load_general_plugins
         from vllm.v1.kv_offload.base import ReqContext
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
         from shmkv.bench.native_tier import offloading_config
+        from shmkv.integration.vllm.native_identity import VLLM_CONFIG_ATTR
 
         load_general_plugins()  # registers {"type": "shmkv"}, as in every vLLM process
-        self.spec = TieringOffloadingSpec(offloading_config(dict(cache=cache, engine=engine, **params)))
+        config = offloading_config(dict(cache=cache, engine=engine, **params))
+        if vllm_config is not None:
+            object.__setattr__(config, VLLM_CONFIG_ATTR, vllm_config)
+        self.spec = TieringOffloadingSpec(config)
         self.manager = self.spec.get_manager()
         self.tier = self.manager.secondary_tiers[0]
         self.view = np.asarray(self.manager.primary_tier.get_kv_memoryview()).reshape(-1).view(np.uint8)

@@ -284,12 +284,12 @@ class Harness:
         for r in range(tp):
             # NOTE: a polled copy has progressed one time in five: most are still in flight when the host asks
             device = DeviceModel(seed=seed + 1000 * r, query_progress=query_progress)
-            rank_of, connector_mod._tp_rank = connector_mod._tp_rank, lambda r=r: r  # vLLM's TP group, per rank
+            rank_of, connector_mod.tp_rank = connector_mod.tp_rank, lambda r=r: r  # vLLM's TP group, per rank
             try:
                 worker = KVConnectorFactory.create_connector(config=vc, role=KVConnectorRole.WORKER,
                                                              kv_cache_config=kcc)
             finally:
-                connector_mod._tp_rank = rank_of
+                connector_mod.tp_rank = rank_of
             if worker._work is not None:
                 worker._work._backend = device  # the streams the worker's transfer engine gets
             kv_transfer_state._KV_CONNECTOR_AGENT = worker

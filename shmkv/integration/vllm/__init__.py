@@ -24,15 +24,29 @@ def register() -> None:
                                               "ShmKVConnector")
     # the weights' identity: the tensors as loaded (before kernel processing), and every call from the
     # engine to its workers that may change them (loaded_weights.py)
-    from shmkv.integration.vllm.loaded_weights import install_hooks
+    from shmkv.integration.vllm.loaded_weights import install_hooks, when_imported
 
-    install_hooks()
+    install_hooks(native_watch=_native_watch)
+    # vLLM's native offloading: the tier's keys name the engine's configuration (native_identity.py)
+    when_imported("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", _native_config_hook)
     try:  # vLLM's native offloading: {"type": "shmkv"} in secondary_tiers (native_tier.py)
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     except ImportError:
         return
     if "shmkv" not in SecondaryTierFactory._registry:
         SecondaryTierFactory.register_tier("shmkv", "shmkv.integration.vllm.native_tier", "ShmkvSecondaryTier")
+
+
+def _native_watch(model: Any, vllm_config: Any) -> None:
+    from shmkv.integration.vllm.native_identity import watch_loaded
+
+    watch_loaded(model, vllm_config)
+
+
+def _native_config_hook(module: Any) -> None:
+    from shmkv.integration.vllm.native_identity import install_config_hook
+
+    install_config_hook(module)
 
 
 def __getattr__(name: str) -> Any:

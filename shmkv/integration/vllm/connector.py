@@ -74,6 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from shmkv import engine_registry
 from shmkv.config import load_config
 from shmkv.errors import ConfigError, StoreInUseError
+from shmkv.integration.vllm import adapters
 from shmkv.integration.vllm.engine_inputs import (
     chunk_bytes,
     drafter_field,
@@ -89,7 +90,7 @@ from shmkv.integration.vllm.loaded_weights import TensorsDigest, loaded_digest
 from shmkv.integration.vllm.metadata import ShmKVMetadata, ShmKVWorkerReport
 from shmkv.integration.vllm.metrics import HIT_SOURCES, ShmKVPromMetrics, ShmKVStats
 from shmkv.integration.vllm.versions import check_vllm_version
-from shmkv.integration.vllm.weights import EngineWeights, FilesIdentity, WorkerWeights, find_models
+from shmkv.integration.vllm.weights import WorkerWeights, board_id, engine_weights, find_models, tp_rank
 from shmkv.integration.vllm.worker import WorkerSide
 from shmkv.store import open_store
 from shmkv.testing import WORKER_OFF
@@ -118,15 +119,6 @@ def _setup_logging(level: str) -> None:
                                          "%m-%d %H:%M:%S"))
         root.addHandler(h)
         root.propagate = False
-
-
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank()
-    except Exception:
-        return 0
 
 
 def _require_cuda_kernels_if_on_cuda() -> None:
@@ -179,15 +171,6 @@ def _no_layer_hooks(forward_context: Any, load_kwargs: dict[str, Any]) -> bool:
     if getattr(forward_context, "cudagraph_runtime_mode", CUDAGraphMode.NONE) == CUDAGraphMode.FULL:
         return True
     return load_kwargs.get("attn_metadata") is not None or getattr(forward_context, "attn_metadata", None) is None
-
-
-def board_id(vllm_config: Any) -> str:
-    """The engine instance's name for its weights boards and bell: the
-    connector's engine_id (two LLMs built from one KVTransferConfig share it)
-    and the VllmConfig's instance id (one per engine, the same in its workers)."""
-    engine_id = str(vllm_config.kv_transfer_config.engine_id)
-    instance = str(getattr(vllm_config, "instance_id", "") or "")
-    return f"{engine_id}-{instance}" if instance else engine_id
 
 
 def _runs_v2(vllm_config: Any) -> bool:
@@ -253,7 +236,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._say_off(self.off_reason)
             else:  # it still answers vLLM's protocol (delayed frees, loads) until the scheduler half knows
                 log.debug("shmkv: worker connector off: %s", self.off_reason)
-                self._work = WorkerSide(self.cfg, None, [], _tp_rank(), block_size, off_reason=self.off_reason)
+                self._work = WorkerSide(self.cfg, None, [], tp_rank(), block_size, off_reason=self.off_reason)
             return
         _require_cuda_kernels_if_on_cuda()
         # The scheduler copies only what it promotes from disk or remote: its mapping
@@ -264,7 +247,7 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
             from shmkv.integration.vllm.scheduler import SchedulerSide
 
             tp = vllm_config.parallel_config.tensor_parallel_size
-            weights = self._engine_weights(vllm_config)
+            weights = engine_weights(vllm_config)
             fields = model_config_field(vllm_config) + groups_field(groups) + drafter_field(vllm_config)
             namespaces = [dataclasses.replace(n, extra=n.extra + fields)
                           for n in (namespace_for(vllm_config, self.cfg, r) for r in range(tp))]
@@ -275,23 +258,15 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
                                         chunk_bytes=chunk_bytes(kv_cache_config, self.cfg.chunk_size),
                                         event_groups=event_groups_of(kv_cache_config))
         else:
-            rank = _tp_rank()
+            rank = tp_rank()
             self._work = WorkerSide(self.cfg, self.store, groups, rank, block_size,
                                     stores=stores_on_rank(vllm_config, rank),
                                     writes_before_hooks=_runs_v2(vllm_config))
+            if vllm_config.lora_config is not None:
+                adapters.track()  # which LoRA adapter this rank reads under each id (adapters.py)
         log.info("shmkv: %s connector ready (role %s, chunk %d tokens, block %d, loads %s, stores %s)",
                  self._kv_role_name, ktc.kv_role, self.cfg.chunk_size, block_size,
                  "on" if ktc.is_kv_consumer else "off", "on" if ktc.is_kv_producer else "off")
-
-    def _engine_weights(self, vllm_config: VllmConfig) -> EngineWeights:
-        """The weights' identity for the keys: the ranks' digests of their
-        tensors as loaded (loaded_weights.py), known at the handshake; where
-        a rank has none, the files' digest beside it (weights.py)."""
-        mc = vllm_config.model_config
-        commit = getattr(getattr(mc, "hf_config", None), "_commit_hash", None)
-        model, commit = str(mc.model), commit if isinstance(commit, str) else None
-        return EngineWeights(board_id(vllm_config), vllm_config.parallel_config.tensor_parallel_size,
-                             files_factory=lambda: FilesIdentity(model, commit))
 
     # ============================================================ handshake
     def get_handshake_metadata(self) -> ShmKVWorkerReport | None:
@@ -459,6 +434,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
                         "files alone", self._work.tp_rank, type(e).__name__, e)
         t2 = time.perf_counter()
         self._weights = WorkerWeights(board_id(self._vllm_config), self._work.tp_rank, models)
+        if self._vllm_config.lora_config is not None:
+            self._work.adapters_held = lambda: adapters.held_adapters(models)
         d = self._tensors_digest
         when = "at load" if d and d.basis == "loaded" else "now"
         what = (f"{d.basis} digest {d.digest[:16]} of {d.tensors} tensors, {d.nbytes / 1e9:.3f} GB in "
@@ -493,6 +470,8 @@ class ShmKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._weights.publish(answered=asked)  # loaded, or a prefix-cache reset: they may have changed
         if self._weights is not None and self._weights.failed and self._work is not None:
             self._work.stop(f"its weights check failed ({self._weights.failed})")
+        if self._weights is not None and self._work is not None and self._work.adapters_held is not None:
+            self._weights.set_adapters(self._work.adapters_held())  # vLLM set this step's adapters already
         if self._work is not None:
             self._work.bind(connector_metadata)
 

@@ -1,15 +1,14 @@
 """What shmkv reads from vLLM, and nothing else: the engine's namespace (its
 model geometry, attention layout and KV-cache groups) and each request's
 inputs that change its KV (prompt tokens, multimodal items, prompt
-embeddings, LoRA adapter). The scheduler half turns these into keys; the
-worker half into copy layouts.
+embeddings; its LoRA adapter is adapters.py's). The scheduler half turns
+these into keys; the worker half into copy layouts.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -301,44 +300,6 @@ def request_extras(request: Request) -> ExtraInputs | None:
         t = embeds.detach().to("cpu").contiguous()
         arr = t.view(torch.uint8).numpy().reshape(t.shape[0], -1)  # raw bytes per position (bf16 has no numpy dtype)
     return ExtraInputs(mm=mm, embeds=arr, token_mask=None if mask is None else np.asarray(mask, dtype=bool))
-
-
-_LORA_DIGESTS: dict[tuple, str] = {}
-
-
-def lora_extra(request: Request) -> tuple[tuple[str, str], ...]:
-    """Namespace fields of the request's LoRA adapter: its name and a digest
-    of its files (cached by path, size, mtime and inode, so an adapter
-    replaced under the same name gets a new digest)."""
-    lr = getattr(request, "lora_request", None)
-    if not lr:
-        return ()
-    return (("lora_name", str(lr.lora_name)), ("lora_digest", lora_digest(str(lr.lora_path or ""))))
-
-
-def lora_digest(path: str) -> str:
-    """xxh3-128 over the adapter directory's regular files (names and bytes)."""
-    import xxhash
-
-    try:
-        names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
-        stats = tuple((n, st.st_size, st.st_mtime_ns, st.st_ino)
-                      for n in names for st in [os.stat(os.path.join(path, n))])
-    except OSError:
-        log.warning("shmkv: LoRA adapter path %r is not a readable directory: its keys name the path only "
-                    "(a different adapter at the same path would share them)", path)
-        return "path:" + path
-    key = (path, stats)
-    d = _LORA_DIGESTS.get(key)
-    if d is None:
-        h = xxhash.xxh3_128()
-        for n in names:
-            h.update(n.encode() + b"\x00")
-            with open(os.path.join(path, n), "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-        d = _LORA_DIGESTS[key] = h.hexdigest()
-    return d
 
 
 def explicit_load_failure_policy(argv: list[str]) -> str | None:

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import xxhash
 
+from shmkv.integration.vllm.adapters import install_adapter_hook
+
 log = logging.getLogger("shmkv.connector")
 
 LOADED_ATTR = "_shmkv_loaded_digest"
@@ -146,6 +148,45 @@ def uses_shmkv(kv_transfer_config: Any) -> bool:
     return False
 
 
+def uses_native_tier(kv_transfer_config: Any) -> bool:
+    """Whether the engine's connector is vLLM's OffloadingConnector (alone or
+    in a MultiConnector) with a shmkv secondary tier (native_identity.py)."""
+    if kv_transfer_config is None:
+        return False
+
+    def tiered(name: Any, extra: Any) -> bool:
+        if name != "OffloadingConnector" or not isinstance(extra, dict):
+            return False
+        return any(isinstance(t, dict) and t.get("type") == "shmkv" for t in extra.get("secondary_tiers") or ())
+
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    if tiered(getattr(kv_transfer_config, "kv_connector", None), extra):
+        return True
+    return any(isinstance(sub, dict) and tiered(sub.get("kv_connector"), sub.get("kv_connector_extra_config") or {})
+               for sub in (extra.get("connectors", ()) if isinstance(extra, dict) else ()))
+
+
+def _uses_native_tier(vllm_config: Any) -> bool:
+    return uses_native_tier(vllm_config.kv_transfer_config)
+
+
+_native_watch: Callable[[torch.nn.Module, Any], None] | None = None  # install_hooks: native_identity.watch_loaded
+
+
+def after_processing(model: torch.nn.Module) -> None:
+    """After vLLM's post-load step: an engine whose weights only the native
+    tier watches starts its watch (native_identity.py); never raises."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vc = get_current_vllm_config_or_none()
+        if vc is None or _native_watch is None or uses_shmkv(vc.kv_transfer_config) or not _uses_native_tier(vc):
+            return
+        _native_watch(model, vc)
+    except Exception as e:  # noqa: BLE001 - vLLM's loading goes on
+        log.warning("shmkv: the native tier's weights watch failed to start: %s: %s", type(e).__name__, e)
+
+
 def note_loaded(model: torch.nn.Module) -> None:
     """Digest the model's tensors as loaded (before kernel processing), if
     this engine uses shmkv; never raises."""
@@ -153,7 +194,7 @@ def note_loaded(model: torch.nn.Module) -> None:
         from vllm.config import get_current_vllm_config_or_none
 
         vc = get_current_vllm_config_or_none()
-        if vc is None or not uses_shmkv(vc.kv_transfer_config):
+        if vc is None or not (uses_shmkv(vc.kv_transfer_config) or _uses_native_tier(vc)):
             return
         d = digest_tensors(model_tensors(model), "loaded")
         object.__setattr__(model, LOADED_ATTR, d)
@@ -195,13 +236,39 @@ def mark_dirty(reason: str) -> int:
     return len(watchers)
 
 
-def _before_call(method: Any) -> None:
+def _before_call(method: Any) -> bool:
     """A worker is about to run `method` for the engine: unless it is known
-    read-only, its weights watchers go dirty first (weights.py)."""
+    read-only, its weights watchers go dirty first (weights.py). Whether
+    they did (then _after_call runs once the call returned)."""
     if isinstance(method, str) and method in READ_ONLY_CALLS:
-        return
+        return False
     name = method if isinstance(method, str) else getattr(method, "__name__", "a function (collective_rpc)")
     mark_dirty(f"the engine's call {name!r}")
+    return True
+
+
+def _after_call() -> None:
+    """A call that may have written the weights returned (or raised): the
+    watchers that settle at once (the native tier's) fingerprint again now."""
+    for w in list(_watchers):
+        if getattr(w, "settle_after_calls", False) and w.dirty:
+            w.publish()
+
+
+def _around_call(method: Any, call: Callable[[], Any]) -> Any:
+    try:
+        marked = _before_call(method)
+    except Exception as e:  # noqa: BLE001 - never into vLLM's loop
+        log.warning("shmkv: marking the weights before a worker call failed: %s", e)
+        marked = True
+    try:
+        return call()
+    finally:
+        if marked:
+            try:
+                _after_call()
+            except Exception as e:  # noqa: BLE001 - publish() never raises; this is belt and braces
+                log.warning("shmkv: fingerprinting the weights after a worker call failed: %s", e)
 
 
 def _hook_worker_calls() -> None:
@@ -217,22 +284,14 @@ def _hook_worker_calls() -> None:
     original_rpc = getattr(proc, "_execute_worker_rpc", None)
     if original_rpc is not None and not getattr(original_rpc, _HOOKED, False):
         def _execute_worker_rpc(self: Any, rpc_request: Any) -> Any:
-            try:
-                _before_call(rpc_request[0])
-            except Exception as e:  # noqa: BLE001 - never into vLLM's loop
-                log.warning("shmkv: marking the weights before a worker call failed: %s", e)
-            return original_rpc(self, rpc_request)
+            return _around_call(rpc_request[0], lambda: original_rpc(self, rpc_request))
 
         setattr(_execute_worker_rpc, _HOOKED, True)
         proc._execute_worker_rpc = _execute_worker_rpc
     original_run = uniproc_executor.run_method
     if not getattr(original_run, _HOOKED, False):
         def run_method(obj: Any, method: Any, args: Any, kwargs: Any) -> Any:
-            try:
-                _before_call(method)
-            except Exception as e:  # noqa: BLE001
-                log.warning("shmkv: marking the weights before a worker call failed: %s", e)
-            return original_run(obj, method, args, kwargs)
+            return _around_call(method, lambda: original_run(obj, method, args, kwargs))
 
         setattr(run_method, _HOOKED, True)
         uniproc_executor.run_method = run_method
@@ -286,12 +345,18 @@ def when_imported(name: str, fn: Callable[[Any], None]) -> None:
         sys.meta_path.insert(0, _after_import)
 
 
-def install_hooks() -> None:
+def install_hooks(native_watch: Callable[[torch.nn.Module, Any], None] | None = None) -> None:
     """vLLM's plugin time (every process): the loader hook and the worker-call
-    hook, each installed when vLLM's module is (or once it is) imported."""
+    hook, each installed when vLLM's module is (or once it is) imported;
+    `native_watch(model, vllm_config)` runs after vLLM's post-load step in
+    an engine of the native tier (the plugin gives native_identity's)."""
+    global _native_watch
+    if native_watch is not None:
+        _native_watch = native_watch
     when_imported("vllm.model_executor.model_loader.utils", lambda _m: install_load_hook())
     when_imported("vllm.v1.executor.multiproc_executor", lambda _m: _hook_worker_calls())
     when_imported("vllm.v1.executor.uniproc_executor", lambda _m: _hook_worker_calls())
+    when_imported("vllm.lora.worker_manager", install_adapter_hook)  # which LoRA adapter a rank holds
 
 
 def install_load_hook() -> bool:
@@ -309,7 +374,9 @@ def install_load_hook() -> bool:
 
     def process_weights_after_loading(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         note_loaded(model)
-        return original(model, *args, **kwargs)
+        out = original(model, *args, **kwargs)
+        after_processing(model)
+        return out
 
     setattr(process_weights_after_loading, _HOOKED, True)
     process_weights_after_loading.__wrapped__ = original  # type: ignore[attr-defined]

@@ -45,6 +45,11 @@ class ShmKVMetadata(KVConnectorMetadata):
     # the scheduler half's last weights check request (weights.py): a worker that has not answered
     # it fingerprints its weights before this step's copies
     check_weights: int = 0
+    # per request with loads or stores this step that has a LoRA adapter: (lora_int_id, the digest its keys
+    # name); a worker holding another adapter under that id refuses its loads and no rank stores it (adapters.py)
+    adapters: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # ... of them loading this step, whose adapter vLLM reads again when they compute (load_inplace)
+    adapter_rereads: set[str] = field(default_factory=set)
 
 
 @dataclass

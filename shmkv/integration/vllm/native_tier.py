@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -46,6 +46,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from shmkv.config import io_threads, load_config
 from shmkv.errors import ConfigError
+from shmkv.integration.vllm.native_identity import NativeIdentity
 from shmkv.integration.vllm.versions import check_vllm_version
 from shmkv.store import Presence, PutResult, ReadResult, open_store
 from shmkv.tiers import open_tiers
@@ -78,6 +79,8 @@ COUNTER_METRICS = {
     "not_stored": "Chunks the shared segment refused (full of pinned or leased chunks, lock timeout, or another "
                   "engine still writing the chunk: vLLM is told they were not stored, and may offer them again).",
     "loaded": "Chunks copied from the shared segment into this engine's CPU tier.",
+    "weights_unknown": "Lookups answered MISS and jobs refused while the engine's weights were changing in memory "
+                       "(or not known): the tier's keys name the weights the engine computes with.",
     "load_failed": "Chunks a load job could not copy (evicted meanwhile, another layout, reclaimed).",
     "removed": "Chunks reported removed from the host tier (KV events).",
 }
@@ -87,9 +90,11 @@ GAUGE_METRICS = {
 }
 
 
-def namespace_root(offloading_config: Any, chunk_bytes: int) -> tuple[bytes, dict[str, Any]]:
+def namespace_root(offloading_config: Any, chunk_bytes: int,
+                   identity: tuple[tuple[str, str], ...]) -> tuple[bytes, dict[str, Any]]:
     """The tier's namespace root (16 bytes) and the fields it covers, from
-    vLLM's OffloadingConfig: only identical configurations share chunks."""
+    vLLM's OffloadingConfig and the engine's identity (its configuration and
+    weights, native_identity.py): only identical configurations share chunks."""
     c = offloading_config
     par = c.parallel
     fields: dict[str, Any] = {
@@ -102,14 +107,7 @@ def namespace_root(offloading_config: Any, chunk_bytes: int) -> tuple[bytes, dic
     if not par.is_parallelism_agnostic:
         fields["parallel"] = {"world_size": par.world_size, "tp": par.tp_size, "pp": par.pp_size,
                               "pcp": par.pcp_size, "dcp": par.dcp_size}
-    from shmkv.integration.vllm.weights import files_identity
-
-    # every byte of a local model's weight files (weights.py; remembered per file content)
-    try:
-        fields["weights"] = files_identity(str(c.model.name))
-    except OSError as e:  # provenance unknown: a namespace of this process alone (right or unused)
-        log.warning("shmkv: cannot read the weight files of %s (%s): this engine shares no chunks", c.model.name, e)
-        fields["weights"] = f"unreadable:{os.getpid()}:{time.time_ns()}"
+    fields.update(identity)
     blob = FORMAT_TAG + repr(sorted(fields.items())).encode()
     return xxhash.xxh3_128_digest(blob), fields
 
@@ -121,7 +119,8 @@ class _Job:
     nkeys: int
     t0: float
     event: Any = None
-    ok_keys: list | None = None  # filled by the copy
+    ok_keys: list | None = None  # filled by the copy: vLLM's keys of the chunks done
+    ok_shm: list = field(default_factory=list)  # ... and their keys in the segment (a store's)
     failed: int = 0
     nbytes: int = 0
 
@@ -144,7 +143,13 @@ class ShmkvSecondaryTier(SecondaryTierManager):
         self.chunk_bytes = self.block_size_bytes
         self._primary = np.asarray(primary_kv_view).reshape(-1).view(np.uint8)
         config = offloading_spec.config
-        self.root, self.fields = namespace_root(config, self.chunk_bytes)
+        self.identity = NativeIdentity(config)
+        self._identity = self.identity.fields()
+        self.root: bytes | None = None
+        self.fields: dict[str, Any] = {}
+        if self._identity is not None:
+            self.root, self.fields = namespace_root(config, self.chunk_bytes, self._identity)
+        self._config = config
         self.tokens_per_chunk = config.cache.blocks_per_chunk * config.groups[0].tokens_per_block
         self.store = open_store(self.cfg)
         max_payload = self.store.stats()["max_payload_bytes"]
@@ -178,13 +183,31 @@ class ShmkvSecondaryTier(SecondaryTierManager):
         self._removal_mark = self.store.removal_count()
         self._sweep: list[bytes] = []
         self._check_hashes()
-        log.info("shmkv: native offloading tier ready (cache %s, namespace root %s: model %s, %s, %d-byte chunks%s)",
-                 self.cfg.cache_name, self.root.hex(), config.model.name, config.model.dtype, self.chunk_bytes,
-                 ", disk/remote behind it" if self.chain.lower else "")
+        log.info("shmkv: native offloading tier ready (cache %s, namespace root %s: model %s, %s, %d-byte chunks, "
+                 "weights %s%s)", self.cfg.cache_name, self.root.hex() if self.root else "(weights not known yet)",
+                 config.model.name, config.model.dtype, self.chunk_bytes,
+                 str(self.fields.get("weights", "?"))[:24], ", disk/remote behind it" if self.chain.lower else "")
 
     # ------------------------------------------------------------- keys --
-    def key_of(self, key: OffloadKey) -> bytes:
-        return xxhash.xxh3_128_digest(self.root + bytes(key))
+    def key_of(self, key: OffloadKey, root: bytes | None = None) -> bytes:
+        return xxhash.xxh3_128_digest((root or self.root or b"") + bytes(key))
+
+    def _current_root(self) -> bytes | None:
+        """The namespace root of the weights the engine computes with now;
+        None while they are not known (a rank's weights changing in memory):
+        nothing is then looked up, loaded or stored (native_identity.py)."""
+        ident = self.identity.fields()
+        if ident != self._identity:
+            self._identity = ident
+            if ident is None:
+                self.root = None
+                log.info("shmkv: the engine's weights may be changing in memory: the native tier answers MISS and "
+                         "stores nothing until the workers fingerprinted them")
+            else:
+                self.root, self.fields = namespace_root(self._config, self.chunk_bytes, ident)
+                log.info("shmkv: the native tier's namespace is now root %s (weights %s)", self.root.hex(),
+                         dict(ident).get("weights_gen", "as started")[:16])
+        return self.root
 
     def _check_hashes(self) -> None:
         """vLLM's default sha256 block hashes are the same in every process;
@@ -202,8 +225,12 @@ class ShmkvSecondaryTier(SecondaryTierManager):
 
     # ----------------------------------------------------------- lookup --
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        k = self.key_of(key)
         self.counters["lookups"] += 1
+        root = self._current_root()
+        if root is None:
+            self.counters["weights_unknown"] += 1
+            return LookupResult.MISS
+        k = self.key_of(key, root)
         presence = self.store.presence([k])[0]
         if presence is Presence.READY:
             self.counters["hits"] += 1
@@ -228,10 +255,10 @@ class ShmkvSecondaryTier(SecondaryTierManager):
             self._writing_since.pop(k, None)  # a write that ended (aborted): the next writer gets its own window
         if self._promoter is None or k in self._failed_promotions:
             return LookupResult.MISS
-        if not any(t.contains([k], [self.root])[0] for t in self.chain.lower):
+        if not any(t.contains([k], [root])[0] for t in self.chain.lower):
             return LookupResult.MISS
         # NOTE: read and decode off the scheduler's thread; the next lookups answer RETRY until it is done
-        self._promoting[k] = self._promoter.submit(self.chain.promote, [k], [self.root])
+        self._promoting[k] = self._promoter.submit(self.chain.promote, [k], [root])
         self.counters["promotions"] += 1
         return LookupResult.RETRY
 
@@ -257,30 +284,42 @@ class ShmkvSecondaryTier(SecondaryTierManager):
         self._submit(job_metadata, is_load=True)
 
     def _submit(self, job_metadata: TransferJob, *, is_load: bool) -> None:
-        """Queue the job's copies on the copy stream; get_finished_jobs reports it once its event is set."""
-        keys = [self.key_of(k) for k in job_metadata.keys]
-        ids = [int(i) for i in job_metadata.chunk_ids]
-        job = _Job(job_metadata.job_id, is_load, len(keys), time.monotonic(), ok_keys=[])
-        copy = self._load_chunks if is_load else self._store_chunks
+        """Queue the job's copies on the copy stream; get_finished_jobs reports
+        it once its event is set. While the weights are not known, the job
+        fails whole (vLLM is told nothing was loaded or stored)."""
+        root = self._current_root()
         offload_keys = list(job_metadata.keys)
-        self._stream.run(lambda _: copy(job, keys, ids, offload_keys))
+        job = _Job(job_metadata.job_id, is_load, len(offload_keys), time.monotonic(), ok_keys=[])
+        if root is None:
+            self.counters["weights_unknown"] += 1
+            job.failed = job.nkeys
+            self._stream.run(lambda _: None)
+        else:
+            keys = [self.key_of(k, root) for k in offload_keys]
+            ids = [int(i) for i in job_metadata.chunk_ids]
+            if is_load:
+                self._stream.run(lambda _: self._load_chunks(job, keys, ids, offload_keys))
+            else:
+                self._stream.run(lambda _: self._store_chunks(job, keys, ids, offload_keys, root))
         job.event = self._stream.record()
         self._jobs[job.job_id] = job
 
-    def _store_chunks(self, job: _Job, keys: list[bytes], ids: list[int], offload_keys: list) -> None:
-        """On the copy thread: primary-tier chunks into the shared tier."""
+    def _store_chunks(self, job: _Job, keys: list[bytes], ids: list[int], offload_keys: list, root: bytes) -> None:
+        """On the copy thread: primary-tier chunks into the shared tier (under the root of their submission)."""
         n = self.chunk_bytes
         results = self._in_parallel(lambda ks, cs: self.store.write_chunks(
-            ks, self._primary, [c * n for c in cs], n, namespace=self.root, tokens=self.tokens_per_chunk), keys, ids)
+            ks, self._primary, [c * n for c in cs], n, namespace=root, tokens=self.tokens_per_chunk), keys, ids)
         for r, k, ok in zip(results, keys, offload_keys):
             if r is PutResult.OK:
                 self.counters["stored"] += 1
                 job.ok_keys.append(ok)
+                job.ok_shm.append(k)
                 job.nbytes += n
-                self.chain.write_through(k, self.root, self.tokens_per_chunk)
+                self.chain.write_through(k, root, self.tokens_per_chunk)
             elif r is PutResult.EXISTS:
                 self.counters["already_held"] += 1
                 job.ok_keys.append(ok)
+                job.ok_shm.append(k)
             # NOTE: BUSY (another engine writing the chunk, or the table lock timed out) is not
             # stored: that write may still be aborted, and vLLM would count on a chunk that is not there
             else:
@@ -330,8 +369,8 @@ class ShmkvSecondaryTier(SecondaryTierManager):
             if not job.is_load and job.ok_keys and self._events_on:
                 self._events.append(OffloadingEvent(keys=list(job.ok_keys), medium=Medium.CPU, removed=False,
                                                     locality=self.locality, ownership=self.tier_type))
-                for ok in job.ok_keys:
-                    self._announced[self.key_of(ok)] = ok
+                for k, ok in zip(job.ok_shm, job.ok_keys):
+                    self._announced[k] = ok
             out.append(JobResult(job_id=job_id, success=ok,
                                  successful_keys=None if ok or not job.is_load else list(job.ok_keys),
                                  transfer_time=time.monotonic() - job.t0, transfer_bytes=job.nbytes))
@@ -411,6 +450,7 @@ class ShmkvSecondaryTier(SecondaryTierManager):
             self._maintainer_role.stop()
         self.chain.close(flush_timeout_s=10)
         self.store.close()
+        self.identity.close()
 
 
 def _dtype_bytes(name: str) -> int:

@@ -73,6 +73,7 @@ class RequestPlan:
     request: Any = None  # vLLM's Request (its block hashes name the chunks in KV events)
     scheduled_tokens: int = 0  # in the step that loads the hit (where the running recurrent state goes)
     load_async: bool = False  # its hit loads asynchronously (vLLM's WAITING_FOR_REMOTE_KVS)
+    adapter: tuple[int, str] | None = None  # its LoRA adapter: (lora_int_id, digest its keys name; adapters.py)
 
 
 class Planner:

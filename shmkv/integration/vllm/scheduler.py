@@ -21,12 +21,12 @@ import torch
 
 from shmkv.activity import ActivitySummary
 from shmkv.config import ShmkvConfig
+from shmkv.integration.vllm.adapters import directory_digest, usable
 from shmkv.integration.vllm.engine_inputs import (
     KVGroup,
     drafter_lookahead,
     explicit_load_failure_policy,
     groups_field,
-    lora_extra,
     prompt_tokens,
     request_extras,
 )
@@ -113,7 +113,9 @@ class SchedulerSide:
         self.counters: dict[str, int] = {"lookup_errors": 0, "requests": 0, "hit_requests": 0, "delayed_frees": 0,
                                          "finished_sending": 0, "unexpected_finished_sending": 0, "event_errors": 0,
                                          "connector_resets": 0, "weights_unknown": 0, "weights_generations": 0,
-                                         "block_plan_errors": 0, "weights_check_failures": 0}
+                                         "block_plan_errors": 0, "weights_check_failures": 0, "adapter_unknown": 0}
+        self._adapter_unknown_logged: set[int] = set()  # LoRA ids whose requests go without shmkv (said once)
+        self._load_failed: set[str] = set()  # requests whose asynchronous load failed: no second hit
         # Delayed frees (worker.py): requests whose store items were shipped, then those
         # whose blocks vLLM keeps until the workers report them in finished_sending.
         self._shipped_stores: set[str] = set()
@@ -260,6 +262,30 @@ class SchedulerSide:
             self._planners.popitem(last=False)
         return p
 
+    def _adapter(self, request: Request) -> tuple[tuple[int, str] | None, tuple[tuple[str, str], ...]] | None:
+        """The request's LoRA adapter as the workers compute with it
+        (adapters.py): ((lora_int_id, digest), its namespace fields), (None,
+        ()) without one, None while unknown (no lookup, no store): the digest
+        every rank reports holding under the id, else (no rank holds it, or
+        a load_inplace request: the workers read it at the request's first
+        step) its directory's now."""
+        lr = getattr(request, "lora_request", None)
+        if not lr:
+            return None, ()
+        aid = int(lr.lora_int_id)
+        # load_inplace: the workers read the files again when the request first computes
+        held = None if getattr(lr, "load_inplace", False) else self.weights.adapter(aid)
+        digest = held if held is not None else directory_digest(str(lr.lora_path or ""))
+        if digest is None or not usable(digest):
+            if aid not in self._adapter_unknown_logged:
+                self._adapter_unknown_logged.add(aid)
+                log.info("shmkv: LoRA adapter %r (id %d): %s; its requests are served without the shared cache "
+                         "until the workers hold it as read from files they could digest", lr.lora_name, aid,
+                         f"the workers hold {digest.partition(':')[0]} tensors of it" if digest else
+                         f"{lr.lora_path!r} is no directory shmkv can read, and no worker holds it yet")
+            return None
+        return (aid, digest), (("lora_name", str(lr.lora_name)), ("lora_digest", digest))
+
     def _base_roots(self) -> list[bytes]:
         """The tags of the engine's own chunks (no salt, no adapter), per rank."""
         roots = [ns.root_key() for ns in self._engine_ns()]
@@ -283,14 +309,19 @@ class SchedulerSide:
             # (computed once per request: vLLM may ask again every step until it admits it)
             plan = self._plans.get(request.request_id)
             if plan is None or plan.prompt_len != len(tokens):
-                planner = self._planner(getattr(request, "cache_salt", None), lora_extra(request))
+                adapter = self._adapter(request)
+                if adapter is None:
+                    self.counters["adapter_unknown"] += 1
+                    return 0, False  # no plan: nothing of this request is stored either
+                planner = self._planner(getattr(request, "cache_salt", None), adapter[1])
                 extras = request_extras(request)
                 plan = RequestPlan(request.request_id, len(tokens), planner.units(tokens, extras), roots=planner.roots)
                 plan.extras, plan.planner, plan.request = extras, planner, request
+                plan.adapter = adapter[0]
                 self._plans[request.request_id] = plan
             planner = plan.planner
             plan.local_tokens = num_computed_tokens
-            if not self.loads_enabled:
+            if not self.loads_enabled or request.request_id in self._load_failed:
                 return 0, False
             first = request.request_id not in self._asked
             self._asked.add(request.request_id)
@@ -404,6 +435,10 @@ class SchedulerSide:
         # NOTE: the delay decision (request_finished) rests on what is shipped, the
         # same predicate the workers use to report finished_sending
         self._shipped_stores.update(it.req_id for it in meta.stores)
+        for req_id in {it.req_id for it in meta.stores}:
+            plan = self._plans.get(req_id)
+            if plan is not None and plan.adapter is not None:
+                meta.adapters[req_id] = plan.adapter
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         try:
             meta.reused_blocks, meta.prewritten_blocks = self._blocks_given_out(scheduler_output)
@@ -461,6 +496,10 @@ class SchedulerSide:
                     lo, hi = plan.local_tokens // bs, (plan.local_tokens + plan.hit_tokens) // bs
                     meta.failed_blocks.update(b for ids in plan.block_ids for b in ids[lo:hi] if b != NULL_BLOCK)
                 continue
+            if plan.adapter is not None:
+                meta.adapters[req_id] = plan.adapter
+                if getattr(getattr(plan.request, "lora_request", None), "load_inplace", False):
+                    meta.adapter_rereads.add(req_id)
             if plan.load_async:
                 meta.async_loads.add(req_id)
             meta.summaries[req_id] = RequestSummary(req_id, plan.prompt_len, plan.local_tokens, plan.hit_tokens)
@@ -542,6 +581,7 @@ class SchedulerSide:
         self._asked.discard(request.request_id)
         self._promotions.pop(request.request_id, None)
         self._promoted.discard(request.request_id)
+        self._load_failed.discard(request.request_id)
         self._pending_loads.pop(request.request_id, None)
         # Stores complete asynchronously (on every platform): keep the blocks of a
         # request with stores shipped until the workers report it in finished_sending.
@@ -556,6 +596,9 @@ class SchedulerSide:
         """Check the workers' finished_sending against the delays: vLLM asserts
         on an id it did not delay (EngineCore would die), so such an id is
         dropped here, logged and counted."""
+        # NOTE: vLLM puts a request whose asynchronous load failed back to waiting and asks again;
+        # its chunks may still be there (a load refused for its LoRA adapter): it is recomputed whole
+        self._load_failed |= set(getattr(connector_output, "failed_recving", None) or ())
         sending = getattr(connector_output, "finished_sending", None)
         if not sending:
             return

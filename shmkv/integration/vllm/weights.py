@@ -245,6 +245,37 @@ def find_models(layers: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     return holding(o for o in gc.get_objects() if model_like(o))
 
 
+def board_id(vllm_config: Any) -> str:
+    """The engine instance's name for its weights boards and bell: the
+    connector's engine_id (two LLMs built from one KVTransferConfig share it)
+    and the VllmConfig's instance id (one per engine, the same in its workers)."""
+    engine_id = str(vllm_config.kv_transfer_config.engine_id)
+    instance = str(getattr(vllm_config, "instance_id", "") or "")
+    return f"{engine_id}-{instance}" if instance else engine_id
+
+
+def tp_rank() -> int:
+    """This worker's TP rank (0 where vLLM's parallel state is not set up)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def engine_weights(vllm_config: Any) -> EngineWeights:
+    """The weights' identity for an engine's keys: the ranks' digests of
+    their tensors as loaded (loaded_weights.py, reported at the handshake or
+    on the boards); where a rank has none, the files' digest beside it (the
+    hub commit vLLM resolved, for a hub model)."""
+    mc = vllm_config.model_config
+    commit = getattr(getattr(mc, "hf_config", None), "_commit_hash", None)
+    model, commit = str(mc.model), commit if isinstance(commit, str) else None
+    return EngineWeights(board_id(vllm_config), vllm_config.parallel_config.tensor_parallel_size,
+                         files_factory=lambda: FilesIdentity(model, commit))
+
+
 def board_name(engine_id: str, rank: int) -> str:
     return f"weights-board.{engine_id}.{rank}"
 
@@ -252,17 +283,33 @@ def board_name(engine_id: str, rank: int) -> str:
 class WorkerWeights:
     """A worker's watch over its model's weights in memory (module doc)."""
 
-    def __init__(self, engine_id: str, rank: int, models: list[torch.nn.Module]) -> None:
+    def __init__(self, engine_id: str, rank: int, models: list[torch.nn.Module], *,
+                 settle_after_calls: bool = False) -> None:
+        """`settle_after_calls`: fingerprint again as soon as a worker call
+        that may have written the weights returned (the native tier: no
+        connector step runs in the worker to do it before the next step)."""
         self.engine_id, self.rank = engine_id, rank
         self.models = models
+        self.settle_after_calls = settle_after_calls
+        self.loaded: Any = None  # the rank's digest of its tensors as loaded (loaded_weights.TensorsDigest), if shown
         self.answered = 0  # the scheduler's last check request answered
         self.dirty = False  # a load_weights ran since the last fingerprint
         self.fingerprint = ""
         self.failed: str | None = None  # why a fingerprint failed: the board says so, the engine stops using shmkv
+        self.adapters: dict[str, str] = {}  # lora_int_id -> digest of the LoRA adapter held (adapters.py)
         for m in models:
             self._wrap(m)
         self.publish()
         watch(self)  # loaded_weights' worker-call hook marks it dirty before a call that may write the weights
+
+    def add_model(self, model: torch.nn.Module, loaded: Any = None) -> None:
+        """Watch one more model of this rank (a drafter), with the rank's
+        digest of its tensors as loaded now (shown on the board), and write
+        the board."""
+        self.models.append(model)
+        self._wrap(model)
+        self.loaded = loaded
+        self.publish()
 
     def due(self, asked: int) -> bool:
         """Whether this step must fingerprint (weights loaded, or a check asked for)."""
@@ -298,10 +345,27 @@ class WorkerWeights:
             log.warning("shmkv: TP rank %d: %s; weights changed now are not seen by the scheduler, so "
                         "this engine stops using the shared cache", self.rank, self.failed)
 
+    def set_adapters(self, held: dict[int, str]) -> None:
+        """The LoRA adapters this rank holds now (adapters.held_adapters):
+        the board says so when they changed (the scheduler keys requests of
+        an adapter by what every rank holds). Never raises."""
+        now = {str(k): v for k, v in held.items()}
+        if now == self.adapters or self.failed:
+            return
+        self.adapters = now
+        try:
+            write_board(self.engine_id, self.rank, self._board())
+        except Exception as e:  # noqa: BLE001 - the scheduler then keys adapters by their files (checked here)
+            log.warning("shmkv: TP rank %d: the board could not be written (%s): the scheduler does not learn "
+                        "which LoRA adapters this rank holds", self.rank, e)
+
     def _board(self) -> dict[str, Any]:
-        board: dict[str, Any] = {"answered": self.answered, "fingerprint": self.fingerprint, "dirty": self.dirty}
+        board: dict[str, Any] = {"answered": self.answered, "fingerprint": self.fingerprint, "dirty": self.dirty,
+                                 "adapters": self.adapters}
         if self.failed:
             board["failed"] = self.failed
+        if self.loaded is not None:
+            board["loaded"], board["basis"] = self.loaded.digest, self.loaded.basis
         return board
 
     def publish(self, answered: int | None = None) -> None:
@@ -530,6 +594,7 @@ class EngineWeights:
         self._dirty = [False] * tp_size
         self._failed: list[str | None] = [None] * tp_size  # a rank whose fingerprint failed: shmkv off
         self._stamps: list[tuple[int, int] | None] = [None] * tp_size
+        self._adapters: list[dict[str, str]] = [{} for _ in range(tp_size)]  # per rank: LoRA adapters held
         self.asked = 0  # the last check request (ask_check), shipped to the workers in the step's metadata
         self._asked_at = 0.0
         self._check_late_logged = False
@@ -614,6 +679,8 @@ class EngineWeights:
                 self._start[r] = fp
             self._now[r] = fp
             self._answered[r] = int(b.get("answered", 0))
+            held = b.get("adapters")
+            self._adapters[r] = {str(k): str(v) for k, v in held.items()} if isinstance(held, dict) else {}
             was_dirty, self._dirty[r] = self._dirty[r], bool(b.get("dirty"))
             if self._dirty[r] and not was_dirty:
                 self._asked_at = time.monotonic()  # the wait for its fingerprint starts now
@@ -644,6 +711,15 @@ class EngineWeights:
 
     def fields(self) -> tuple[tuple[str, str], ...] | None:
         return self._fields
+
+    def adapter(self, lora_int_id: int) -> str | None:
+        """The digest of the LoRA adapter every rank holds under this id
+        (adapters.py), or None where a rank holds none (or they differ)."""
+        held = {a.get(str(lora_int_id)) for a in self._adapters}
+        if len(held) != 1:
+            return None
+        only = held.pop()
+        return only or None
 
     def failures(self) -> int:
         """Ranks whose weights check failed (the engine serves without shmkv from then on)."""

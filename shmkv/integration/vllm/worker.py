@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shmkv.activity import ActivitySummary
@@ -152,6 +152,8 @@ class WorkerSide:
         self.suspended = False  # sleep mode: between unregister_kv_caches and restore_kv_caches
         self.stopped: str | None = None  # why this rank copies nothing more (stop): no resume
         self.peers: RankFailures | None = None  # TP >= 2: the requests any rank's load failed for (share_failures)
+        self.adapters_held: Callable[[], dict[int, str]] | None = None  # LoRA: lora_int_id -> digest (adapters.py)
+        self._adapters_unchecked: set[str] = set()  # loaded before vLLM read their adapter: checked when they store
 
     def share_failures(self, engine: str) -> None:
         """TP >= 2: this rank marks the requests its synchronous loads failed
@@ -323,22 +325,29 @@ class WorkerSide:
         if self.worker is None and self.off_reason is not None:
             self._refuse_loads(meta, async_reqs)
             return
-        if self.worker is None or not getattr(meta, "loads", None):
+        if self.worker is None:
             return
-        if self._asleep("loads", len(meta.loads)):
+        loads = list(getattr(meta, "loads", None) or ())
+        other = self._check_adapters(meta, async_reqs)
+        if other and loads:
+            self._refuse_loads(meta, async_reqs, only=other)
+            loads = [it for it in loads if it.req_id not in other]
+        if not loads:
+            return
+        if self._asleep("loads", len(loads)):
             self._refuse_loads(meta, async_reqs)
             return
         if self._switches.evict_before_load and self._switches.evict_rank in (None, self.tp_rank):
             # a test's: what another engine's eviction can do (to every rank, or to one)
-            for it in meta.loads:
+            for it in loads:
                 self.store.delete(it.keys[self.tp_rank])
-        later = [it for it in meta.loads if it.req_id in async_reqs]
+        later = [it for it in loads if it.req_id in async_reqs]
         if later:
             # NOTE: vLLM computes these requests only once get_finished reports them
             job = self.worker.submit_load(later, layerwise=False)
             self._summaries[id(job)] = meta.summaries
             self._async_jobs[id(job)] = {it.req_id for it in later}
-        now = [it for it in meta.loads if it.req_id not in async_reqs]
+        now = [it for it in loads if it.req_id not in async_reqs]
         if not now:
             return
         whole = whole_forward or self.read_without_hooks
@@ -355,18 +364,65 @@ class WorkerSide:
             self.worker.counters["whole_forward_loads"] += 1
         self._loading = meta, job
 
-    def _refuse_loads(self, meta: Any, async_reqs: set[str]) -> None:
-        """This step's loads are not run: vLLM recomputes their blocks (never
-        runs on blocks nobody filled); asynchronous ones are reported failed."""
+    def _refuse_loads(self, meta: Any, async_reqs: set[str], only: set[str] | None = None) -> None:
+        """This step's loads (`only` those of these requests) are not run:
+        vLLM recomputes their blocks (never runs on blocks nobody filled);
+        asynchronous ones are reported failed."""
         refused = set()
         for it in getattr(meta, "loads", ()):
+            if only is not None and it.req_id not in only:
+                continue
             if it.req_id in async_reqs:
                 self._recv_failed.add(it.req_id)
             else:
                 self._load_errors.update(it.block_ids)
                 refused.add(it.req_id)
-        self._recv_done |= async_reqs
+        self._recv_done |= async_reqs if only is None else async_reqs & only
         self._mark_failed(refused)  # other ranks may have loaded them: this rank computes over unfilled blocks
+
+    def _check_adapters(self, meta: Any, async_reqs: set[str]) -> set[str]:
+        """This step's requests whose keys name a LoRA adapter other than the
+        one this rank holds under their id (evicted and read again from
+        changed files, or changed while vLLM read them; adapters.py): their
+        loads are refused, and no rank stores anything of them from now on.
+        A request vLLM has not put in a batch yet (an asynchronous load: its
+        adapter is read when it first computes, from the files as they are
+        then, and again for a load_inplace request) is checked at its next
+        step here (the ones that store), and if vLLM read other files by
+        then, nothing of it is stored (counted, logged: its output used KV of
+        the adapter as it was when it arrived)."""
+        expected = getattr(meta, "adapters", None)
+        if not expected:
+            return set()
+        try:
+            held = self.adapters_held() if self.adapters_held is not None else {}
+        except Exception:  # noqa: BLE001 - unknown: none of them is served from or into the cache
+            log.exception("shmkv: reading which LoRA adapters vLLM holds failed")
+            held = {}
+        rereads = getattr(meta, "adapter_rereads", set())
+        other = set()
+        for req_id, (aid, digest) in expected.items():
+            now = held.get(aid)
+            if req_id in async_reqs and (now is None or req_id in rereads):
+                self._adapters_unchecked.add(req_id)  # vLLM reads the adapter when the request first computes
+            elif now != digest:
+                other.add(req_id)
+        late = other & self._adapters_unchecked
+        if late - self._load_failed_reqs and self.worker is not None:
+            self.worker.counters["adapter_changed_after_async_load"] += len(late - self._load_failed_reqs)
+            log.warning("shmkv: TP rank %d: requests %s loaded KV of their LoRA adapter's files as they were when "
+                        "they arrived, and vLLM read other files for them since (rewritten meanwhile): their "
+                        "output mixes both versions, and nothing of them is stored", self.tp_rank, sorted(late))
+        self._adapters_unchecked -= set(expected) - {r for r in expected if r in async_reqs}
+        new = other - self._load_failed_reqs
+        if new:
+            if self.worker is not None:
+                self.worker.counters["adapter_mismatch"] += len(new)
+            log.info("shmkv: TP rank %d holds other LoRA adapter tensors than the keys of requests %s name (the "
+                     "adapter was read again from changed files): they are neither loaded nor stored",
+                     self.tp_rank, sorted(new))
+        self._mark_failed(other)
+        return other
 
     def wait_layer(self, layer_name: str) -> None:
         """The forward reaches `layer_name`: this step's synchronous loads of
@@ -487,6 +543,7 @@ class WorkerSide:
                 self._log_stores(req_id)
         self._finished_waiting |= set(finished_req_ids) & self._storing
         self._load_failed_reqs -= set(finished_req_ids)
+        self._adapters_unchecked -= set(finished_req_ids)
         if self.peers is not None:
             self.peers.forget(finished_req_ids)
         pending = self.worker.pending_requests() if self.worker is not None else set()

@@ -1,7 +1,13 @@
 """Two LoRA adapters on one base model, in two engines: a request with adapter
-A never loads adapter B's chunks (nor the base model's), each adapter hits
-its own chunks in the other engine with the output of a run without shmkv,
-and adapter A's weights replaced under the same name miss."""
+A never loads adapter B's chunks (nor the base model's), and each adapter
+hits its own chunks in the other engine with the output of a run without
+shmkv. Then adapter A's directory is rewritten in place (#63 item 3): the
+engines keep serving the tensors they read under its id, and their chunks
+keep that adapter's key (another engine holding it hits them); an engine
+reading the new files (a new id) misses them; a request that makes vLLM
+read the files again (load_inplace) is keyed by the new files, and so is
+the id from then on. (A rank found holding other tensors than a request's
+keys name: test_adapter_identity.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from shmkv.bench.models import write_lora
 pytestmark = pytest.mark.slow
 
 P = random_prompt(1000, seed=21)
+P2 = random_prompt(1000, seed=22)
+P3 = random_prompt(1000, seed=23)
 LORA_KW = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 
 
@@ -24,11 +32,11 @@ def test_adapters_never_share_chunks(cache_name, start_engine, tmp_path):
 
     ref = start_engine("lora-ref", shmkv=None, prefix_caching=True, llm_kwargs=LORA_KW)
 
-    def reference(lora, split: int) -> list[int]:
+    def reference(lora, split: int, prompt=P) -> list[int]:
         ref.reset_prefix_cache()
         if split:
-            ref.generate([P[:split + 1]], max_tokens=1, loras=[lora])
-        r = ref.generate([P], max_tokens=E2E_TOKENS, loras=[lora])
+            ref.generate([prompt[:split + 1]], max_tokens=1, loras=[lora])
+        r = ref.generate([prompt], max_tokens=E2E_TOKENS, loras=[lora])
         assert r["num_cached_tokens"][0] == split
         return r["outputs"][0]
 
@@ -50,6 +58,23 @@ def test_adapters_never_share_chunks(cache_name, start_engine, tmp_path):
         assert r["num_cached_tokens"][0] == split, lora[0]
         assert r["outputs"][0] == reference(lora, split), lora[0]
 
-    write_lora(a_dir, seed=3)  # adapter A replaced under the same name and path
-    r = e2.generate([P], loras=[("A", 3, a_dir)])
-    assert r["num_cached_tokens"] == [0], "a replaced adapter must not hit the old one's chunks"
+    v1_p2 = {split: reference(A, split, P2) for split in (0, 896)}
+    write_lora(a_dir, seed=3)  # adapter A rewritten in place: same name, path and id
+    # every engine keeps the tensors it read under id 1 (the reference too: it reads id 1 no more)
+    r = e2.generate([P2], loras=[A])
+    assert r["num_cached_tokens"] == [0] and r["outputs"][0] == v1_p2[0]
+    r = e1.generate([P2], loras=[A])
+    assert r["num_cached_tokens"] == [896], "e1 holds adapter A as first read: e2's chunks are its chunks"
+    assert r["outputs"][0] == v1_p2[896]
+    A2 = ("A", 3, a_dir)  # the new files, under a new id
+    r = e2.generate([P2], loras=[A2])
+    assert r["num_cached_tokens"] == [0], "the chunks computed with the old tensors are not the new files'"
+    v2_p2 = reference(A2, 0, P2)
+    assert r["outputs"][0] == v2_p2 != v1_p2[0]
+    # a request that makes vLLM read id 1 again (load_inplace) is keyed by the files as they are now:
+    # e2's chunks of the new files (id 3) are its chunks, and from then on e1's key for id 1 is theirs
+    r = e1.generate([P2], loras=[("A", 1, a_dir, True)])
+    assert r["num_cached_tokens"] == [896] and r["outputs"][0] == reference(A2, 896, P2)
+    e2.generate([P3], loras=[A2])
+    r = e1.generate([P3], loras=[A])
+    assert r["num_cached_tokens"] == [896] and r["outputs"][0] == reference(A2, 896, P3)

@@ -123,6 +123,7 @@ def test_the_digest_runs_in_a_thread_and_an_unreadable_file_leaves_it_unknown(tm
 def test_the_native_tier_namespace_knows_the_weights_too(tmp_path):
     from types import SimpleNamespace
 
+    from shmkv.integration.vllm.native_identity import NativeIdentity
     from shmkv.integration.vllm.native_tier import namespace_root
 
     d = weights(tmp_path / "m", seed=5)
@@ -130,7 +131,7 @@ def test_the_native_tier_namespace_knows_the_weights_too(tmp_path):
         model=SimpleNamespace(name=d, dtype="bfloat16"), kv_cache_layout="LBHNC", canonical_layout=False,
         replicated_layout=False, cache=SimpleNamespace(tokens_per_hash=16, blocks_per_chunk=16), groups=[],
         worker_kv_bytes_per_block=4096, parallel=SimpleNamespace(is_parallelism_agnostic=True))
-    before, fields = namespace_root(cfg, 1 << 16)
+    before, fields = namespace_root(cfg, 1 << 16, NativeIdentity(cfg).fields())  # no VllmConfig: the files
     assert fields["weights"].startswith("files:")
     weights(d, seed=6)
-    assert namespace_root(cfg, 1 << 16)[0] != before
+    assert namespace_root(cfg, 1 << 16, NativeIdentity(cfg).fields())[0] != before
