@@ -1,7 +1,9 @@
 """What the weights' identity costs at engine start (#63): the digest of a
 rank's tensors as loaded (shmkv.integration.vllm.loaded_weights), in GB/s on
-this host's CPU (and on a GPU when one is present: its tensors are copied to
-the host piece by piece), per thread count, repeated, and what that makes of
+this host's CPU (xxh3-128 in threads; and the device hash, which a GPU's
+tensors are hashed with where they lie, run here on the CPU with torch's
+threads) and on a GPU when one is present, per thread count, repeated, and
+what that makes of
 an 8B model (16.1 GB of bf16 weights, TP = 1) and of a 70B model's shard at
 TP = 8 (17.6 GB).
 
@@ -44,31 +46,36 @@ def run(argv: list[str]) -> dict[str, Any]:
     a = ap.parse_args(argv)
     cpus = len(os.sched_getaffinity(0))
     threads = [int(x) for x in a.threads.split(",") if x] or sorted({1, min(cpus, 8)})
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    runs = [("cpu", "xxh3"), ("cpu", "device")] + ([("cuda", "device")] if torch.cuda.is_available() else [])
     out: dict[str, Any] = {"cpus": cpus, "gib": a.gib, "tensor_mib": a.tensor_mib, "repeats": a.repeats, "rows": []}
-    for device in devices:
-        named = _tensors(a.gib, a.tensor_mib, device)
+    torch_threads = torch.get_num_threads()
+    named: list = []
+    for device, kernel in runs:
+        if not named or named[0][1].device.type != device:
+            named = _tensors(a.gib, a.tensor_mib, device)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        digest_tensors(named[:1], "loaded")  # warm: pages touched, threads started once
+        mode = "auto" if kernel == "xxh3" else "device"
+        digest_tensors(named[:1], "loaded", kernel=mode)  # warm: pages touched, threads started once
         times: dict[int, list[float]] = {n: [] for n in threads}
         digests = set()
         for r in range(a.repeats):
             order = threads[r % len(threads):] + threads[:r % len(threads)]
             for n in order:
+                torch.set_num_threads(n)  # the device hash on the CPU: torch's threads
                 if device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                digests.add(digest_tensors(named, "loaded", threads=n).digest)
+                digests.add(digest_tensors(named, "loaded", threads=n, kernel=mode).digest)
                 times[n].append(time.perf_counter() - t0)
+        torch.set_num_threads(torch_threads)
         if len(digests) != 1:
             raise RuntimeError(f"the digest of the same tensors differed between runs: {digests}")
         for n in threads:
             rates = [nbytes / 1e9 / s for s in times[n]]
             gbps = statistics.median(rates)
-            out["rows"].append({"device": device, "threads": n, "gb_per_s": round(gbps, 2),
+            out["rows"].append({"device": device, "kernel": kernel, "threads": n, "gb_per_s": round(gbps, 2),
                                 "gb_per_s_min": round(min(rates), 2), "gb_per_s_max": round(max(rates), 2),
                                 **{f"seconds_{k}": round(gb / gbps, 2) for k, gb in SHARDS_GB.items()}})
-        del named
     return out
 
 
@@ -76,8 +83,10 @@ def report(r: dict[str, Any]) -> None:
     print(f"weights digest (xxh3-128 over every byte, {r['gib']} GiB in {r['tensor_mib']} MiB tensors, "
           f"median of {r['repeats']}, {r['cpus']} CPUs)")
     keys = list(SHARDS_GB)
-    print(f"  {'device':6s} {'threads':>7s} {'GB/s':>7s} {'min-max':>13s} " + " ".join(f"{k:>18s}" for k in keys))
+    print(f"  {'device':6s} {'kernel':6s} {'threads':>7s} {'GB/s':>7s} {'min-max':>13s} "
+          + " ".join(f"{k:>18s}" for k in keys))
     for row in r["rows"]:
         spread = f"{row['gb_per_s_min']}-{row['gb_per_s_max']}"
-        print(f"  {row['device']:6s} {row['threads']:7d} {row['gb_per_s']:7.2f} {spread:>13s} "
+        print(f"  {row['device']:6s} {row.get('kernel', 'xxh3'):6s} {row['threads']:7d} {row['gb_per_s']:7.2f} "
+              f"{spread:>13s} "
               + " ".join(f"{row['seconds_' + k]:17.2f}s" for k in keys))

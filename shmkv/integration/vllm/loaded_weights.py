@@ -89,21 +89,88 @@ def _piece_digest(piece: torch.Tensor) -> bytes:
     return xxhash.xxh3_128_digest(memoryview(host.numpy()))
 
 
-def digest_tensors(named: Iterable[tuple[str, torch.Tensor]], basis: str, threads: int | None = None) -> TensorsDigest:
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+# odd 64-bit constants (xxh64's and splitmix64's primes) for the device hash's two lanes
+_K1, _C1 = _signed(0x9E3779B97F4A7C15), _signed(0xC2B2AE3D27D4EB4F)
+_K2, _C2 = _signed(0x165667B19E3779F9), _signed(0xD6E8FEB86659FD93)
+_M3 = _signed(0xBF58476D1CE4E5B9)
+
+
+def position_keys(words: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device hash's odd per-position multipliers for pieces of up to `words` 64-bit words."""
+    pos = torch.arange(words, device=device, dtype=torch.int64)
+    k1 = pos * _K1
+    k1.add_(_C1).bitwise_or_(1)
+    k2 = pos.mul_(_K2)
+    k2.add_(_C2).bitwise_or_(1)
+    return k1, k2
+
+
+def device_piece_sums(piece: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The device hash of one piece of bytes (uint8, any device), as two
+    int64 sums, computed where the bytes are (no copy to the host): the
+    piece as 64-bit words w_i (zero-padded), lane 1 the sum of
+    mix(w_i * k1_i), lane 2 of mix((w_i ^ k2_i) * M), with k1_i, k2_i odd
+    and distinct per position (swapped words count) and mix an invertible
+    xor-shift, all in wrapping 64-bit integers. Integer sums are exact, so
+    the result is the same on every device, thread count and reduction
+    order. A change to one word always changes both lanes (each step is a
+    bijection of the word); an accidental change of several words leaves
+    both unchanged with odds of about 2^-128. Not a cryptographic hash:
+    whoever writes an engine's weights already decides its KV. `keys`:
+    position_keys(at least the piece's words) on the piece's device."""
+    n = piece.numel()
+    if n % 8:
+        piece = torch.cat([piece, piece.new_zeros(8 - n % 8)])
+    w = piece.view(torch.int64)
+    k1, k2 = keys if keys is not None else position_keys(w.numel(), w.device)
+    a = w * k1[:w.numel()]
+    a.bitwise_xor_(a >> 29)
+    b = w ^ k2[:w.numel()]
+    b.mul_(_M3)
+    b.bitwise_xor_(b >> 32)
+    return torch.stack([a.sum(), b.sum(), torch.tensor(n, device=w.device, dtype=torch.int64)])
+
+
+def digest_tensors(named: Iterable[tuple[str, torch.Tensor]], basis: str, threads: int | None = None,
+                   kernel: str = "auto") -> TensorsDigest:
     """A digest of the tensors' names, shapes, dtypes and every byte: each
-    PIECE_BYTES piece hashed (xxh3-128, in threads: python-xxhash releases
-    the GIL on large buffers), each tensor's digest of its header and piece
-    digests, then the tensors' digests in order. The same tensors give the
-    same digest whatever the thread count."""
+    PIECE_BYTES piece hashed, each tensor's digest (xxh3-128) of its header
+    and piece digests, then the tensors' digests in order. A piece in host
+    memory is hashed with xxh3-128 in threads (python-xxhash releases the
+    GIL on large buffers); a piece on a device (a GPU's weights) with the
+    device hash where it lies (device_piece_sums: no copy, one transfer of
+    the sums per call), or every piece so with `kernel="device"` (the
+    benchmark's). The same tensors give the same digest whatever the thread
+    count."""
     t0 = time.perf_counter()
     headers, pieces = _pieces(named)
     n = threads or min(8, os.cpu_count() or 1)
+    on_device = [kernel == "device" or p.device.type != "cpu" for _, p in pieces]
+    digests: list[bytes] = [b""] * len(pieces)
     with torch.no_grad():
-        if n > 1 and len(pieces) > 1:
+        host = [i for i, d in enumerate(on_device) if not d]
+        if n > 1 and len(host) > 1:
             with ThreadPoolExecutor(n, thread_name_prefix="shmkv-digest") as pool:
-                digests = list(pool.map(lambda p: _piece_digest(p[1]), pieces))
+                for i, d in zip(host, pool.map(lambda i: _piece_digest(pieces[i][1]), host)):
+                    digests[i] = d
         else:
-            digests = [_piece_digest(p) for _, p in pieces]
+            for i in host:
+                digests[i] = _piece_digest(pieces[i][1])
+        dev = [i for i, d in enumerate(on_device) if d]
+        if dev:
+            keys: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+            for i in dev:
+                d = pieces[i][1].device
+                if d not in keys:
+                    keys[d] = position_keys(-(-PIECE_BYTES // 8), d)
+            sums = torch.stack([device_piece_sums(pieces[i][1], keys[pieces[i][1].device]) for i in dev]).cpu()
+            del keys
+            for i, row in zip(dev, sums.tolist()):
+                digests[i] = b"dev1" + b"".join(int(x).to_bytes(8, "little", signed=True) for x in row)
     by_tensor: dict[int, list[bytes]] = {}
     for (i, _), d in zip(pieces, digests):
         by_tensor.setdefault(i, []).append(d)
@@ -272,9 +339,10 @@ def _around_call(method: Any, call: Callable[[], Any]) -> Any:
 
 
 def _hook_worker_calls() -> None:
-    """vLLM's two ways a worker runs the engine's calls: the multiprocessing
-    executor's worker loop and the in-process executor's run_method (each
-    hooked once both modules are importable)."""
+    """vLLM's ways a worker runs the engine's calls: the multiprocessing
+    executor's worker loop (Ray's executor v2 runs it too) and the in-process
+    executor's run_method (each hooked once both modules are importable);
+    Ray's worker wrapper: _hook_run_method, once ray_utils is imported."""
     try:
         from vllm.v1.executor import multiproc_executor, uniproc_executor
     except Exception as e:  # noqa: BLE001 - another vLLM: only load_weights is watched
@@ -288,13 +356,21 @@ def _hook_worker_calls() -> None:
 
         setattr(_execute_worker_rpc, _HOOKED, True)
         proc._execute_worker_rpc = _execute_worker_rpc
-    original_run = uniproc_executor.run_method
-    if not getattr(original_run, _HOOKED, False):
-        def run_method(obj: Any, method: Any, args: Any, kwargs: Any) -> Any:
-            return _around_call(method, lambda: original_run(obj, method, args, kwargs))
+    _hook_run_method(uniproc_executor)
 
-        setattr(run_method, _HOOKED, True)
-        uniproc_executor.run_method = run_method
+
+def _hook_run_method(module: Any) -> None:
+    """A module's `run_method` (vLLM's in-process executor; Ray's worker
+    wrapper, whose execute_method runs the engine's calls with it)."""
+    original_run = getattr(module, "run_method", None)
+    if original_run is None or getattr(original_run, _HOOKED, False):
+        return
+
+    def run_method(obj: Any, method: Any, args: Any, kwargs: Any) -> Any:
+        return _around_call(method, lambda: original_run(obj, method, args, kwargs))
+
+    setattr(run_method, _HOOKED, True)
+    module.run_method = run_method
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -356,6 +432,7 @@ def install_hooks(native_watch: Callable[[torch.nn.Module, Any], None] | None = 
     when_imported("vllm.model_executor.model_loader.utils", lambda _m: install_load_hook())
     when_imported("vllm.v1.executor.multiproc_executor", lambda _m: _hook_worker_calls())
     when_imported("vllm.v1.executor.uniproc_executor", lambda _m: _hook_worker_calls())
+    when_imported("vllm.v1.executor.ray_utils", _hook_run_method)  # Ray's workers: execute_method
     when_imported("vllm.lora.worker_manager", install_adapter_hook)  # which LoRA adapter a rank holds
 
 

@@ -24,29 +24,69 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
             "b.weight": torch.randn(1000, generator=g), "c.bias": torch.zeros(0), "d.ids": torch.arange(17)}
 
 
-def digest(named: dict[str, torch.Tensor], threads: int = 1) -> str:
-    return lw.digest_tensors(named.items(), "loaded", threads=threads).digest
+def digest(named: dict[str, torch.Tensor], threads: int = 1, kernel: str = "auto") -> str:
+    return lw.digest_tensors(named.items(), "loaded", threads=threads, kernel=kernel).digest
 
 
-def test_every_byte_counts_where_the_sampled_fingerprint_did_not_look(monkeypatch):
+KERNELS = pytest.mark.parametrize("kernel", ["auto", "device"], ids=["xxh3", "device-hash"])
+
+
+@KERNELS
+def test_every_byte_counts_where_the_sampled_fingerprint_did_not_look(monkeypatch, kernel):
     monkeypatch.setattr(lw, "PIECE_BYTES", 4096)  # many pieces: the flip lands inside one, not at an edge
     t = tensors()
-    before_digest, before_fp = digest(t), fingerprint(t.items())
+    before_digest, before_fp = digest(t, kernel=kernel), fingerprint(t.items())
     flat = t["a.weight"].view(-1).view(torch.int16)
     # an element between b7fe4e6's 64 samples per tensor, changed by one bit and compensated in the next
     # one (the same int64 sum of the bits): its sampled fingerprint kept its value (this test failed there)
     i = 1000
     flat[i] += 1
     flat[i + 1] -= 1
-    assert digest(t) != before_digest
+    assert digest(t, kernel=kernel) != before_digest
     assert fingerprint(t.items()) != before_fp, "the in-memory fingerprint sees it too"
 
 
-def test_threads_change_nothing_and_the_digest_is_stable(monkeypatch):
+@KERNELS
+def test_threads_change_nothing_and_the_digest_is_stable(monkeypatch, kernel):
     monkeypatch.setattr(lw, "PIECE_BYTES", 4096)
     t = tensors()
-    assert digest(t, threads=1) == digest(t, threads=4) == digest(tensors(), threads=3)
-    assert digest(tensors(1)) != digest(t)
+    assert digest(t, 1, kernel) == digest(t, 4, kernel) == digest(tensors(), 3, kernel)
+    assert digest(tensors(1), kernel=kernel) != digest(t, kernel=kernel)
+    assert digest(t, kernel="auto") != digest(t, kernel="device"), "the two hashes are told apart"
+
+
+def test_the_device_hash_sees_the_changes_a_plain_sum_of_products_misses():
+    """device_piece_sums (what a GPU's weights are hashed with, where they
+    lie): every word change moves both lanes, and so do the changes a
+    linear sum would cancel: the top bit flipped in two words, two words
+    swapped, a trailing zero byte; torch's intra-op threads change nothing."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 256, (1 << 16,), generator=g, dtype=torch.uint8)
+    ref = lw.device_piece_sums(base).tolist()
+    words = base.view(torch.int64)
+
+    def changed(edit) -> list[int]:
+        w = words.clone()
+        edit(w)
+        return lw.device_piece_sums(w.view(torch.uint8)).tolist()
+
+    def flip_top_bits(w):
+        w[10] ^= -(1 << 63)
+        w[5000] ^= -(1 << 63)
+
+    def swap(w):
+        w[[7, 8000]] = w[[8000, 7]]
+
+    for edit in (lambda w: w.__setitem__(4321, w[4321] + 1), flip_top_bits, swap):
+        got = changed(edit)
+        assert got[0] != ref[0] and got[1] != ref[1], edit
+    assert lw.device_piece_sums(torch.cat([base, base.new_zeros(1)]))[2] != ref[2]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert lw.device_piece_sums(base).tolist() == ref
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_names_shapes_and_dtypes_count():
@@ -158,7 +198,7 @@ def test_a_failing_fingerprint_turns_shmkv_off_without_raising(tmp_path, monkeyp
 
 
 def test_worker_calls_that_may_write_the_weights_mark_them_first(tmp_path, monkeypatch):
-    from vllm.v1.executor import multiproc_executor, uniproc_executor
+    from vllm.v1.executor import multiproc_executor, ray_utils, uniproc_executor
 
     e, (w,) = engine_with_ranks(tmp_path, "engine-d", 1)
     ran = []
@@ -171,6 +211,7 @@ def test_worker_calls_that_may_write_the_weights_mark_them_first(tmp_path, monke
 
     monkeypatch.setattr(multiproc_executor.WorkerProc, "_execute_worker_rpc", rpc)  # restored after the test
     monkeypatch.setattr(uniproc_executor, "run_method", run_method)
+    monkeypatch.setattr(ray_utils, "run_method", run_method)  # Ray's workers run the engine's calls with it
     lw.install_hooks()
     multiproc_executor.WorkerProc._execute_worker_rpc(None, ("execute_model", (), {}, None))
     uniproc_executor.run_method(None, "sample_tokens", (), {})
@@ -181,6 +222,9 @@ def test_worker_calls_that_may_write_the_weights_mark_them_first(tmp_path, monke
     assert not w.dirty
     uniproc_executor.run_method(None, lambda worker: None, (), {})
     assert ran[-1][1] is True
+    w.publish(answered=0)
+    ray_utils.run_method(None, "update_weights", (), {})
+    assert ran[-1] == ("update_weights", True), "Ray's worker wrapper too"
     e.refresh()
     assert e.fields() is None, "the scheduler half stops using the keys until the next fingerprint"
 
