@@ -45,6 +45,7 @@ from shmkv.integration.vllm.weights import (
     EngineWeights,
     WorkerWeights,
     board_id,
+    board_stamp,
     engine_weights,
     files_identity,
     read_board,
@@ -127,7 +128,8 @@ class NativeIdentity:
         self.weights = engine_weights(self.vllm_config)
         self.weights.set_tensors({r: (str(b["loaded"]), str(b.get("basis", "held")))
                                   for r, b in enumerate(boards) if b and b.get("loaded")})
-        self.weights.refresh()
+        self._stamps: tuple | None = None
+        self._fields: tuple[tuple[str, str], ...] | None = None
 
     def fields(self) -> tuple[tuple[str, str], ...] | None:
         """The identity's namespace fields now; None while the weights are
@@ -136,9 +138,14 @@ class NativeIdentity:
             if self._files is None:
                 self._files = (("weights", _files_or_private(self.model)),)
             return self._files
-        self.weights.refresh()
-        weights = self.weights.fields()
-        return None if weights is None else self.config_fields + weights
+        # NOTE: every lookup asks: the boards are read again only when a rank's bell rang
+        stamps = tuple(board_stamp(self.weights.engine_id, r) for r in range(self.weights.tp_size))
+        if stamps != self._stamps or self._fields is None:
+            self._stamps = stamps
+            self.weights.refresh()
+            weights = self.weights.fields()
+            self._fields = None if weights is None else self.config_fields + weights
+        return self._fields
 
     def close(self) -> None:
         if self.weights is not None:
