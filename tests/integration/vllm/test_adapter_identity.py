@@ -14,7 +14,6 @@ import types
 import pytest
 from worker_steps import loaded, run_vllm_step, step, stored, worker_side
 
-from shmkv import Store
 from shmkv.integration.vllm import adapters
 from shmkv.integration.vllm.weights import EngineWeights, WorkerWeights
 
@@ -121,14 +120,8 @@ def test_the_boards_say_what_every_rank_holds(monkeypatch):
     assert engine.adapter(1) is None, "the ranks differ"
 
 
-@pytest.fixture
-def store(cache_name):
-    s = Store.create(cache_name, 16 << 20, alignment=256)
-    yield s
-    s.close()
-
-
-def test_a_rank_holding_other_tensors_refuses_loads_and_stores_nothing(store):
+def test_a_rank_holding_other_tensors_refuses_loads_and_stores_nothing(small_store):
+    store = small_store
     writer, _ = worker_side(store, 3)
     run_vllm_step(writer, step(stores=[stored("w", b"k" * 16, 2)]), finished={"w"})
     writer.shutdown()
