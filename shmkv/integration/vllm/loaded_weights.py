@@ -199,38 +199,32 @@ def combine(digests: Iterable[str]) -> str:
 
 
 # ------------------------------------------------------------ vLLM's hook --
+def _connectors(kv_transfer_config: Any) -> Iterable[tuple[str, str, Any]]:
+    """(connector name, module path, extra config) of the engine's connector
+    and, for a MultiConnector, of each connector inside it."""
+    if kv_transfer_config is None:
+        return
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    yield (str(getattr(kv_transfer_config, "kv_connector", "") or ""),
+           str(getattr(kv_transfer_config, "kv_connector_module_path", "") or ""), extra)
+    for sub in extra.get("connectors", ()) if isinstance(extra, dict) else ():
+        if isinstance(sub, dict):
+            yield (str(sub.get("kv_connector", "") or ""), str(sub.get("kv_connector_module_path", "") or ""),
+                   sub.get("kv_connector_extra_config") or {})
+
+
 def uses_shmkv(kv_transfer_config: Any) -> bool:
     """Whether the engine's connector is shmkv's (alone or inside a MultiConnector)."""
-    if kv_transfer_config is None:
-        return False
-    name = str(getattr(kv_transfer_config, "kv_connector", "") or "")
-    module = str(getattr(kv_transfer_config, "kv_connector_module_path", "") or "")
-    if name == "ShmKVConnector" or module.startswith("shmkv"):
-        return True
-    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
-    for sub in extra.get("connectors", ()) if isinstance(extra, dict) else ():
-        if isinstance(sub, dict) and (sub.get("kv_connector") == "ShmKVConnector"
-                                      or str(sub.get("kv_connector_module_path", "")).startswith("shmkv")):
-            return True
-    return False
+    return any(name == "ShmKVConnector" or module.startswith("shmkv")
+               for name, module, _ in _connectors(kv_transfer_config))
 
 
 def uses_native_tier(kv_transfer_config: Any) -> bool:
     """Whether the engine's connector is vLLM's OffloadingConnector (alone or
     in a MultiConnector) with a shmkv secondary tier (native_identity.py)."""
-    if kv_transfer_config is None:
-        return False
-
-    def tiered(name: Any, extra: Any) -> bool:
-        if name != "OffloadingConnector" or not isinstance(extra, dict):
-            return False
-        return any(isinstance(t, dict) and t.get("type") == "shmkv" for t in extra.get("secondary_tiers") or ())
-
-    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
-    if tiered(getattr(kv_transfer_config, "kv_connector", None), extra):
-        return True
-    return any(isinstance(sub, dict) and tiered(sub.get("kv_connector"), sub.get("kv_connector_extra_config") or {})
-               for sub in (extra.get("connectors", ()) if isinstance(extra, dict) else ()))
+    return any(name == "OffloadingConnector" and isinstance(extra, dict)
+               and any(isinstance(t, dict) and t.get("type") == "shmkv" for t in extra.get("secondary_tiers") or ())
+               for name, _, extra in _connectors(kv_transfer_config))
 
 
 def _uses_native_tier(vllm_config: Any) -> bool:

@@ -434,8 +434,9 @@ class SchedulerSide:
             meta.stores = []
         # NOTE: the delay decision (request_finished) rests on what is shipped, the
         # same predicate the workers use to report finished_sending
-        self._shipped_stores.update(it.req_id for it in meta.stores)
-        for req_id in {it.req_id for it in meta.stores}:
+        storing = {it.req_id for it in meta.stores}
+        self._shipped_stores |= storing
+        for req_id in storing:
             plan = self._plans.get(req_id)
             if plan is not None and plan.adapter is not None:
                 meta.adapters[req_id] = plan.adapter

@@ -407,17 +407,17 @@ class WorkerSide:
                 self._adapters_unchecked.add(req_id)  # vLLM reads the adapter when the request first computes
             elif now != digest:
                 other.add(req_id)
-        late = other & self._adapters_unchecked
-        if late - self._load_failed_reqs and self.worker is not None:
-            self.worker.counters["adapter_changed_after_async_load"] += len(late - self._load_failed_reqs)
+        assert self.worker is not None  # start_load calls this only for a registered worker
+        late = (other & self._adapters_unchecked) - self._load_failed_reqs
+        if late:
+            self.worker.counters["adapter_changed_after_async_load"] += len(late)
             log.warning("shmkv: TP rank %d: requests %s loaded KV of their LoRA adapter's files as they were when "
                         "they arrived, and vLLM read other files for them since (rewritten meanwhile): their "
                         "output mixes both versions, and nothing of them is stored", self.tp_rank, sorted(late))
-        self._adapters_unchecked -= set(expected) - {r for r in expected if r in async_reqs}
+        self._adapters_unchecked -= {r for r in expected if r not in async_reqs}  # checked against what it holds
         new = other - self._load_failed_reqs
         if new:
-            if self.worker is not None:
-                self.worker.counters["adapter_mismatch"] += len(new)
+            self.worker.counters["adapter_mismatch"] += len(new)
             log.info("shmkv: TP rank %d holds other LoRA adapter tensors than the keys of requests %s name (the "
                      "adapter was read again from changed files): they are neither loaded nor stored",
                      self.tp_rank, sorted(new))
