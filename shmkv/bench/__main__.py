@@ -27,6 +27,8 @@ BENCHES = {  # name: (module, what it measures, one line)
     "native-tier": ("shmkv.bench.native_tier", "vLLM's native offloading with shmkv as its shared tier"),
     "fleet": ("shmkv.bench.fleet_bench", "N engines on one host behind a router, with and without shmkv"),
     "serve": ("shmkv.bench.serve_bench", "shmkv measured the way vLLM users measure: vllm serve + its client"),
+    "churn": ("shmkv.bench.churn_bench", "engines sharing a cache through restarts, kills and weight changes: "
+              "every answer checked"),
     "weights-digest": ("shmkv.bench.digest_bench", "what the weights' identity costs at engine start (GB/s, 8B, 70B)"),
 }
 

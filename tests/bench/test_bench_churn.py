@@ -1,0 +1,31 @@
+"""`bench churn`'s CI slice (#64): two engines on one cache, 50 changes drawn
+from every kind (restarts, kill -9, an engine attaching, the checkpoint
+rewritten and config.json edited under rolling restarts, weights changed in
+memory, pauses, connector resets, eviction storms), every answer that used
+shmkv's KV checked against the same engine's own recompute at the same
+split. Engines are forked from the suite's server (a start in seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from engine_forks import fork_engine
+
+from shmkv.bench import churn_bench
+
+pytestmark = pytest.mark.slow
+
+
+def test_fifty_changes_and_every_answer_right(tmp_path):
+    history = tmp_path / "history.json"
+    r = churn_bench.run(["--changes", "50", "--seed", "3", "--workdir", str(tmp_path / "work"),
+                         "--history", str(history), "--plot", str(tmp_path / "churn.png")], launch=fork_engine)
+    assert "failed" not in r, (r.get("failed"), r["per_kind"])
+    assert r["verdicts"].get("WRONG", 0) == 0
+    assert r["verdicts"].get("right", 0) > 0, "answers were checked against a recompute"
+    kinds = {k for k, v in r["per_kind"].items() if v["changes"]}
+    assert len(kinds) >= 8, f"the slice draws most kinds: {sorted(kinds)}"
+    events = json.loads(history.read_text())
+    assert sum(1 for e in events if e["type"] == "change") == 50
+    assert (tmp_path / "churn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
