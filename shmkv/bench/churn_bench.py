@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -106,7 +106,6 @@ class Churn:
         self.history: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
         self.last_change: str = "start"
-        self.negated: dict[int, set[str]] = defaultdict(set)
 
     # -------------------------------------------------------------- engines --
     def start(self, slot: int) -> None:
@@ -114,7 +113,6 @@ class Churn:
         spec = EngineSpec(self.model, shmkv=self.cfg, prefix_caching=True, in_process=True, max_model_len=2048)
         log = os.path.join(self.workdir, f"engine-{slot}-{self.starts}.log")
         self.engines[slot] = EngineProcess(spec, log, launch=self.launch)
-        self.negated.pop(slot, None)
 
     def stop(self, slot: int, kill: bool = False) -> None:
         e = self.engines[slot]

@@ -30,8 +30,11 @@ def wait_for(pred, timeout=60.0, what="condition"):
 def test_two_hosts_share_through_redis(cache_name, second_cache, start_engine, reference, redis_server, tmp_path):
     host_a = {"cache_name": cache_name, "capacity": "64MiB", "disk_dir": str(tmp_path / "disk-a"),
               "remote_url": redis_server.url, "spill_ahead": 0.9}
+    # NOTE: a generous bound on host B's remote calls: this test is about what the checks reject, and a
+    # GET that outran a tighter bound on a loaded 2-core machine was a miss, so no check ran (the bound's
+    # own behaviour: tests/tiers/test_remote_odd_servers.py). A killed server still fails at once (refused)
     host_b = {"cache_name": second_cache, "capacity": "64MiB", "disk_dir": str(tmp_path / "disk-b"),
-              "remote_url": redis_server.url, "remote_timeout": 0.3}
+              "remote_url": redis_server.url, "remote_timeout": 10.0}
     p, g, q = (random_prompt(700, seed=s) for s in (91, 92, 93))
 
     a = start_engine("host-a", shmkv=host_a)
