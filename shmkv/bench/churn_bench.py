@@ -146,12 +146,8 @@ class Churn:
                 rec["verdict"] = "right" if truth == r["outputs"][0] else "WRONG"
                 if rec["verdict"] == "WRONG":
                     rec.update(output=r["outputs"][0], truth=truth)
-        except TimeoutError as err:
-            rec.update(verdict="hang", error=str(err)[:4000])
-            self.stop(slot, kill=True)
-            self.start(slot)
-        except RuntimeError as err:
-            rec.update(verdict="error", error=str(err)[:4000])
+        except (TimeoutError, RuntimeError) as err:  # no answer in time / the engine failed: a fresh one goes on
+            rec.update(verdict="hang" if isinstance(err, TimeoutError) else "error", error=str(err)[:4000])
             self.stop(slot, kill=True)
             self.start(slot)
 

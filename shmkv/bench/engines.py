@@ -191,8 +191,7 @@ class EngineProcess:
                 raise TimeoutError(f"engine did not answer within {timeout}s; see {self.log_path}")
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                tail = open(self.log_path, errors="replace").read()[-3000:]
-                raise RuntimeError(f"engine exited ({_exit_status(self.proc)}); log tail:\n{tail}")
+                raise RuntimeError(f"engine exited ({_exit_status(self.proc)}); log tail:\n{self._log_tail(3000)}")
             self._pending += chunk
 
     def call(self, timeout: float = 600, **cmd: Any) -> dict[str, Any]:
@@ -222,21 +221,25 @@ class EngineProcess:
             pids = group_pids(os.getpgid(self.proc.pid))
         except OSError:
             pids = []
-        for pid in pids if pyspy else ():
+        if not pyspy:
+            out.append("(py-spy is not installed: no stacks)")
+            pids = []
+        for pid in pids:
             try:
                 dump = subprocess.run([pyspy, "dump", "--native", "--pid", str(pid)], capture_output=True,
                                       text=True, timeout=60)
                 out.append(f"--- py-spy dump of pid {pid}:\n{dump.stdout or dump.stderr}")
             except (OSError, subprocess.TimeoutExpired) as e:
                 out.append(f"--- py-spy dump of pid {pid} failed: {e}")
-        if not pyspy:
-            out.append("(py-spy is not installed: no stacks)")
+        out.append(f"--- engine log tail ({self.log_path}):\n{self._log_tail(4000)}")
+        return "\n".join(out)
+
+    def _log_tail(self, chars: int) -> str:
         try:
             with open(self.log_path, errors="replace") as f:
-                out.append(f"--- engine log tail ({self.log_path}):\n{f.read()[-4000:]}")
-        except OSError:
-            pass
-        return "\n".join(out)
+                return f.read()[-chars:]
+        except OSError as e:
+            return f"(unreadable: {e})"
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, salts: list[str | None] | None = None,
                  loras: list[tuple | None] | None = None, logprobs: int = 0) -> dict[str, Any]:
