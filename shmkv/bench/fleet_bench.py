@@ -56,9 +56,16 @@ def workload(a: argparse.Namespace) -> list[list[tuple[int, list[int]]]]:
     return rounds
 
 
-def start(specs: list[EngineSpec], logs: str, label: str) -> list[EngineProcess]:
+def start(specs: list[EngineSpec], logs: str, label: str, fork: bool = False) -> list[EngineProcess]:
+    """The engines, started together (`fork`: in_process ones forked from one Python that imported vLLM
+    once, engine_forks)."""
+    launch = None
+    if fork:
+        from shmkv.bench.engine_forks import fork_engine
+
+        launch = fork_engine
     with ThreadPoolExecutor(len(specs)) as ex:
-        return list(ex.map(lambda i: EngineProcess(specs[i], os.path.join(logs, f"{label}-{i}.log")),
+        return list(ex.map(lambda i: EngineProcess(specs[i], os.path.join(logs, f"{label}-{i}.log"), launch=launch),
                            range(len(specs))))
 
 
@@ -110,6 +117,9 @@ def run(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--in-process", action="store_true",
                     help="each engine's EngineCore in its own process (faster starts, for quick checks; the "
                          "default is vLLM's own process split, as served)")
+    ap.add_argument("--no-fork", dest="fork", action="store_false",
+                    help="with --in-process, each engine a new Python (default: forked from one Python that "
+                         "imported vLLM once)")
     ap.add_argument("--capacity", help="shmkv's segment capacity (default: shmkv's own default)")
     ap.add_argument("--plot", help="write a PNG of the TTFT distributions here (needs matplotlib)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "shmkv-bench-fleet"))
@@ -137,7 +147,8 @@ def run(argv: list[str]) -> dict[str, Any]:
     try:
         for way, cfg in (("prefix", None), ("shmkv", shmkv_cfg)):
             engines = start([EngineSpec(model, shmkv=cfg, prefix_caching=True, env=env if cfg else {},
-                                        in_process=a.in_process) for _ in range(a.engines)], logs, way)
+                                        in_process=a.in_process) for _ in range(a.engines)], logs, way,
+                            fork=a.in_process and a.fork)
             try:
                 for router in ROUTERS:
                     for e in engines:
@@ -153,7 +164,7 @@ def run(argv: list[str]) -> dict[str, Any]:
                     e.close()
         Store.unlink(cache)  # the restart: an empty segment, the disk tier as it was
         engines = start([EngineSpec(model, shmkv=shmkv_cfg, prefix_caching=True, env=env, in_process=a.in_process)
-                         for _ in range(a.engines)], logs, "restart")
+                         for _ in range(a.engines)], logs, "restart", fork=a.in_process and a.fork)
         try:
             ways["restart/round-robin"] = serve(engines, rounds, "round-robin", progress)
         finally:

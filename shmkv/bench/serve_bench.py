@@ -198,7 +198,7 @@ class Run:
                 extra["capacity"] = capacity or self.a.capacity
             ktc = {"kv_connector": "ShmKVConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
         s = VllmServer(self.model, os.path.join(self.logs, f"{label}.log"), kv_transfer_config=ktc, env=env,
-                       python=python,
+                       python=python, fork=getattr(self.a, "fork", True),
                        args=["--max-model-len", str(self.max_model_len),
                              "--num-gpu-blocks-override", str(self.kv_blocks)])
         self.starts.append(s.start_seconds)
@@ -405,6 +405,9 @@ def run(argv: list[str]) -> dict[str, Any]:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true",
                     help="tiny model and workload, both variants' servers of an arm started together (CI's check)")
+    ap.add_argument("--no-fork", dest="fork", action="store_false",
+                    help="each server a new Python (default: vLLM's API server forked from one Python that "
+                         "imported vLLM once; its EngineCore and worker start as vLLM starts them)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"which arms, comma-separated (of {','.join(ARMS)})")
     ap.add_argument("--capacity", help="shmkv's segment capacity (default: shmkv's own default)")
     ap.add_argument("--seed", type=int, default=0)

@@ -283,6 +283,9 @@ def run(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--plot", default=None, help="a folder for the PNGs (TTFT CDF, reuse against the ceilings)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="the small test model (CI's check)")
+    ap.add_argument("--no-fork", dest="fork", action="store_false",
+                    help="each server a new Python (default: vLLM's API server forked from one Python that "
+                         "imported vLLM once; its EngineCore and worker start as vLLM starts them)")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args(argv)
     a.capacity = None

@@ -32,11 +32,14 @@ def free_port() -> int:
 class VllmServer:
     """One `vllm serve` process; `args` are its command-line options beyond
     the model, dtype, port and seed (`kv_transfer_config`: --kv-transfer-config;
-    `python`: another environment's interpreter, a peer's beside the same vLLM)."""
+    `python`: another environment's interpreter, a peer's beside the same vLLM;
+    `fork`: the API server forked from a Python that imported vLLM once
+    (engine_forks; a run of many servers pays that import once), its
+    EngineCore and worker started as vLLM starts them)."""
 
     def __init__(self, model_dir: str, log_path: str, *, args: Sequence[str] = (),
                  kv_transfer_config: dict | None = None, env: dict[str, str] | None = None,
-                 timeout: float = 300, python: str = sys.executable) -> None:
+                 timeout: float = 300, python: str = sys.executable, fork: bool = False) -> None:
         from shmkv.bench.owned_files import OwnedFiles
 
         self.owned_files = OwnedFiles("server")  # what its processes leave behind, removed by ownership
@@ -52,8 +55,14 @@ class VllmServer:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         self.log = open(log_path, "ab")
         self.log_path = log_path
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc: Any
+        if fork and python == sys.executable:
+            from shmkv.bench.engine_forks import fork_module
+
+            self.proc = fork_module(argv[2], argv[3:], env, self.log.fileno())
+        else:
+            self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
         self.owned_files.watch(self.proc.pid)  # its process group (a session of its own)
         t0 = time.monotonic()
         deadline = t0 + timeout

@@ -1,18 +1,21 @@
-"""`bench churn`'s CI slice (#64): two engines on one cache, 50 changes drawn
-from every kind (restarts, kill -9, an engine attaching, the checkpoint
-rewritten and config.json edited under rolling restarts, weights changed in
-memory, pauses, connector resets, eviction storms), every answer that used
-shmkv's KV checked against the same engine's own recompute at the same
-split. Engines are forked from the suite's server (a start in seconds)."""
+"""`bench churn`'s CI slice (#64): two engines on one cache with its daemon,
+disk tier and Redis, 50 changes drawn from every kind (restarts, kill -9, an
+engine attaching, the checkpoint rewritten and config.json edited under
+rolling restarts, weights changed in memory, pauses, connector resets,
+eviction storms, the daemon killed, a namespace cleared, the disk filled and
+freed, Redis restarted or flushed), every answer that used shmkv's KV
+checked against the same engine's own recompute at the same split, and no
+committed chunk lost while the disk had room. Engines are forked from the
+suite's server (a start in seconds)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from engine_forks import fork_engine
 
 from shmkv.bench import churn_bench
+from shmkv.bench.engine_forks import fork_engine
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +29,8 @@ def test_fifty_changes_and_every_answer_right(tmp_path):
     assert r["verdicts"].get("right", 0) > 0, "answers were checked against a recompute"
     kinds = {k for k, v in r["per_kind"].items() if v["changes"]}
     assert len(kinds) >= 8, f"the slice draws most kinds: {sorted(kinds)}"
+    assert r["lost_with_disk_room"] == 0, r["per_kind"]
     events = json.loads(history.read_text())
+    assert events[0]["type"] == "run" and events[0]["seed"] == 3, "the history starts with what replays it"
     assert sum(1 for e in events if e["type"] == "change") == 50
     assert (tmp_path / "churn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,10 +14,10 @@ import os
 import signal
 
 import pytest
-from engine_forks import ForkedProcess, fork_module
 from helpers import REPO, segment_stat, wait_until
 
 from shmkv import Store
+from shmkv.bench.engine_forks import ForkedProcess, fork_module
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
-"""Engine processes forked from one Python that has imported vLLM once (the
-test suite's: tests/conftest.py hands `fork_engine` to EngineProcess as its
-launcher).
+"""Engine processes forked from one Python that has imported vLLM once: the
+launcher tests/conftest.py and `bench churn` hand to EngineProcess (a
+benchmark that restarts engines hundreds of times starts each in seconds).
 
 Importing torch and vLLM costs a new engine process ~7 s of CPU on 2 cores
 (more than an in-process EngineCore's start itself). A fork server imports
@@ -29,6 +29,7 @@ OpenMP's thread count) is the server's: one server per such environment
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -173,9 +174,12 @@ def _server(env: dict[str, str]) -> ForkServer:
         return server
 
 
-def _fork(request: dict[str, Any], env: dict[str, str], stderr_fd: int | None) -> ForkedProcess:
+def _fork(request: dict[str, Any], env: dict[str, str], stderr_fd: int | None,
+          stdout_fd: int | None = None) -> ForkedProcess:
+    """A child of the server for `env`: stdin a pipe, stdout and stderr pipes
+    unless given (the caller keeps the given fds)."""
     stdin_r, stdin_w = os.pipe()
-    stdout_r, stdout_w = os.pipe()
+    stdout_r, stdout_w = os.pipe() if stdout_fd is None else (None, stdout_fd)
     status_r, status_w = os.pipe()
     err_r, err_w = os.pipe() if stderr_fd is None else (None, stderr_fd)
     server = _server(env)
@@ -187,10 +191,11 @@ def _fork(request: dict[str, Any], env: dict[str, str], stderr_fd: int | None) -
                 os.close(fd)
         raise
     finally:
-        for fd in (stdin_r, stdout_w, status_w) + ((err_w,) if stderr_fd is None else ()):
+        ours = [fd for fd, given in ((stdout_w, stdout_fd), (err_w, stderr_fd)) if given is None]
+        for fd in (stdin_r, status_w, *ours):
             os.close(fd)
-    return ForkedProcess(pid, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"), status_r,
-                         None if err_r is None else os.fdopen(err_r, "rb"), server)
+    return ForkedProcess(pid, os.fdopen(stdin_w, "wb"), None if stdout_r is None else os.fdopen(stdout_r, "rb"),
+                         status_r, None if err_r is None else os.fdopen(err_r, "rb"), server)
 
 
 def fork_engine(spec_json: str, env: dict[str, str], log_fd: int) -> ForkedProcess:
@@ -199,11 +204,11 @@ def fork_engine(spec_json: str, env: dict[str, str], log_fd: int) -> ForkedProce
     return _fork({"spec": spec_json}, env, log_fd)
 
 
-def fork_module(module: str, argv: list[str], env: dict[str, str]) -> ForkedProcess:
+def fork_module(module: str, argv: list[str], env: dict[str, str], log_fd: int | None = None) -> ForkedProcess:
     """Run `python -m module *argv` as a fork of the server for `env` (for
-    children that import vLLM and exit: no import per child); stdin, stdout
-    and stderr are pipes."""
-    return _fork({"module": module, "argv": list(argv)}, env, None)
+    children that import vLLM: no import per child); stdin a pipe, stdout and
+    stderr pipes, or both on `log_fd`."""
+    return _fork({"module": module, "argv": list(argv)}, env, log_fd, log_fd)
 
 
 def close_servers() -> None:
@@ -281,6 +286,27 @@ def _reap(pid: int, status_fd: int) -> None:
         os.close(status_fd)
 
 
+# What an engine's start imports past `vllm` (its EngineCore, executor, CPU worker and model runners, the
+# model loader and the test models' classes): imported once here, not in every child (about a quarter of an
+# in-process start). A module this vLLM does not have is left to the child.
+PRELOAD = (
+    "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner",
+    "vllm.model_executor.model_loader", "vllm.model_executor.models.llama", "vllm.v1.spec_decode.eagle",
+    "vllm.v1.sample.sampler", "vllm.v1.core.sched.scheduler",
+)
+
+
+def _preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
 def _serve_forks(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     import torch  # noqa: F401 - what every engine imports, once
@@ -290,6 +316,12 @@ def _serve_forks(fd: int) -> None:
     import shmkv.integration.vllm.connector  # noqa: F401
     from shmkv.bench import engines  # noqa: F401
 
+    _preload()
+    # NOTE: what is imported lives as long as any child: frozen, the collections vLLM's start runs (after
+    # loading weights, before serving) walk only what the child made, not this whole heap (about half of an
+    # in-process start otherwise), and children do not copy its pages by touching their gc headers
+    gc.collect()
+    gc.freeze()
     sock.send(b"ready")
     while True:
         msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 4)
