@@ -107,7 +107,7 @@ class Churn:
         write_llama(self.model, replace(TEST_MODEL, seed=self.version))
         self.cache = f"shmkv-churn-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.disk_fs = os.path.join(a.workdir, "disk")  # the disk tier's file system (a tmpfs with disk_full)
-        os.makedirs(self.disk_fs, exist_ok=True)
+        os.makedirs(self.disk_fs, mode=0o700, exist_ok=True)
         self.cfg = {"cache_name": self.cache, "capacity": a.capacity, "disk_dir": self.disk_fs,
                     "disk_capacity": str(DISK_CAPACITY)}
         self.disk_mounted = False
@@ -161,7 +161,7 @@ class Churn:
         import yaml
 
         config = os.path.join(self.workdir, "daemon.yaml")
-        with open(config, "w") as f:
+        with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             yaml.safe_dump(self.cfg, f)
         self.daemon, self.daemon_url = start_daemon(self.cache, "--config", config)
 
@@ -592,20 +592,23 @@ def run(argv: list[str], launch: Callable | None = None) -> dict[str, Any]:
     own_dir = a.workdir is None
     if own_dir:
         a.workdir = tempfile.mkdtemp(prefix="shmkv-bench-churn-")
-    os.makedirs(a.workdir, exist_ok=True)
+    os.makedirs(a.workdir, mode=0o700, exist_ok=True)
     recorded = None
     if a.replay:
         with open(a.replay) as f:
             recorded = json.load(f)
         _args_of(a, recorded)
-    result, history = _execute(a, launch, recorded)
-    if a.history:
-        with open(a.history, "w") as f:
-            json.dump(history, f)
-    if a.minimize and result["verdicts"].get("WRONG"):
-        result["minimal"] = minimize(a, launch, history)
-    if own_dir and not _history_failed(history):  # a failed run keeps its logs
-        shutil.rmtree(a.workdir, ignore_errors=True)
+    history: list[dict[str, Any]] = []
+    try:
+        result = _execute(a, launch, history, recorded)
+        if a.minimize and result["verdicts"].get("WRONG"):
+            result["minimal"] = minimize(a, launch, history)
+    finally:  # an interrupted run too: its history so far, and its directory unless it has a failure to show
+        if a.history:
+            with open(a.history, "w") as f:
+                json.dump(history, f)
+        if own_dir and not _history_failed(history):
+            shutil.rmtree(a.workdir, ignore_errors=True)
     if a.plot:
         result["plot"] = _plot(history, a.plot)
     return result
@@ -620,10 +623,12 @@ def _args_of(a: argparse.Namespace, events: list[dict[str, Any]]) -> None:
     a.changes = sum(1 for e in events if e["type"] == "change")
 
 
-def _execute(a: argparse.Namespace, launch: Callable | None, events: list[dict[str, Any]] | None = None
-             ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One run (drawn, or `events` replayed) and its history; what it started is gone afterwards."""
+def _execute(a: argparse.Namespace, launch: Callable | None, history: list[dict[str, Any]],
+             events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One run (drawn, or `events` replayed), its events appended to `history` as they happen; what it
+    started is gone afterwards."""
     churn = Churn(a, launch)
+    churn.history = history
     try:
         result = churn.replay([e for e in events if e["type"] != "run"]) if events else churn.run()
     finally:
@@ -634,7 +639,7 @@ def _execute(a: argparse.Namespace, launch: Callable | None, events: list[dict[s
             churn.redis.stop()
         churn.unmount_disk()
         drop_cache(churn.cache)
-    return result, churn.history
+    return result
 
 
 def minimize(a: argparse.Namespace, launch: Callable | None, history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -651,9 +656,10 @@ def minimize(a: argparse.Namespace, launch: Callable | None, history: list[dict[
         nonlocal tries
         tries += 1
         a.workdir = os.path.join(base, f"minimize-{tries}")
-        os.makedirs(a.workdir, exist_ok=True)
+        os.makedirs(a.workdir, mode=0o700, exist_ok=True)
+        replayed: list[dict[str, Any]] = []
         try:
-            _, replayed = _execute(a, launch, [head, *events, target])
+            _execute(a, launch, replayed, [head, *events, target])
         finally:
             a.workdir = base
         last = [e for e in replayed if e["type"] == "request"][-1:]
