@@ -223,13 +223,25 @@ def mla_dir(tmp_path_factory) -> str:
 def engine_logs(tmp_path_factory):
     return tmp_path_factory.mktemp("engine-logs")
 
+# The test engines' KV cache: 256 MiB (262,144 tokens of the test model), not vLLM-CPU's smallest setting
+# of its variable (1 GiB): vLLM allocates and zeroes it at every start (half a second a start, ~200 starts
+# a run). A test that sizes the cache itself (blocks, bytes, the variable) keeps its own.
+TEST_KV_CACHE_BYTES = 256 << 20
+
+
+def with_test_kv_cache(llm_kwargs: dict) -> dict:
+    if "num_gpu_blocks_override" in llm_kwargs or "kv_cache_memory_bytes" in llm_kwargs:
+        return llm_kwargs
+    return {"kv_cache_memory_bytes": TEST_KV_CACHE_BYTES, **llm_kwargs}
+
+
 @pytest.fixture(scope="session")
 def reference(model_dir, engine_logs, vllm_runner):
     from shmkv.bench.engines import EngineProcess, EngineSpec
 
     engine = EngineProcess(EngineSpec(model_dir, shmkv=None, prefix_caching=True, in_process=True,
-                                      env=runner_env(vllm_runner)), str(engine_logs / f"ref-{vllm_runner}.log"),
-                           launch=fork_engine)
+                                      env=runner_env(vllm_runner), llm_kwargs=with_test_kv_cache({})),
+                           str(engine_logs / f"ref-{vllm_runner}.log"), launch=fork_engine)
     check_runner(engine.log_path, vllm_runner)
     yield Reference(engine)
     engine.close()
@@ -246,6 +258,8 @@ def start_engine(model_dir, engine_logs, vllm_runner):
     def start(label: str, **spec):
         spec.setdefault("in_process", True)
         spec["env"] = {**runner_env(vllm_runner), **spec.get("env", {})}
+        if "VLLM_CPU_KVCACHE_SPACE" not in spec["env"]:
+            spec["llm_kwargs"] = with_test_kv_cache(spec.get("llm_kwargs", {}))
         e = EngineProcess(EngineSpec(spec.pop("model_dir", model_dir), **spec),
                           str(engine_logs / f"{label}-{vllm_runner}.log"), launch=fork_engine)
         made.append(e)

