@@ -8,7 +8,7 @@ from __future__ import annotations
 # suites of several engine pairs), run first: xdist hands files out in collection order, and a long
 # file started last keeps one worker busy while the other has nothing left (a longest-first schedule)
 LONGEST_FIRST = (  # seconds: a full run of f3fe6e2 on the 2-core Xeon (AMX) CI machine
-    "tests/bench/test_bench_serve.py",  # ~530 s: 10 `vllm serve` starts (12 before)
+    "tests/bench/test_bench_serve.py",  # ~370 s: 8 `vllm serve` starts, API servers forked (10 and ~480 s before)
     "tests/integration/vllm/test_vllm_speculative.py",  # ~330 s
     "tests/test_wheel.py",  # ~150 s: builds the run's one wheel (tests/support/wheel_build.py)
     "tests/integration/vllm/test_vllm_mla.py",  # ~230 s: two MLA backends on a Xeon with AMX
