@@ -229,7 +229,7 @@ class Churn:
             st = store.stats()
         finally:
             store.close()
-        return {k: int(st[k]) for k in ("evicted_unspilled", "evictions", "spills", "spill_errors", "disk_removed")}
+        return {k: int(st[k]) for k in ("evicted_unspilled", "spill_errors")}
 
     def count_since_last_change(self) -> None:
         """The last change's record gets what the segment counted since (chunks evicted before they reached
