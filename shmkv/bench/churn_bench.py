@@ -11,8 +11,13 @@ place by a collective_rpc, the connector reset by a pause, eviction storms
 (a writer filling the segment), the daemon (the cache's maintainer and
 controller) killed with -9 and started again, POST /clear of one namespace,
 the disk tier's file system filled and freed (a tmpfs of its own: root),
-Redis killed and started empty or flushed, and a LoRA adapter's directory
-rewritten in place (a quarter of the conversations use one of two adapters).
+Redis killed and started empty or flushed, a LoRA adapter's directory
+rewritten in place (a quarter of the conversations use one of two adapters),
+and a tensor-parallel-2 engine whose one rank finds its chunks gone between
+the scheduler's lookup and its load (the test switch
+SHMKV_TEST_EVICT_BEFORE_LOAD=rank:N, as another engine's eviction would do:
+the request must come back right, recomputed; started at its first draw and
+kept, vLLM's own process split).
 
 Every answer that used loaded KV is checked against the truth for the
 weights and config that engine had at that moment: the same request
@@ -34,8 +39,8 @@ optionally a PNG timeline; `--seed` draws the same run again, `--replay`
 follows a recorded history, `--minimize` reduces a history that answered
 wrong to the smallest that still does.
 
-Not yet drawn: sleep level 2 (vLLM-CPU has no sleep mode), a TP=2 rank's
-eviction between lookup and load (its own end-to-end test in tests/)."""
+Not drawn: sleep and wake (vLLM-CPU 0.32 has no sleep mode; shmkv's sleep
+hooks are driven without vLLM in tests/integration/vllm)."""
 
 from __future__ import annotations
 
@@ -65,7 +70,7 @@ CHANGES = {
     "restart": 3, "kill9": 2, "attach": 1, "weights_rewrite": 1, "config_edit": 1,
     "reload_weights": 1, "inplace_weights": 1, "pause_resume": 1, "connector_reset": 1, "eviction_storm": 2,
     "daemon_kill9": 1, "clear_namespace": 1, "disk_full": 1, "redis_restart": 1, "redis_flush": 1,
-    "lora_rewrite": 1,
+    "lora_rewrite": 1, "tp2_rank_eviction": 1,
 }
 ADAPTERS = ("A", "B")  # LoRA adapters some conversations use (their ids: 1, 2)
 LORA_KW = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
@@ -73,6 +78,9 @@ DISK_CAPACITY = 256 << 20  # the disk tier's byte cap; its tmpfs (disk_full) is 
 DISK_FS_SLACK = 64 << 20
 NORMS = ("model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight")
 CHUNK = 256
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # vLLM-CPU's TP=2 on 2 cores
+TP2_SLOT = "tp2"  # the TP=2 engine's name in the history (not one of the drawn engines)
+FAILED_BLOCKS = "vllm:shmkv_load_failed_blocks"  # LLM.get_metrics' name: blocks vLLM recomputed
 STORM_NAMESPACE = xxhash.xxh3_128_digest(b"shmkv bench churn: eviction storm")  # no engine's namespace
 
 
@@ -140,6 +148,8 @@ class Churn:
             for i, path in enumerate(self.adapters.values()):
                 write_lora(path, seed=1 + i)
         self.engines: list[EngineProcess | None] = [None] * a.engines
+        self.tp2: EngineProcess | None = None  # tp2_rank_eviction's engine (one rank's loads fail), from its draw
+        self.tp2_rank = 0  # the rank whose loads fail on it
         self.starts = 0
         self.history: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
@@ -159,6 +169,24 @@ class Churn:
     def stop(self, slot: int, kill: bool = False) -> None:
         e = self.engines[slot]
         self.engines[slot] = None
+        if e is not None:
+            e.kill() if kill else e.close()
+
+    def start_tp2(self, rank: int) -> None:
+        """The TP=2 engine of tp2_rank_eviction: vLLM's own process split (an EngineCore and two workers),
+        rank `rank`'s worker deleting each chunk it is about to load (the test switch)."""
+        from shmkv.testing import EVICT_BEFORE_LOAD
+
+        self.starts += 1
+        self.tp2_rank = rank
+        spec = EngineSpec(self.model, shmkv=self.cfg, prefix_caching=True, max_model_len=2048,
+                          llm_kwargs={"tensor_parallel_size": 2, "disable_log_stats": False},
+                          env={**TP2_ENV, EVICT_BEFORE_LOAD: f"rank:{rank}"})
+        log = os.path.join(self.workdir, f"engine-{TP2_SLOT}-{self.starts}.log")
+        self.tp2 = EngineProcess(spec, log, launch=self.launch)
+
+    def stop_tp2(self, kill: bool = False) -> None:
+        e, self.tp2 = self.tp2, None
         if e is not None:
             e.kill() if kill else e.close()
 
@@ -249,16 +277,24 @@ class Churn:
         p = self.rng.choice(self.pool) if prompt is None else self.pool[prompt]
         e = self.engines[slot]
         assert e is not None
-        rec: dict[str, Any] = {"type": "request", "t": round(time.monotonic() - self.t0, 3), "engine": slot,
+        rec = self.checked(e, slot, p)
+        if rec["verdict"] in ("hang", "error"):  # no answer in time / the engine failed: a fresh one goes on
+            self.stop(slot, kill=True)
+            self.start(slot)
+
+    def checked(self, e: EngineProcess, name: int | str, p: Prompt, check_miss: bool = False) -> dict[str, Any]:
+        """`p` asked of engine `e` (vLLM's own prefix cache emptied first: every reuse through shmkv), its
+        answer checked against the engine's own recompute at the same split; `check_miss`: a miss's too."""
+        rec: dict[str, Any] = {"type": "request", "t": round(time.monotonic() - self.t0, 3), "engine": name,
                                "prompt": p.id, "salt": p.salt, "adapter": p.adapter, "after": self.last_change}
         self.history.append(rec)
         try:
             e.reset_prefix_cache()  # every reuse through shmkv
             r = self._generate(e, p.tokens, p.salt, adapter=p.adapter)
             rec.update(hit=r["num_cached_tokens"][0], wall_s=round(r["wall_s"], 4))
-            if rec["hit"] == 0:
+            if rec["hit"] == 0 and not check_miss:
                 rec["verdict"] = "miss"
-                return
+                return rec
             truth, split = self.truth(e, p, rec["hit"])
             if split != rec["hit"]:
                 rec.update(verdict="unchecked", truth_split=split)
@@ -266,10 +302,9 @@ class Churn:
                 rec["verdict"] = "right" if truth == r["outputs"][0] else "WRONG"
                 if rec["verdict"] == "WRONG":
                     rec.update(output=r["outputs"][0], truth=truth)
-        except (TimeoutError, RuntimeError) as err:  # no answer in time / the engine failed: a fresh one goes on
+        except (TimeoutError, RuntimeError) as err:
             rec.update(verdict="hang" if isinstance(err, TimeoutError) else "error", error=str(err)[:4000])
-            self.stop(slot, kill=True)
-            self.start(slot)
+        return rec
 
     def _generate(self, e: EngineProcess, tokens: list[int], salt: str | None, max_tokens: int | None = None,
                   adapter: str | None = None) -> dict[str, Any]:
@@ -471,6 +506,26 @@ class Churn:
                 pass
         self.disk_filled = rec["filled"] = True
 
+    def _tp2_rank_eviction(self, rec: dict[str, Any]) -> None:
+        """A prompt asked twice of the TP=2 engine: the first stores both ranks' shards, the second finds
+        them at lookup and then one rank's gone at its load (the switch): vLLM recomputes, and the answer
+        is checked against that engine's own recompute even when it reports no hit."""
+        rank = self._drawn(rec, "rank", lambda: self.rng.randrange(2) if self.tp2 is None else self.tp2_rank)
+        if self.tp2 is not None and rank != self.tp2_rank:  # a replay's other rank
+            self.stop_tp2()
+        if self.tp2 is None:
+            self.start_tp2(rank)
+        assert self.tp2 is not None
+        plain = [q.id for q in self.pool if q.adapter is None]  # the TP=2 engine runs without LoRA
+        p = self.pool[self._drawn(rec, "prompt", lambda: self.rng.choice(plain))]
+        before = self.tp2.metrics().get(FAILED_BLOCKS, 0.0)
+        for _ in range(2):
+            got = self.checked(self.tp2, TP2_SLOT, p, check_miss=True)
+            if got["verdict"] in ("hang", "error"):
+                self.stop_tp2(kill=True)
+                return
+        rec["failed_blocks"] = int(self.tp2.metrics().get(FAILED_BLOCKS, 0.0) - before)
+
     # ------------------------------------------------------------------ run --
     def setup(self) -> None:
         """The tiers, the daemon and the first engines."""
@@ -528,6 +583,7 @@ class Churn:
         self.count_since_last_change()
         for slot in self.live():
             self.stop(slot)
+        self.stop_tp2()
         self.stop_daemon()
         store = Store.attach(self.cache)
         try:
@@ -562,6 +618,9 @@ class Churn:
             failed.append("no request hit: shmkv served nothing")
         if lost:
             failed.append(f"{lost} committed chunks evicted before they reached the disk tier while it had room")
+        tp2 = [c for c in changes if c["kind"] == "tp2_rank_eviction" and "failed_blocks" in c]
+        if tp2 and not any(c["failed_blocks"] for c in tp2):
+            failed.append("tp2_rank_eviction: no load failed (the test switch never fired)")
         if st["leases_held"]:
             failed.append(f"{st['leases_held']} leases still held after every engine ended and a reclaim")
         out: dict[str, Any] = {
@@ -672,6 +731,7 @@ def _execute(a: argparse.Namespace, launch: Callable | None, history: list[dict[
     finally:
         for slot in churn.live():
             churn.stop(slot, kill=True)
+        churn.stop_tp2(kill=True)
         churn.stop_daemon(kill=True)
         if churn.redis is not None:
             churn.redis.stop()

@@ -101,12 +101,12 @@ def run(argv: list[str]) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     t0 = time.monotonic()
     try:
-        # NOTE: one after the other, on vLLM's default binding: both compute on the same core (measured in
-        # turn, never together), so no variant gets the quieter core
+        # NOTE: both on vLLM's default binding: they compute on the same cores (measured in turn, never
+        # together), so no variant gets the quieter core; started together (nothing is measured meanwhile)
         servers: list[VllmServer] = []
         try:
-            servers.append(r.server("concurrency-vllm", None))
-            servers.append(r.server("concurrency-shmkv", r.segment("concurrency"), a.capacity))
+            servers = r.servers(["concurrency-vllm", "concurrency-shmkv"], [None, r.segment("concurrency")],
+                                a.capacity, bind=False)
             variants = dict(zip(("vllm", "shmkv"), servers))
             r.warm_up(servers)
             seed = 1000 * a.seed

@@ -162,16 +162,17 @@ class Run:
         return name
 
     def servers(self, labels: list[str], caches: list[str | None], capacity: str | None = None,
-                peer: Any = None) -> list[VllmServer]:
+                peer: Any = None, bind: bool = True) -> list[VllmServer]:
         """Several servers, started at once (nothing is measured meanwhile);
-        `peer`: another cache's server (lmcache_peer.LMCacheServer) they all use instead of shmkv."""
+        `peer`: another cache's server (lmcache_peer.LMCacheServer) they all use instead of shmkv;
+        `bind` False: vLLM's default binding for each (else a core of its own each, where there are enough)."""
         from concurrent.futures import ThreadPoolExecutor
 
         # NOTE: each server's compute threads on a core of their own, as a multi-instance host pins
         # its instances (on one core, each one's spinning OpenMP threads slow the other's prefills)
         cpus = os.sched_getaffinity(0)
         env = ([{"VLLM_CPU_OMP_THREADS_BIND": str(c), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} for c in sorted(cpus)]
-               if len(cpus) >= len(labels) else [{}] * len(labels))
+               if bind and len(cpus) >= len(labels) else [{}] * len(labels))
         with ThreadPoolExecutor(len(labels)) as pool:
             futures = [pool.submit(self.server, lb, c, capacity, e, peer) for lb, c, e in zip(labels, caches, env)]
             out, errors = [], []

@@ -3,10 +3,13 @@ disk tier and Redis, 50 changes drawn from every kind (restarts, kill -9, an
 engine attaching, the checkpoint rewritten and config.json edited under
 rolling restarts, weights changed in memory, pauses, connector resets,
 eviction storms, the daemon killed, a namespace cleared, the disk filled and
-freed, Redis restarted or flushed), every answer that used shmkv's KV
+freed, Redis restarted or flushed, LoRA adapters rewritten), every answer that used shmkv's KV
 checked against the same engine's own recompute at the same split, and no
 committed chunk lost while the disk had room. Engines are forked from the
-suite's server (a start in seconds)."""
+suite's server (a start in seconds). Left out of the slice: the TP=2
+engine of tp2_rank_eviction (vLLM's own process split, about 90 s to start
+and warm on 2 cores), whose case has its own end-to-end test
+(tests/integration/vllm/test_vllm_tp_load_failure.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 def test_fifty_changes_and_every_answer_right(tmp_path):
     history = tmp_path / "history.json"
-    r = churn_bench.run(["--changes", "50", "--seed", "3", "--workdir", str(tmp_path / "work"),
+    kinds = ",".join(k for k in churn_bench.CHANGES if k != "tp2_rank_eviction")
+    r = churn_bench.run(["--changes", "50", "--seed", "3", "--kinds", kinds, "--workdir", str(tmp_path / "work"),
                          "--history", str(history), "--plot", str(tmp_path / "churn.png")], launch=fork_engine)
     assert "failed" not in r, (r.get("failed"), r["per_kind"])
     assert r["verdicts"].get("WRONG", 0) == 0

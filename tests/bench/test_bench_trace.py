@@ -1,12 +1,13 @@
 """`python -m shmkv.bench trace --json` on a small slice of the production
 trace (4 conversations, the small model): vLLM's own client replays it
-through two `vllm serve` behind the round-robin proxy, vLLM alone and with
-one shared segment, and LMCache's server where its environment exists (left
-out with the reason elsewhere, as on CI). Timings are the benchmark's to
-report; what is asserted is what the servers' counters say against the
-slice's ceilings: vLLM alone serves nothing external, and shmkv serves at
-least 90 % of what an LRU cache of its budget could, past what vLLM's own
-cache served."""
+through two `vllm serve` behind the round-robin proxy with one shared
+segment, and LMCache's server where its environment exists (left out with
+the reason elsewhere, as on CI). Timings are the benchmark's to report; what
+is asserted is what the servers' counters say against the slice's ceilings:
+shmkv serves at least 90 % of what an LRU cache of its budget could, past
+what vLLM's own cache served. The vLLM-alone arm is left out here (two
+server starts): its control, no connector tokens without shmkv, is
+test_bench_concurrency's and test_bench_serve's."""
 
 from __future__ import annotations
 
@@ -28,15 +29,13 @@ def test_the_trace_replay_serves_what_its_budget_allows(tmp_path):
     # NOTE: one request at a time: which turn overlaps which (and so what is stored before it is
     # asked again) would otherwise depend on timing
     r = subprocess.run([sys.executable, "-m", "shmkv.bench", "trace", "--small", "--conversations", "4",
-                        "--arms", "vllm,shmkv,lmcache", "--max-concurrency", "1", "--json", "--workdir", str(tmp_path)],
+                        "--arms", "shmkv,lmcache", "--max-concurrency", "1", "--json", "--workdir", str(tmp_path)],
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)
     c, arms = got["ceilings"], got["arms"]
     assert got["requests"] == arms["shmkv"]["per_server_requests"][0] + arms["shmkv"]["per_server_requests"][1]
-    assert arms["vllm"]["prompt_tokens"] == arms["shmkv"]["prompt_tokens"] == c["prompt_tokens"], \
-        "the same prompts in every arm"
-    assert arms["vllm"]["connector_tokens"] == 0
+    assert "vllm" not in arms and arms["shmkv"]["prompt_tokens"] == c["prompt_tokens"], "the slice's prompts"
     assert 0 < c["lru_budget_chunk"] <= c["unlimited_chunk"] <= c["unlimited_vllm_block"] < c["prompt_tokens"]
     s = arms["shmkv"]
     assert s["connector_tokens"] >= 0.9 * (c["lru_budget_chunk"] - s["vllm_cache_tokens"]), (s, c)
