@@ -597,12 +597,16 @@ class Churn:
         changes = [self.window_start, *(c for c in self.history if c["type"] == "change")]
         # committed chunks evicted before they reached the disk tier while it had room (a full disk's are not)
         lost = sum(c.get("lost", 0) for c in changes if c.get("disk_room", True))
-        per_kind: dict[str, dict[str, int]] = {}
+        recovered = recovered_changes(self.history)
+        per_kind: dict[str, dict[str, Any]] = {}
         for k in ["start", *CHANGES]:
             after = [r for r in requests if r["after"] == k]
             mine = [c for c in changes if c["kind"] == k]
-            per_kind[k] = {"changes": sum(1 for c in changes if c["type"] == "change" and c["kind"] == k),
-                           "requests_after": len(after), "hits_after": sum(1 for r in after if r.get("hit")),
+            n = sum(1 for c in changes if c["type"] == "change" and c["kind"] == k)
+            hits = sum(1 for r in after if r.get("hit"))
+            per_kind[k] = {"changes": n, "requests_after": len(after), "hits_after": hits,
+                           "hit_rate_after": round(hits / len(after), 3) if after else None,
+                           "recovered": sum(1 for c in mine if c["type"] == "change" and recovered.get(id(c))),
                            "lost": sum(c.get("lost", 0) for c in mine if c.get("disk_room", True)),
                            "lost_disk_full": sum(c.get("lost", 0) for c in mine if not c.get("disk_room", True)),
                            **{v: sum(1 for r in after if r.get("verdict") == v)
@@ -632,6 +636,7 @@ class Churn:
             "evictions": st["evictions"], "spills": st["spills"], "disk_hits": st["disk_hits"],
             "lost_with_disk_room": lost, "evicted_unspilled": st["evicted_unspilled"],
             "spill_errors": st["spill_errors"], "notes": self.notes,
+            "never_recovered": sorted(k for k, v in per_kind.items() if v["changes"] and not v["recovered"]),
         }
         if failed:
             out["failed"] = "; ".join(failed)
@@ -796,6 +801,19 @@ def ddmin(items: list[Any], fails: Callable[[list[Any]], bool], budget: int = 64
     return items
 
 
+def recovered_changes(history: list[dict[str, Any]]) -> dict[int, bool]:
+    """Per change (by id): whether a request between it and the next change hit (the cache served again)."""
+    out: dict[int, bool] = {}
+    current: dict[str, Any] | None = None
+    for e in history:
+        if e["type"] == "change":
+            current = e
+            out[id(e)] = False
+        elif e["type"] == "request" and current is not None and e.get("hit"):
+            out[id(current)] = True
+    return out
+
+
 def _history_failed(history: list[dict[str, Any]]) -> bool:
     return any(r.get("verdict") in ("WRONG", "hang", "error") for r in history)
 
@@ -836,11 +854,15 @@ def report(r: dict[str, Any]) -> None:
           f"disk tier had room); spill errors {r['spill_errors']}")
     for note in r["notes"]:
         print(f"note: {note}")
-    print(f"{'after':16s} {'changes':>7s} {'requests':>8s} {'hits':>5s} {'wrong':>5s} {'hang':>4s} {'error':>5s} "
-          f"{'unchecked':>9s} {'lost':>5s} {'lost, disk full':>15s}")
+    if r["never_recovered"]:
+        print(f"no hit before the next change after any change of: {', '.join(r['never_recovered'])}")
+    print(f"{'after':18s} {'changes':>7s} {'recovered':>9s} {'requests':>8s} {'hits':>5s} {'hit rate':>8s} "
+          f"{'wrong':>5s} {'hang':>4s} {'error':>5s} {'unchecked':>9s} {'lost':>5s} {'lost, disk full':>15s}")
     for k, v in r["per_kind"].items():
-        print(f"{k:16s} {v['changes']:7d} {v['requests_after']:8d} {v['hits_after']:5d} {v['WRONG']:5d} "
-              f"{v['hang']:4d} {v['error']:5d} {v['unchecked']:9d} {v['lost']:5d} {v['lost_disk_full']:15d}")
+        rate = "-" if v["hit_rate_after"] is None else f"{v['hit_rate_after']:.0%}"
+        print(f"{k:18s} {v['changes']:7d} {v['recovered']:9d} {v['requests_after']:8d} {v['hits_after']:5d} "
+              f"{rate:>8s} {v['WRONG']:5d} {v['hang']:4d} {v['error']:5d} {v['unchecked']:9d} {v['lost']:5d} "
+              f"{v['lost_disk_full']:15d}")
     if r.get("minimal"):
         m = r["minimal"]
         print(f"smallest history found that answers wrong: {m['events']} events of {m['of']} ({m['replays']} "

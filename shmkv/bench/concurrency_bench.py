@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from shmkv.bench.serve_bench import COUNTERS, Run, Workload, _counters, _wait_stores
-from shmkv.bench.vllm_server import VllmServer
+from shmkv.bench.vllm_server import NO_FORK_HELP, VllmServer
 
 DATASETS = ("random", "prefix_repetition")
 GOALS = {"random": ("total_tokens_per_s", 0.98, "at least"), "prefix_repetition": ("ttft_p50_ms", 1.02, "at most")}
@@ -84,8 +84,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--capacity", default="1GiB", help="shmkv's segment")
     ap.add_argument("--small", action="store_true", help="the small test model")
     ap.add_argument("--no-fork", dest="fork", action="store_false",
-                    help="each server a new Python (default: vLLM's API server forked from one Python that "
-                         "imported vLLM once; its EngineCore and worker start as vLLM starts them)")
+                    help=NO_FORK_HELP)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args(argv)

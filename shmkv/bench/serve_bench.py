@@ -54,7 +54,7 @@ from typing import Any
 
 from shmkv.bench import drop_cache
 from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, words, write_llama, write_tokenizer
-from shmkv.bench.vllm_server import BenchServeClient, RoundRobinProxy, VllmServer
+from shmkv.bench.vllm_server import NO_FORK_HELP, BenchServeClient, RoundRobinProxy, VllmServer
 
 VLLM_BLOCK = 128  # vLLM-CPU's KV block size
 ARMS = ("no_reuse", "in_cache", "evicted", "restart", "round_robin", "budget")
@@ -208,6 +208,7 @@ class Run:
             ktc = {"kv_connector": "ShmKVConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
         s = VllmServer(self.model, os.path.join(self.logs, f"{label}.log"), kv_transfer_config=ktc, env=env,
                        python=python, fork=getattr(self.a, "fork", True),
+                       fork_children=bool(self.a.small) and getattr(self.a, "fork", True),
                        args=["--max-model-len", str(self.max_model_len),
                              "--num-gpu-blocks-override", str(self.kv_blocks)])
         self.starts.append(s.start_seconds)
@@ -428,8 +429,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--small", action="store_true",
                     help="tiny model and workload, both variants' servers of an arm started together (CI's check)")
     ap.add_argument("--no-fork", dest="fork", action="store_false",
-                    help="each server a new Python (default: vLLM's API server forked from one Python that "
-                         "imported vLLM once; its EngineCore and worker start as vLLM starts them)")
+                    help=NO_FORK_HELP)
     ap.add_argument("--arms", default=",".join(ARMS), help=f"which arms, comma-separated (of {','.join(ARMS)})")
     ap.add_argument("--capacity", help="shmkv's segment capacity (default: shmkv's own default)")
     ap.add_argument("--seed", type=int, default=0)

@@ -48,7 +48,7 @@ from typing import Any
 from shmkv.bench import trace
 from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, words, write_llama, write_tokenizer
 from shmkv.bench.serve_bench import COUNTERS, VLLM_BLOCK, Run, Workload, _counters
-from shmkv.bench.vllm_server import CLIENT_HASH_SEED, RoundRobinProxy, StickyRouter
+from shmkv.bench.vllm_server import CLIENT_HASH_SEED, NO_FORK_HELP, RoundRobinProxy, StickyRouter
 
 MIN_BUDGET = 64 << 20  # the smallest segment a budget asks for
 
@@ -284,8 +284,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="the small test model (CI's check)")
     ap.add_argument("--no-fork", dest="fork", action="store_false",
-                    help="each server a new Python (default: vLLM's API server forked from one Python that "
-                         "imported vLLM once; its EngineCore and worker start as vLLM starts them)")
+                    help=NO_FORK_HELP)
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args(argv)
     a.capacity = None

