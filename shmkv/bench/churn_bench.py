@@ -14,8 +14,8 @@ the disk tier's file system filled and freed (a tmpfs of its own: root),
 Redis killed and started empty or flushed, a LoRA adapter's directory
 rewritten in place (a quarter of the conversations use one of two adapters),
 and a tensor-parallel-2 engine whose one rank finds its chunks gone between
-the scheduler's lookup and its load (the test switch
-SHMKV_TEST_EVICT_BEFORE_LOAD=rank:N, as another engine's eviction would do:
+the scheduler's lookup and its load (shmkv.testing's EVICT_BEFORE_LOAD
+switch for one rank, as another engine's eviction would do:
 the request must come back right, recomputed; started at its first draw and
 kept, vLLM's own process split).
 
