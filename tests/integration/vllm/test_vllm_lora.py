@@ -12,7 +12,7 @@ keys name: test_adapter_identity.py.)"""
 from __future__ import annotations
 
 import pytest
-from helpers import E2E_TOKENS, random_prompt
+from helpers import E2E_TOKENS, greedy_agrees, random_prompt
 
 from shmkv.bench.models import write_lora
 
@@ -32,13 +32,22 @@ def test_adapters_never_share_chunks(cache_name, start_engine, tmp_path):
 
     ref = start_engine("lora-ref", shmkv=None, prefix_caching=True, llm_kwargs=LORA_KW)
 
-    def reference(lora, split: int, prompt=P) -> list[int]:
+    def truth(lora, split: int, prompt=P) -> dict:
         ref.reset_prefix_cache()
         if split:
             ref.generate([prompt[:split + 1]], max_tokens=1, loras=[lora])
-        r = ref.generate([prompt], max_tokens=E2E_TOKENS, loras=[lora])
+        r = ref.generate([prompt], max_tokens=E2E_TOKENS, loras=[lora], logprobs=3)
         assert r["num_cached_tokens"][0] == split
-        return r["outputs"][0]
+        return r
+
+    def reference(lora, split: int, prompt=P) -> list[int]:
+        return truth(lora, split, prompt)["outputs"][0]
+
+    def agrees(got: list[int], lora, split: int, prompt=P) -> str | None:
+        """`got` is the reference's greedy continuation at `split`, up to a near tie (the chunks
+        loaded were computed in another batch shape than the reference's prefix)."""
+        t = truth(lora, split, prompt)
+        return greedy_agrees(got, t["outputs"][0], t["logprobs"][0])
 
     e1 = start_engine("lora-1", shmkv=cfg, llm_kwargs=LORA_KW)
     r = e1.generate([P], loras=[A])
@@ -56,25 +65,27 @@ def test_adapters_never_share_chunks(cache_name, start_engine, tmp_path):
     for lora in (A, B):
         r = e2.generate([P], loras=[lora])
         assert r["num_cached_tokens"][0] == split, lora[0]
-        assert r["outputs"][0] == reference(lora, split), lora[0]
+        assert agrees(r["outputs"][0], lora, split) is None, lora[0]
 
-    v1_p2 = {split: reference(A, split, P2) for split in (0, 896)}
+    v1_p2 = {split: truth(A, split, P2) for split in (0, 896)}
     write_lora(a_dir, seed=3)  # adapter A rewritten in place: same name, path and id
     # every engine keeps the tensors it read under id 1 (the reference too: it reads id 1 no more)
     r = e2.generate([P2], loras=[A])
-    assert r["num_cached_tokens"] == [0] and r["outputs"][0] == v1_p2[0]
+    assert r["num_cached_tokens"] == [0] and r["outputs"][0] == v1_p2[0]["outputs"][0]
     r = e1.generate([P2], loras=[A])
     assert r["num_cached_tokens"] == [896], "e1 holds adapter A as first read: e2's chunks are its chunks"
-    assert r["outputs"][0] == v1_p2[896]
+    assert greedy_agrees(r["outputs"][0], v1_p2[896]["outputs"][0], v1_p2[896]["logprobs"][0]) is None
     A2 = ("A", 3, a_dir)  # the new files, under a new id
     r = e2.generate([P2], loras=[A2])
     assert r["num_cached_tokens"] == [0], "the chunks computed with the old tensors are not the new files'"
     v2_p2 = reference(A2, 0, P2)
-    assert r["outputs"][0] == v2_p2 != v1_p2[0]
+    assert r["outputs"][0] == v2_p2 != v1_p2[0]["outputs"][0]
     # a request that makes vLLM read id 1 again (load_inplace) is keyed by the files as they are now:
     # e2's chunks of the new files (id 3) are its chunks, and from then on e1's key for id 1 is theirs
     r = e1.generate([P2], loras=[("A", 1, a_dir, True)])
-    assert r["num_cached_tokens"] == [896] and r["outputs"][0] == reference(A2, 896, P2)
+    assert r["num_cached_tokens"] == [896]
+    assert (why := agrees(r["outputs"][0], A2, 896, P2)) is None, why
     e2.generate([P3], loras=[A2])
     r = e1.generate([P3], loras=[A])
-    assert r["num_cached_tokens"] == [896] and r["outputs"][0] == reference(A2, 896, P3)
+    assert r["num_cached_tokens"] == [896]
+    assert (why := agrees(r["outputs"][0], A2, 896, P3)) is None, why
