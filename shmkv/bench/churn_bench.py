@@ -80,6 +80,8 @@ NORMS = ("model.layers.0.input_layernorm.weight", "model.layers.1.input_layernor
 CHUNK = 256
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # vLLM-CPU's TP=2 on 2 cores
 TP2_SLOT = "tp2"  # the TP=2 engine's name in the history (not one of the drawn engines)
+TRUTH_LOGPROBS = 3  # the truth's top tokens per position: a differing answer is told apart from a near tie
+NEAR_TIE = 0.02  # logprob: two tokens this close are a tie that bf16 rounding may order either way
 FAILED_BLOCKS = "vllm:shmkv_load_failed_blocks"  # LLM.get_metrics' name: blocks vLLM recomputed
 STORM_NAMESPACE = xxhash.xxh3_128_digest(b"shmkv bench churn: eviction storm")  # no engine's namespace
 
@@ -295,32 +297,35 @@ class Churn:
             if rec["hit"] == 0 and not check_miss:
                 rec["verdict"] = "miss"
                 return rec
-            truth, split = self.truth(e, p, rec["hit"])
+            truth, split, truth_logprobs = self.truth(e, p, rec["hit"])
             if split != rec["hit"]:
                 rec.update(verdict="unchecked", truth_split=split)
+            elif truth == r["outputs"][0]:
+                rec["verdict"] = "right"
             else:
-                rec["verdict"] = "right" if truth == r["outputs"][0] else "WRONG"
-                if rec["verdict"] == "WRONG":
-                    rec.update(output=r["outputs"][0], truth=truth)
+                tie = near_tie(r["outputs"][0], truth, truth_logprobs)
+                rec.update(verdict="tie" if tie is not None else "WRONG", output=r["outputs"][0], truth=truth)
+                if tie is not None:
+                    rec["tie_at"] = tie
         except (TimeoutError, RuntimeError) as err:
             rec.update(verdict="hang" if isinstance(err, TimeoutError) else "error", error=str(err)[:4000])
         return rec
 
     def _generate(self, e: EngineProcess, tokens: list[int], salt: str | None, max_tokens: int | None = None,
-                  adapter: str | None = None) -> dict[str, Any]:
+                  adapter: str | None = None, logprobs: int = 0) -> dict[str, Any]:
         lora = None if adapter is None else [adapter, 1 + ADAPTERS.index(adapter), self.adapters[adapter]]
         return e.call(cmd="generate", prompts=[tokens], max_tokens=max_tokens or self.a.max_tokens, salts=[salt],
-                      loras=None if lora is None else [lora], logprobs=0, timeout=self.a.request_timeout)
+                      loras=None if lora is None else [lora], logprobs=logprobs, timeout=self.a.request_timeout)
 
-    def truth(self, e: EngineProcess, p: Prompt, split: int) -> tuple[list[int], int]:
+    def truth(self, e: EngineProcess, p: Prompt, split: int) -> tuple[list[int], int, list[dict[str, float]]]:
         """The engine's own answer with nothing of shmkv's reused, at `split`:
         under a fresh salt, its first `split` tokens computed into vLLM's own
         prefix cache first."""
         salt = f"truth-{uuid.uuid4().hex}"
         e.reset_prefix_cache()
         self._generate(e, p.tokens[: split + 1], salt, max_tokens=1, adapter=p.adapter)
-        r = self._generate(e, p.tokens, salt, adapter=p.adapter)
-        return r["outputs"][0], r["num_cached_tokens"][0]
+        r = self._generate(e, p.tokens, salt, adapter=p.adapter, logprobs=TRUTH_LOGPROBS)
+        return r["outputs"][0], r["num_cached_tokens"][0], r["logprobs"][0]
 
     # -------------------------------------------------------------- changes --
     def change(self, index: int, recorded: dict[str, Any] | None = None) -> None:
@@ -610,7 +615,7 @@ class Churn:
                            "lost": sum(c.get("lost", 0) for c in mine if c.get("disk_room", True)),
                            "lost_disk_full": sum(c.get("lost", 0) for c in mine if not c.get("disk_room", True)),
                            **{v: sum(1 for r in after if r.get("verdict") == v)
-                              for v in ("WRONG", "hang", "error", "unchecked")}}
+                              for v in ("WRONG", "tie", "hang", "error", "unchecked")}}
         failed = []
         if verdicts["WRONG"]:
             failed.append(f"{verdicts['WRONG']} wrong answers")
@@ -801,6 +806,22 @@ def ddmin(items: list[Any], fails: Callable[[list[Any]], bool], budget: int = 64
     return items
 
 
+def near_tie(got: list[int], truth: list[int], truth_logprobs: list[dict[str, float]],
+              margin: float = NEAR_TIE) -> int | None:
+    """The position of the first token `got` differs at, where the truth's
+    own logprobs make it a near tie (`got`'s token within `margin` of the
+    truth's: KV computed in another batch shape rounds differently in bf16);
+    None where they are equal or differ by more (what follows another choice
+    is another continuation, not compared)."""
+    for i, (g, t) in enumerate(zip(got, truth)):
+        if g != t:
+            top = truth_logprobs[i] if i < len(truth_logprobs) else {}
+            if str(g) in top and str(t) in top and top[str(t)] - top[str(g)] <= margin:
+                return i
+            return None
+    return None
+
+
 def recovered_changes(history: list[dict[str, Any]]) -> dict[int, bool]:
     """Per change (by id): whether a request between it and the next change hit (the cache served again)."""
     out: dict[int, bool] = {}
@@ -857,11 +878,13 @@ def report(r: dict[str, Any]) -> None:
     if r["never_recovered"]:
         print(f"no hit before the next change after any change of: {', '.join(r['never_recovered'])}")
     print(f"{'after':18s} {'changes':>7s} {'recovered':>9s} {'requests':>8s} {'hits':>5s} {'hit rate':>8s} "
-          f"{'wrong':>5s} {'hang':>4s} {'error':>5s} {'unchecked':>9s} {'lost':>5s} {'lost, disk full':>15s}")
+          f"{'wrong':>5s} {'tie':>4s} {'hang':>4s} {'error':>5s} {'unchecked':>9s} {'lost':>5s} "
+          f"{'lost, disk full':>15s}")
     for k, v in r["per_kind"].items():
         rate = "-" if v["hit_rate_after"] is None else f"{v['hit_rate_after']:.0%}"
         print(f"{k:18s} {v['changes']:7d} {v['recovered']:9d} {v['requests_after']:8d} {v['hits_after']:5d} "
-              f"{rate:>8s} {v['WRONG']:5d} {v['hang']:4d} {v['error']:5d} {v['unchecked']:9d} {v['lost']:5d} "
+              f"{rate:>8s} {v['WRONG']:5d} {v['tie']:4d} {v['hang']:4d} {v['error']:5d} {v['unchecked']:9d} "
+              f"{v['lost']:5d} "
               f"{v['lost_disk_full']:15d}")
     if r.get("minimal"):
         m = r["minimal"]
