@@ -263,7 +263,7 @@ def http(url: str, method: str, path: str, body=None, *, raw: bytes | None = Non
 
 E2E_TOKENS = 16
 
-NEAR_TIE = 0.02  # logprob: two tokens this close are a tie bf16 rounding may order either way
+from shmkv.bench.churn_bench import NEAR_TIE  # noqa: E402 - the one margin for a near tie (bench churn's too)
 
 
 def greedy_agrees(got: list[int], truth: list[int], truth_logprobs: list[dict[str, float]],
