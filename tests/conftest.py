@@ -4,6 +4,7 @@ engines of the end-to-end tests. Plain helpers live in helpers.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -267,8 +268,9 @@ def start_engine(model_dir, engine_logs, vllm_runner):
         return e
 
     yield start
-    for e in made:
-        e.close()
+    with contextlib.ExitStack() as closing:  # every one closed, even when closing one fails
+        for e in made:
+            closing.callback(e.close)
 
 
 @pytest.fixture

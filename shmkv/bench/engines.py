@@ -147,15 +147,20 @@ class EngineProcess:
         # what vLLM's processes of this engine leave behind is removed by ownership (owned_files)
         self.owned_files = OwnedFiles("engine")
         env["TMPDIR"] = self.owned_files.tmpdir
-        if launch is not None and spec.in_process and not spec.pid_namespace:
-            self.proc: Any = launch(json.dumps(asdict(spec)), env, self._log.fileno())
-        else:
-            ns = container_argv(spec.pid_namespace, spec.private_shm, spec.binds)
-            self.proc = subprocess.Popen(
-                [*ns, sys.executable, "-m", "shmkv.bench.engines", json.dumps(asdict(spec))],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
-                start_new_session=True,
-            )
+        try:
+            if launch is not None and spec.in_process and not spec.pid_namespace:
+                self.proc: Any = launch(json.dumps(asdict(spec)), env, self._log.fileno())
+            else:
+                ns = container_argv(spec.pid_namespace, spec.private_shm, spec.binds)
+                self.proc = subprocess.Popen(
+                    [*ns, sys.executable, "-m", "shmkv.bench.engines", json.dumps(asdict(spec))],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
+                    start_new_session=True,
+                )
+        except BaseException:
+            self._log.close()
+            self.owned_files.remove()  # nothing started: its directory goes
+            raise
         self.owned_files.watch(self.proc.pid)  # its process group (started as a session of its own)
         self._pending = b""  # stdout bytes read past the last whole line
         self.pid = self.proc.pid

@@ -65,8 +65,14 @@ def start(specs: list[EngineSpec], logs: str, label: str, fork: bool = False) ->
 
         launch = fork_engine
     with ThreadPoolExecutor(len(specs)) as ex:
-        return list(ex.map(lambda i: EngineProcess(specs[i], os.path.join(logs, f"{label}-{i}.log"), launch=launch),
-                           range(len(specs))))
+        futures = [ex.submit(EngineProcess, spec, os.path.join(logs, f"{label}-{i}.log"), launch=launch)
+                   for i, spec in enumerate(specs)]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < len(futures):  # one failed to start: those that did are closed, none left running
+        for e in started:
+            e.close()
+        raise next(f.exception() for f in futures if f.exception() is not None)
+    return started
 
 
 def serve(engines: list[EngineProcess], rounds: list, router: str, progress: Any) -> dict[str, Any]:

@@ -19,6 +19,13 @@ vLLM's processes fill two places that outlive them when they are killed (as
     recorded file is removed only if the name still holds that same file and
     no live process maps or holds it.
 
+A group's descendant that left it (a session of its own) still carries the
+group's TMPDIR in its environment: it is the group's too, and remove() ends
+it before the directory goes (else it writes there again after the removal).
+Each OwnedFiles not yet removed is listed in `unremoved()` with where it was
+made: a harness that never ended its group is named (the test suite fails a
+run that leaves one).
+
 Invariant: a file is removed only if a process of the group was seen holding
 that very file (device and inode); a name that merely appeared while the
 group ran is never touched (a neighbour's semaphore, made and mapped under a
@@ -28,11 +35,14 @@ temporary name first by glibc, looks exactly like an orphan by name and time).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
+import traceback
 
 SHM_DIR = "/dev/shm"
 # vLLM's kinds of shared-memory files (module doc); shmkv's segments are their owners' to remove
@@ -40,9 +50,36 @@ VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
 GROUP_EXIT_WAIT_S = 10.0  # how long remove() waits for the group's last (killed) processes to exit
 POLL_S = 0.5  # how often a live group's files are read again (a group that crashes keeps what it made since)
 
+log = logging.getLogger(__name__)
+
 FileId = tuple[int, int]  # (st_dev, st_ino)
+_RMTREE_TRIES = 20  # the directory's removal, tried again while something was still written into it
 _SUN_PATH_MAX = 107  # a unix socket's path, in bytes
 _TMPDIR_NAME_AND_SOCKET = len("/shmkv--tmp-XXXXXXXX") + len("/") + 36  # the directory's name, then a uuid4 socket
+
+
+def tmpdir_users(tmpdir: str) -> list[int]:
+    """The live processes whose environment (as they were started) names
+    `tmpdir` as TMPDIR: a group's descendants, wherever their group is now."""
+    needle = b"TMPDIR=" + os.fsencode(tmpdir)
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rindex(b")") + 2:][:1] != b"Z"
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -144,6 +181,9 @@ class OwnedFiles:
         if len(base) + len(label) + _TMPDIR_NAME_AND_SOCKET > _SUN_PATH_MAX:
             base = "/tmp"  # NOTE: vLLM's IPC sockets live in it and a unix socket's path has 107 bytes at most
         self.tmpdir = tempfile.mkdtemp(prefix=f"shmkv-{label}-tmp-", dir=base)
+        # where it was made (the caller's frames): named if it is never removed (unremoved())
+        self.made_at = "".join(traceback.format_stack(limit=6)[:-1])
+        _UNREMOVED.add(self)
         self.shm: dict[str, FileId] = {}
         self._pgid: int | None = None
         self._lock = threading.Lock()
@@ -187,7 +227,8 @@ class OwnedFiles:
         deadline = time.monotonic() + GROUP_EXIT_WAIT_S
         while self._pgid is not None and group_pids(self._pgid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self._remove_tmpdir()
+        _UNREMOVED.discard(self)
         with self._lock:
             recorded = dict(self.shm)
         if not recorded:
@@ -206,3 +247,36 @@ class OwnedFiles:
                 os.unlink(path)
                 removed.append(name)
         return removed
+
+    def end(self) -> list[str]:
+        """For a group its harness never ended: SIGKILL to it, then remove()."""
+        if self._pgid is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(self._pgid, signal.SIGKILL)
+        return self.remove()
+
+    def _remove_tmpdir(self) -> None:
+        """The group's temporary directory, once no descendant of the group
+        (tmpdir_users: those that left it too) can write there again."""
+        stragglers = tmpdir_users(self.tmpdir)
+        for pid in stragglers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + GROUP_EXIT_WAIT_S
+        while any(_alive(p) for p in stragglers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(_RMTREE_TRIES):  # NOTE: a process's last writes can land during the walk
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            if not os.path.lexists(self.tmpdir):
+                return
+            time.sleep(0.1)
+        left = sorted(os.listdir(self.tmpdir)) if os.path.isdir(self.tmpdir) else []
+        log.warning("could not remove %s (left: %s)", self.tmpdir, ", ".join(left[:10]))
+
+
+_UNREMOVED: set[OwnedFiles] = set()  # made, not yet removed (strong: one collected unremoved is a leak too)
+
+
+def unremoved() -> list[OwnedFiles]:
+    """The OwnedFiles of this process made and not yet removed: groups whose harness never ended them."""
+    return list(_UNREMOVED)

@@ -64,13 +64,18 @@ class VllmServer:
         self.log = open(log_path, "ab")
         self.log_path = log_path
         self.proc: Any
-        if fork and python == sys.executable:
-            from shmkv.bench.engine_forks import fork_module
+        try:
+            if fork and python == sys.executable:
+                from shmkv.bench.engine_forks import fork_module
 
-            self.proc = fork_module(argv[2], argv[3:], env, self.log.fileno(), fork_children=fork_children)
-        else:
-            self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                self.proc = fork_module(argv[2], argv[3:], env, self.log.fileno(), fork_children=fork_children)
+            else:
+                self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)
+        except BaseException:
+            self.log.close()
+            self.owned_files.remove()  # nothing started: its directory goes
+            raise
         self.owned_files.watch(self.proc.pid)  # its process group (a session of its own)
         t0 = time.monotonic()
         deadline = t0 + timeout

@@ -5,7 +5,9 @@ does a name that holds another file by the time of the removal."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import textwrap
 
 import pytest
 
-from shmkv.bench.owned_files import OwnedFiles, group_pids, shm_files_of
+from shmkv.bench.owned_files import OwnedFiles, group_pids, shm_files_of, unremoved
 
 # A process that makes what vLLM's processes make: a message queue (psm_*), a named semaphore that a
 # spawned child must open by name (sem.mp-*), a file in the temporary directory; then says their names.
@@ -122,3 +124,79 @@ def test_group_pids_finds_a_groups_children():
         assert os.getpid() not in group_pids(p.pid)
     finally:
         kill_group(p)
+
+
+# A descendant that left the group (a session of its own), as vLLM's and torch's helper processes may:
+# it keeps making the group's temporary directory again, as a cache writer does (makedirs)
+STRAY = textwrap.dedent("""
+    import os, subprocess, sys, tempfile
+    child = subprocess.Popen([sys.executable, "-c",
+        "import os, tempfile\\nd = os.path.join(tempfile.gettempdir(), 'cache')\\n"
+        "while True:\\n    os.makedirs(d, exist_ok=True)\\n    open(os.path.join(d, 'f'), 'w').close()\\n"],
+        start_new_session=True)
+    print(child.pid, flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_descendant_that_left_the_group_is_ended_before_its_directory_goes(owned):
+    p = subprocess.Popen([sys.executable, "-c", STRAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "TMPDIR": owned.tmpdir}, start_new_session=True)
+    stray = int(p.stdout.readline())
+    try:
+        owned.watch(p.pid)
+        assert stray not in group_pids(p.pid), "the descendant left the group"
+        kill_group(p)
+        owned.remove()
+        assert not _alive(stray), "the group's descendant outside it was ended"
+        assert not os.path.lexists(owned.tmpdir), "and the directory it wrote to is gone"
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(stray, signal.SIGKILL)
+        shutil.rmtree(owned.tmpdir, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def test_an_unremoved_owner_is_listed_with_where_it_was_made_until_removed():
+    o = OwnedFiles("test")
+    try:
+        assert o in unremoved()
+        assert "test_an_unremoved_owner_is_listed" in o.made_at, o.made_at
+    finally:
+        o.remove()
+    assert o not in unremoved() and not os.path.exists(o.tmpdir)
+
+
+def test_end_kills_a_group_its_harness_never_ended_and_removes_its_files():
+    o = OwnedFiles("test")
+    p, (psm, sem, _tmp) = start_maker({"TMPDIR": o.tmpdir})
+    o.watch(p.pid)
+    o.sample()
+    removed = o.end()
+    assert p.wait(timeout=30) == -signal.SIGKILL
+    assert sorted(removed) == sorted([psm, "sem." + sem]) and not os.path.exists(o.tmpdir)
+    assert o not in unremoved()
+
+
+def test_an_engine_that_fails_to_launch_leaves_no_directory(tmp_path):
+    from shmkv.bench.engines import EngineProcess, EngineSpec
+
+    before = set(unremoved())
+
+    def launch(spec_json, env, log_fd):
+        assert os.path.isdir(env["TMPDIR"])
+        launch.tmpdir = env["TMPDIR"]
+        raise OSError("no fork server")
+
+    with pytest.raises(OSError, match="no fork server"):
+        EngineProcess(EngineSpec(model_dir=str(tmp_path), in_process=True), str(tmp_path / "engine.log"),
+                      launch=launch)
+    assert not os.path.exists(launch.tmpdir)
+    assert set(unremoved()) == before

@@ -54,6 +54,25 @@ def pytest_sessionstart(session) -> None:
 
         session.config.stash[_BEFORE] = _watched()
         session.config.stash[_RUNTIME_DIR_EXISTED] = os.path.isdir(runtime_dir_path())
+        # before xdist starts its workers (its sessionstart runs last): they inherit the log's path
+        fd, path = tempfile.mkstemp(prefix="shmkv-unended-groups-", suffix=".txt")
+        os.close(fd)
+        os.environ[UNENDED_LOG] = session.config.stash[_UNENDED_LOG] = path
+
+
+# A process group a harness started and never ended (no close(), say a fixture that forgot one): at
+# the session's end each process of the run (each xdist worker) ends it, removes its files, and
+# notes where it was made in the controller's log; the controller names them and fails the run
+UNENDED_LOG = "SHMKV_TEST_UNENDED_GROUPS_LOG"
+
+
+def _end_unended_groups() -> None:
+    from shmkv.bench.owned_files import unremoved
+
+    for owned in unremoved():
+        owned.end()
+        with contextlib.suppress(OSError), open(os.environ.get(UNENDED_LOG, os.devnull), "a") as f:
+            f.write(f"never ended: {owned.tmpdir}, made at:\n{owned.made_at}\n")
 
 
 # vLLM's own files of the run's engines (message queues, TP regions, semaphores, gloo stores, IPC
@@ -85,8 +104,16 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     the temporary directory that were not there when it started, naming
     them (SHMKV_TEST_LEFTOVERS=report: says so without failing). What the
     run's engines left is removed by their harness, by ownership."""
+    _end_unended_groups()  # in every process of the run (the workers' engines are theirs)
     before = session.config.stash.get(_BEFORE, None)
-    if before is None or os.environ.get("PYTEST_XDIST_WORKER") or exitstatus == pytest.ExitCode.INTERRUPTED:
+    if before is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    unended = ""
+    with contextlib.suppress(OSError):
+        with open(session.config.stash[_UNENDED_LOG]) as f:
+            unended = f.read()
+        os.unlink(session.config.stash[_UNENDED_LOG])
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
         return
     _remove_what_the_run_made(before, session.config.stash.get(_RUNTIME_DIR_EXISTED, True))
     from shmkv.bench.owned_files import VLLM_SHM_PREFIXES, held_by_live_processes
@@ -103,6 +130,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     say = reporter.write_line if reporter is not None else (lambda line, **kw: print(line))
     if held:
         say(f"in use by live processes, not this run's to remove: {', '.join(sorted(held)[:20])}")
+    if unended:
+        say(f"ENGINES NEVER ENDED by their harness (ended and removed at the run's end):\n{unended}", red=True)
+        if os.environ.get("SHMKV_TEST_LEFTOVERS") != "report":
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if left:
         for d, names in left.items():
             say(f"LEFT BEHIND in {d} by this run: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}",
@@ -112,6 +143,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 
 _BEFORE = pytest.StashKey[dict]()
+_UNENDED_LOG = pytest.StashKey[str]()
 _RUNTIME_DIR_EXISTED = pytest.StashKey[bool]()
 
 
