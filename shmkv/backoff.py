@@ -31,6 +31,12 @@ class Backoff:
             self._until = time.monotonic() + self.delay_s
             return self.failures == 1
 
+    def retry_now(self) -> None:
+        """End the wait now (the cause is known to be gone), keeping the failure
+        count: a success after it still says how many failures it ended."""
+        with self._lock:
+            self._until = 0.0
+
     def worked(self) -> int:
         """Record a success; returns how many failures it ended (0: none)."""
         if not self.failures:

@@ -24,7 +24,10 @@ healthy, off vLLM's hot path.
 A spill that fails (full disk, I/O error) leaves the chunk in memory and
 starts a backoff (0.25 s doubling to 30 s) during which passes do not try
 again; one WARNING says when spilling starts failing and one INFO when it
-works again, with the number of failures in between.
+works again, with the number of failures in between. A disk that was full
+and has room again (statvfs, read every pass) ends the backoff at once: the
+guard is back within a pass, not after up to 30 s of puts evicting chunks
+the disk could take.
 
 The role is an exclusive flock on <runtime dir>/<cache>.maintainer.lock (shmkv.paths) and,
 because containers share the segment but not the runtime directory, the
@@ -122,6 +125,11 @@ class Maintainer:
             return did
         st = self.store.stats()
         self._behind.see(st)
+        if not self.backoff.ready() and self.disk.room_returned():
+            # NOTE: a disk freed mid-backoff (up to 30 s) would leave the guard lapsed all that while,
+            # and puts would evict chunks the disk could now take
+            log.info("shmkv: %s has room again: spilling resumes", self.disk.dir)
+            self.backoff.retry_now()
         self._renew_guard()
         free = st["arena_bytes"] - st["bytes_used"]
         budget = self.spill_ahead_bytes + max(0, self.low_bytes - free)

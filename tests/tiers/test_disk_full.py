@@ -5,6 +5,7 @@ again, not one per chunk."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -80,3 +81,39 @@ def test_spill_failures_back_off_and_log_state_changes_only(full, caplog):
     again = [r for r in caplog.records if "works again" in r.getMessage()]
     assert len(again) == 1 and "failed attempts" in again[0].getMessage()
     assert store.stats()["spills"] > 0
+
+
+def test_a_disk_freed_mid_backoff_takes_spills_at_the_next_pass(cache_name, small_disk, caplog):
+    """Another file filled the disk tier's file system, then went: the next
+    pass spills and renews the spill guard at once, not when a backoff of up
+    to 30 s ends (meanwhile puts would evict chunks the disk could take)."""
+    store = Store.create(cache_name, 8 << 20, populate=False)
+    disk = DiskTier(os.path.join(small_disk, cache_name), capacity_bytes=1 << 30, counter=store.bump)
+    disk.rebuild_index()
+    filler = os.path.join(small_disk, "filler")
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError as e:  # full
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    for i in range(4):
+        store.put(key(i), os.urandom(CHUNK), namespace=b"N" * 16)
+    m = Maintainer(TierChain(store, [disk]), spill_ahead=0.99, low_watermark=0.0)
+    caplog.set_level(logging.INFO, logger="shmkv")
+    deadline = time.monotonic() + 30
+    while m.backoff.delay_s < 1.0 and time.monotonic() < deadline:  # failing spills, the backoff doubling
+        m.run_once()
+    assert m.backoff.delay_s >= 1.0 and not m.backoff.ready(), "the backoff holds spills off"
+    assert store.stats()["spills"] == 0
+    store.renew_spill_guard(0)  # lapsed, as it does 2 s into the backoff
+    m.run_once()
+    assert not store.spill_guard_active(), "no guard while spills fail: puts may still evict"
+    os.unlink(filler)
+    m.run_once()
+    assert store.stats()["spills"] == 4, "the next pass spilled every chunk"
+    assert store.spill_guard_active(), "and the guard is back"
+    assert any("has room again" in r.getMessage() for r in caplog.records)
+    assert any("works again" in r.getMessage() for r in caplog.records)

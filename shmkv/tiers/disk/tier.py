@@ -45,6 +45,7 @@ from shmkv.tiers.codec import CodecChoice
 log = logging.getLogger("shmkv.disk")
 
 SUFFIX = ".kv"
+ROOM_MARGIN = 4  # room_returned(): free space for this many of the failed write (not one that fills it again)
 MAX_FILE_BYTES = 1 << 34  # larger than any chunk shmkv writes (a segment's max payload is far below)
 
 
@@ -82,6 +83,7 @@ class DiskTier:
         self._cctx = threading.local()
         self._reported: set[str] = set()  # non-file entries already counted
         self.last_write_error: OSError | None = None  # of the last failed write (None once one works)
+        self._room_wanted = 0  # bytes a write failed for with ENOSPC/EDQUOT (0: none since one worked)
 
     # ------------------------------------------------------------ naming --
     def path(self, key: bytes) -> str:
@@ -249,6 +251,8 @@ class DiskTier:
                 self._unsynced.add(final)
         except OSError as e:
             self.last_write_error = e
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._room_wanted = max(self._room_wanted, memoryview(head).nbytes + memoryview(body).nbytes)
             self._count("spill_errors", 1)
             try:
                 self._d.unlink(tmp)
@@ -256,6 +260,7 @@ class DiskTier:
                 pass
             return False
         self.last_write_error = None
+        self._room_wanted = 0
         self._added(key, size)
         self._count("spills", 1)
         self._count("spill_bytes", raw_len)
@@ -404,6 +409,18 @@ class DiskTier:
             return True
         except OSError:
             return False
+
+    def room_returned(self) -> bool:
+        """After writes failed for want of space (ENOSPC, EDQUOT): whether the
+        file system has room for such a write again (someone freed it), so
+        spills resume now rather than when a backoff ends. A read of statvfs."""
+        if not self._room_wanted:
+            return False
+        try:
+            st = os.fstatvfs(self._d.fd)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize >= ROOM_MARGIN * self._room_wanted
 
     def _space_short(self) -> bool:
         """Whether the tier is nearly at its byte cap (known to the maintainer's index only)."""
