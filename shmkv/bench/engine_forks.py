@@ -39,6 +39,7 @@ import gc
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -130,9 +131,12 @@ class ForkServer:
 
     def __init__(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # NOTE: a temporary directory of its own, never the first engine's (TMPDIR of the env that
+        # started it): that one goes with its engine, which ends every process started with it
+        self.tmpdir = tempfile.mkdtemp(prefix="shmkv-forkserver-tmp-")
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], env=env, start_new_session=True,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                                     pass_fds=[theirs.fileno()], env={**env, "TMPDIR": self.tmpdir},
+                                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         theirs.close()
         self.sock = ours
         self._lock = threading.Lock()  # one request at a time (engines may be started from several threads)
@@ -164,6 +168,7 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 _SERVERS: dict[tuple[str, ...], ForkServer] = {}  # the one registry: a server per import-time environment
@@ -176,6 +181,8 @@ def _server(env: dict[str, str]) -> ForkServer:
     with _SERVERS_LOCK:
         server = _SERVERS.get(key)
         if server is None or server.proc.poll() is not None:
+            if server is not None:  # it died: what it left goes
+                shutil.rmtree(server.tmpdir, ignore_errors=True)
             server = _SERVERS[key] = ForkServer(env)
         return server
 

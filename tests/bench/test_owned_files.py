@@ -200,3 +200,30 @@ def test_an_engine_that_fails_to_launch_leaves_no_directory(tmp_path):
                       launch=launch)
     assert not os.path.exists(launch.tmpdir)
     assert set(unremoved()) == before
+
+
+def test_the_fork_server_outlives_the_engine_whose_environment_started_it():
+    """The fork server started for an engine's environment keeps a temporary
+    directory of its own: ending that engine's group (its TMPDIR's users
+    too) leaves the server serving the next engine."""
+    from shmkv.bench import engine_forks
+
+    o = OwnedFiles("test")
+    # a server of this test's own (PYTHONPATH is part of a server's key): started by this engine's environment
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), f"/nonexistent-{os.urandom(4).hex()}") if p)
+    env = {**os.environ, "TMPDIR": o.tmpdir, "PYTHONPATH": path}
+    key = tuple(env.get(k, "") for k in engine_forks.IMPORT_ENV)
+    try:
+        child = engine_forks.fork_module("json.tool", ["--help"], env)
+        server = engine_forks._SERVERS[key]
+        o.watch(child.pid)
+        assert child.wait(timeout=60) == 0
+        o.remove()
+        assert server.proc.poll() is None, "the fork server was ended with the engine"
+        assert engine_forks.fork_module("json.tool", ["--help"], env).wait(timeout=60) == 0
+    finally:
+        o.remove()
+        with engine_forks._SERVERS_LOCK:
+            server = engine_forks._SERVERS.pop(key, None)
+        if server is not None:
+            server.close()
