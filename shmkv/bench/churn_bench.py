@@ -45,6 +45,7 @@ hooks are driven without vLLM in tests/integration/vllm)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -555,6 +556,19 @@ class Churn:
             self.start(slot)
         self.counted = self.segment_counts()
 
+    def teardown(self) -> None:
+        """What setup and the changes started, gone: every step tried even when an earlier one fails
+        (an engine fork server gone, a daemon already dead); the first failure is raised after them."""
+        with contextlib.ExitStack() as steps:  # NOTE: callbacks run last-in first-out: pushed in reverse
+            steps.callback(drop_cache, self.cache)
+            steps.callback(self.unmount_disk)
+            if self.redis is not None:
+                steps.callback(self.redis.stop)
+            steps.callback(self.stop_daemon, kill=True)
+            steps.callback(self.stop_tp2, kill=True)
+            for slot in self.live():
+                steps.callback(self.stop, slot, kill=True)
+
     def run(self) -> dict[str, Any]:
         self.setup()
         for _ in range(self.a.requests_per_change):
@@ -739,14 +753,7 @@ def _execute(a: argparse.Namespace, launch: Callable | None, history: list[dict[
     try:
         result = churn.replay([e for e in events if e["type"] != "run"]) if events else churn.run()
     finally:
-        for slot in churn.live():
-            churn.stop(slot, kill=True)
-        churn.stop_tp2(kill=True)
-        churn.stop_daemon(kill=True)
-        if churn.redis is not None:
-            churn.redis.stop()
-        churn.unmount_disk()
-        drop_cache(churn.cache)
+        churn.teardown()
     return result
 
 
