@@ -205,7 +205,8 @@ def test_an_engine_that_fails_to_launch_leaves_no_directory(tmp_path):
 def test_the_fork_server_outlives_the_engine_whose_environment_started_it():
     """The fork server started for an engine's environment keeps a temporary
     directory of its own: ending that engine's group (its TMPDIR's users
-    too) leaves the server serving the next engine."""
+    too) leaves the server serving the next engine, and nothing the server
+    writes makes that engine's directory again."""
     from shmkv.bench import engine_forks
 
     o = OwnedFiles("test")
@@ -216,6 +217,11 @@ def test_the_fork_server_outlives_the_engine_whose_environment_started_it():
     try:
         child = engine_forks.fork_module("json.tool", ["--help"], env)
         server = engine_forks._SERVERS[key]
+        with open(f"/proc/{server.proc.pid}/environ", "rb") as f:
+            server_env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        # NOTE: what the server writes to its temporary directory (torch's inductor cache) would make
+        # the engine's again once it was removed: the directory a run found left behind (CI, stop 74)
+        assert server_env[b"TMPDIR"] != os.fsencode(o.tmpdir), "the server has a temporary directory of its own"
         o.watch(child.pid)
         assert child.wait(timeout=60) == 0
         o.remove()
