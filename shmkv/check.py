@@ -39,6 +39,7 @@ from typing import Any
 
 from shmkv.config import ShmkvConfig, config_sources, default_capacity, load_config, use_segment_dir
 from shmkv.errors import ShmkvError
+from shmkv.units import format_bytes
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 PROBE_BYTES = 4 << 20  # the timed put/get's chunk
@@ -85,8 +86,8 @@ def check_segment_dir(cfg: ShmkvConfig) -> Finding:
         except (ShmkvError, OSError) as e:
             return Finding("segment directory", FAIL, str(e),
                            "move the directory below ones only root or this uid can change", data)
-    return Finding("segment directory", OK, f"{where}: {fs_type}, {_gib(data['size_bytes'])} "
-                   f"({_gib(data['free_bytes'])} free)", data=data)
+    return Finding("segment directory", OK, f"{where}: {fs_type}, {format_bytes(data['size_bytes'])} "
+                   f"({format_bytes(data['free_bytes'])} free)", data=data)
 
 
 def check_capacity(cfg: ShmkvConfig) -> Finding:
@@ -108,14 +109,16 @@ def check_capacity(cfg: ShmkvConfig) -> Finding:
     available = _meminfo().get("MemAvailable", 0) + existing
     data = {"capacity_bytes": capacity, "source": source, "room_bytes": room, "mem_available_bytes": available}
     if room and capacity > room:
-        return Finding("capacity", FAIL, f"{_gib(capacity)} ({source}) does not fit: {_gib(room)} free in {where}",
-                       f"set capacity at most {_gib(room)}, or mount {where} larger (size=)", data)
+        return Finding("capacity", FAIL,
+                       f"{format_bytes(capacity)} ({source}) does not fit: {format_bytes(room)} free in {where}",
+                       f"set capacity at most {format_bytes(room)}, or mount {where} larger (size=)", data)
     if available and capacity > available:
-        return Finding("capacity", WARN, f"{_gib(capacity)} ({source}) is more than the {_gib(available)} of "
+        return Finding("capacity", WARN,
+                       f"{format_bytes(capacity)} ({source}) is more than the {format_bytes(available)} of "
                        "memory available now: filling it would push the host into swap or the OOM killer",
-                       f"set capacity below {_gib(available)}, or free memory", data)
-    return Finding("capacity", OK, f"{_gib(capacity)} ({source}); {_gib(room)} free for it, "
-                   f"{_gib(available)} of memory available", data=data)
+                       f"set capacity below {format_bytes(available)}, or free memory", data)
+    return Finding("capacity", OK, f"{format_bytes(capacity)} ({source}); {format_bytes(room)} free for it, "
+                   f"{format_bytes(available)} of memory available", data=data)
 
 
 def check_huge_pages(cfg: ShmkvConfig) -> Finding:
@@ -213,7 +216,8 @@ def check_segment(cfg: ShmkvConfig) -> Finding:
     what = (f"'{cfg.cache_name}' {data['outcome']}" if existed else
             f"no segment '{cfg.cache_name}' yet: one of the check's own ('{probe_cfg.cache_name}') created and "
             "removed")
-    return Finding("segment", OK, f"{what} ({_gib(data['capacity_bytes'])}); a {PROBE_BYTES >> 20} MiB chunk put at "
+    return Finding("segment", OK,
+                   f"{what} ({format_bytes(data['capacity_bytes'])}); a {PROBE_BYTES >> 20} MiB chunk put at "
                    f"{data['put_gbps']} GB/s, read at {data['get_gbps']} GB/s", data=data)
 
 
@@ -364,12 +368,6 @@ def check_vllm(cfg: ShmkvConfig, model: str, workdir: str) -> Finding:
 
 
 # --------------------------------------------------------------- helpers --
-def _gib(n: float) -> str:
-    from shmkv.services.stats import _fmt_bytes
-
-    return _fmt_bytes(n)
-
-
 def _read(path: str) -> str:
     try:
         with open(path) as f:

@@ -23,6 +23,7 @@ from shmkv import _C
 from shmkv.errors import SegmentNotFoundError, ShmkvError
 from shmkv.names import segments_dir
 from shmkv.store import Store, default_cache_name
+from shmkv.units import format_bytes
 
 
 # (metric, help, kind) per tier, from the core's one list (cpp/counters.h);
@@ -94,13 +95,6 @@ def snapshot(store: Store, disk_dir: str | None = None, *, count_self: bool = Tr
     return {"cache": store.name, "time": time.time(), "shm": shm, "disk": disk, "remote": remote}
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
 
 def render_table(snap: dict[str, Any]) -> str:
     s, d = snap["shm"], snap["disk"]
@@ -108,11 +102,12 @@ def render_table(snap: dict[str, Any]) -> str:
         f"shmkv cache '{snap['cache']}'",
         "",
         "shared tier (/dev/shm)",
-        f"  capacity          {_fmt_bytes(s['capacity_bytes'])} (payload cap {_fmt_bytes(s['arena_bytes'])}"
+        f"  capacity          {format_bytes(s['capacity_bytes'])} (payload cap {format_bytes(s['arena_bytes'])}"
         + ("" if s.get("arena_reserved_bytes", s["arena_bytes"]) >= s["arena_bytes"] else
-           f"; {_fmt_bytes(s['arena_reserved_bytes'])} reserved so far, the rest being reserved "
+           f"; {format_bytes(s['arena_reserved_bytes'])} reserved so far, the rest being reserved "
            f"({s.get('reserve_errors', 0)} failed attempts)") + ")",
-        f"  used              {_fmt_bytes(s['bytes_used'])} ({100 * s['bytes_used'] / max(1, s['arena_bytes']):.1f}%)",
+        f"  used              {format_bytes(s['bytes_used'])} "
+        f"({100 * s['bytes_used'] / max(1, s['arena_bytes']):.1f}%)",
         f"  entries           {s['entries']} ({s['pinned_entries']} pinned, {s['leases_held']} leases held)",
         f"  hit rate          {100 * s['hit_rate']:.1f}% ({s['hits']} hits / {s['lookups']} lookups)",
         f"  puts              {s['puts']} (full {s['put_full']}, already cached {s['put_exists']}, "
@@ -128,14 +123,14 @@ def render_table(snap: dict[str, Any]) -> str:
         f"{s['metadata_repairs']} metadata repairs, {s['segment_truncated']} truncations",
         "",
         "disk tier",
-        f"  spills            {d['spills']} ({_fmt_bytes(d['spill_bytes'])}, {d['spill_tokens']} tokens), "
+        f"  spills            {d['spills']} ({format_bytes(d['spill_bytes'])}, {d['spill_tokens']} tokens), "
         f"errors {d['spill_errors']}",
-        f"  promotions        {d['disk_hits']} ({_fmt_bytes(d['promote_bytes'])}), errors {d['promote_errors']}; "
+        f"  promotions        {d['disk_hits']} ({format_bytes(d['promote_bytes'])}), errors {d['promote_errors']}; "
         f"{d['disk_hit_tokens']} tokens served to vLLM",
         f"  damaged / capped  {d['disk_damaged']} removed damaged, {d['disk_removed']} removed by the cap",
     ]
     if "files" in d:
-        rows.append(f"  on disk           {d['files']} chunks, {_fmt_bytes(d['bytes_on_disk'])} in {d['dir']}")
+        rows.append(f"  on disk           {d['files']} chunks, {format_bytes(d['bytes_on_disk'])} in {d['dir']}")
     e = snap.get("engines")
     if e is not None:
         last = e["last_off"]
@@ -148,10 +143,10 @@ def render_table(snap: dict[str, Any]) -> str:
     rows += [
         "",
         "remote tier (Redis/Valkey)",
-        f"  writes            {r['remote_puts']} ({_fmt_bytes(r['remote_put_bytes'])}, "
+        f"  writes            {r['remote_puts']} ({format_bytes(r['remote_put_bytes'])}, "
         f"{r['remote_put_tokens']} tokens), errors "
         f"{r['remote_put_errors']}, dropped {r['remote_dropped']}",
-        f"  promotions        {r['remote_hits']} ({_fmt_bytes(r['remote_get_bytes'])} fetched), misses "
+        f"  promotions        {r['remote_hits']} ({format_bytes(r['remote_get_bytes'])} fetched), misses "
         f"{r['remote_misses']}; {r['remote_hit_tokens']} tokens served to vLLM",
         f"  faults            {r['remote_errors']} failed calls, {r['remote_damaged']} damaged values rejected, "
         f"{r['remote_foreign']} signed with another secret, {r['remote_expired']} past their signed expiry, "

@@ -11,7 +11,8 @@ from typing import Any
 
 from shmkv.errors import SegmentCorruptError, SegmentExistsError, SegmentMismatchError, SegmentNotFoundError
 from shmkv.store.results import OpenOutcome
-from shmkv.store.store import SegmentGeometry, Store, _fmt_bytes
+from shmkv.store.store import SegmentGeometry, Store
+from shmkv.units import format_bytes
 
 log = logging.getLogger("shmkv.store")
 
@@ -48,7 +49,7 @@ def open_store(cfg: Any, *, populate: bool | None = None) -> Store:
                 log.warning("shmkv: segment '%s' is not usable (%s); re-creating it unless a process uses it",
                             name, str(e).replace("\n", ";"))
             log.info("shmkv: creating segment '%s' with the default capacity %s (a quarter of /dev/shm's size, "
-                     "within 256 MiB..16 GiB; set `capacity` to choose)", name, _fmt_bytes(capacity))
+                     "within 256 MiB..16 GiB; set `capacity` to choose)", name, format_bytes(capacity))
             store = Store.open_or_create(name, capacity, max_payload_bytes=cfg.max_payload, **kw)
     else:
         store = _open_explicit(cfg, kw)

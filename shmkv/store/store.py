@@ -55,6 +55,7 @@ from shmkv.store.results import (
     _raise,
     _raise_if_error,
 )
+from shmkv.units import format_bytes
 
 log = logging.getLogger("shmkv.store")
 
@@ -206,8 +207,8 @@ class Store:
             "%s shared-memory segment '%s': capacity %s, payload arena %s, max payload %s, "
             "%d entries max",
             {0: "created", 1: "attached", 2: "re-initialised stale", 3: "adopted stale"}[outcome],
-            name, _fmt_bytes(st["capacity_bytes"]), _fmt_bytes(st["arena_bytes"]),
-            _fmt_bytes(st["max_payload_bytes"]), st["max_entries"],
+            name, format_bytes(st["capacity_bytes"]), format_bytes(st["arena_bytes"]),
+            format_bytes(st["max_payload_bytes"]), st["max_entries"],
         )
         return store
 
@@ -306,7 +307,7 @@ class Store:
             self._reserve_ended.set()
         dt = time.perf_counter() - t0
         log.info("shmkv: segment '%s': the rest of its arena (%s) reserved in the background in %.2f s (%.2f GB/s)",
-                 self.name, _fmt_bytes(arena - start), dt, (arena - start) / max(dt, 1e-9) / 1e9)
+                 self.name, format_bytes(arena - start), dt, (arena - start) / max(dt, 1e-9) / 1e9)
         off = 0
         while map_pages and off < arena and not self._stop_reserving.is_set():
             if not t.map_arena(off, RESERVE_STEP):
@@ -579,11 +580,3 @@ class Store:
     def __repr__(self) -> str:
         return f"Store(name={self.name!r}, outcome={self.outcome.name})"
 
-
-def _fmt_bytes(n: int) -> str:
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{n} B"
