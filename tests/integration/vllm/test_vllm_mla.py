@@ -20,10 +20,11 @@ import pytest
 from helpers import random_prompt, read_digests
 from vllm_host import mla_backends
 
+from shmkv.bench.engines import TP2_ON_TWO_CORES
+
 pytestmark = pytest.mark.slow
 
 CHUNK = 256
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def prompt_and_hit(block_size: int) -> tuple[list[int], int]:
@@ -43,7 +44,8 @@ def shm_entries(cache: str) -> int:
 def test_one_chunk_set_per_host_loaded_by_every_rank(cache_name, start_engine, mla_dir, tmp_path, mla_backend):
     digests = str(tmp_path / "digests.txt")
     cfg = {"cache_name": cache_name, "capacity": "256MiB", "debug_digest_file": digests}
-    tp2 = {"env": TP2_ENV, "llm_kwargs": {"tensor_parallel_size": 2, "attention_config": {"backend": mla_backend}}}
+    tp2 = {"env": TP2_ON_TWO_CORES,
+           "llm_kwargs": {"tensor_parallel_size": 2, "attention_config": {"backend": mla_backend}}}
 
     a = start_engine(f"mla-a-{mla_backend}", model_dir=mla_dir, shmkv=cfg, **tp2)
     assert a.attention_backends == [mla_backend], "the engine runs the backend asked for"

@@ -16,12 +16,12 @@ from __future__ import annotations
 import pytest
 from helpers import random_prompt, read_digests
 
+from shmkv.bench.engines import TP2_ON_TWO_CORES
 from shmkv.testing import EVICT_BEFORE_LOAD
 
 pytestmark = pytest.mark.slow
 
 CHUNK = 256
-TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def stores(digests: str) -> list[tuple[str, ...]]:
@@ -36,13 +36,13 @@ def test_no_rank_stores_over_another_ranks_failed_load(cache_name, start_engine,
     cfg = {"cache_name": cache_name, "capacity": "256MiB", "debug_digest_file": digests}
     tp2 = {"llm_kwargs": {"tensor_parallel_size": 2}}
     first = random_prompt(2 * CHUNK + 8, seed=53)
-    a = start_engine("tp-a", shmkv=cfg, env=TP2, **tp2)
+    a = start_engine("tp-a", shmkv=cfg, env=TP2_ON_TWO_CORES, **tp2)
     assert a.generate([first])["num_cached_tokens"] == [0]
     a.close()
     before = stores(digests)
     assert len({r[1] for r in before}) == 4, "2 chunks, one shard per rank"
 
-    b = start_engine("tp-b-rank1-evicts", shmkv=cfg, env={**TP2, EVICT_BEFORE_LOAD: "rank:1"}, **tp2)
+    b = start_engine("tp-b-rank1-evicts", shmkv=cfg, env={**TP2_ON_TWO_CORES, EVICT_BEFORE_LOAD: "rank:1"}, **tp2)
     longer = first[:2 * CHUNK] + random_prompt(CHUNK + 8, seed=54)  # a third chunk computed over the hit
     got = b.generate([longer])
     assert len(got["outputs"][0]) > 0, "vLLM recomputed and answered"
