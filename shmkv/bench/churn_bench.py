@@ -64,6 +64,7 @@ import xxhash
 
 from shmkv.bench import drop_cache
 from shmkv.bench.engines import TP2_ON_TWO_CORES, EngineProcess, EngineSpec, start_daemon
+from shmkv.bench.greedy import first_difference
 from shmkv.bench.models import TEST_MODEL, write_llama
 
 # change kind: weight (how often it is drawn, relative)
@@ -81,7 +82,6 @@ NORMS = ("model.layers.0.input_layernorm.weight", "model.layers.1.input_layernor
 CHUNK = 256
 TP2_SLOT = "tp2"  # the TP=2 engine's name in the history (not one of the drawn engines)
 TRUTH_LOGPROBS = 3  # the truth's top tokens per position: a differing answer is told apart from a near tie
-NEAR_TIE = 0.02  # logprob: two tokens this close are a tie that bf16 rounding may order either way
 FAILED_BLOCKS = "vllm:shmkv_load_failed_blocks"  # LLM.get_metrics' name: blocks vLLM recomputed
 STORM_NAMESPACE = xxhash.xxh3_128_digest(b"shmkv bench churn: eviction storm")  # no engine's namespace
 
@@ -303,10 +303,11 @@ class Churn:
             elif truth == r["outputs"][0]:
                 rec["verdict"] = "right"
             else:
-                tie = near_tie(r["outputs"][0], truth, truth_logprobs)
-                rec.update(verdict="tie" if tie is not None else "WRONG", output=r["outputs"][0], truth=truth)
-                if tie is not None:
-                    rec["tie_at"] = tie
+                d = first_difference(r["outputs"][0], truth, truth_logprobs)
+                rec.update(verdict="tie" if d is not None and d.tie else "WRONG", output=r["outputs"][0],
+                           truth=truth, why=None if d is None else d.why)
+                if d is not None and d.tie:
+                    rec["tie_at"] = d.position
         except (TimeoutError, RuntimeError) as err:
             rec.update(verdict="hang" if isinstance(err, TimeoutError) else "error", error=str(err)[:4000])
         return rec
@@ -810,22 +811,6 @@ def ddmin(items: list[Any], fails: Callable[[list[Any]], bool], budget: int = 64
     if len(items) == 1 and calls < budget and fails([]):
         return []
     return items
-
-
-def near_tie(got: list[int], truth: list[int], truth_logprobs: list[dict[str, float]],
-              margin: float = NEAR_TIE) -> int | None:
-    """The position of the first token `got` differs at, where the truth's
-    own logprobs make it a near tie (`got`'s token within `margin` of the
-    truth's: KV computed in another batch shape rounds differently in bf16);
-    None where they are equal or differ by more (what follows another choice
-    is another continuation, not compared)."""
-    for i, (g, t) in enumerate(zip(got, truth)):
-        if g != t:
-            top = truth_logprobs[i] if i < len(truth_logprobs) else {}
-            if str(g) in top and str(t) in top and top[str(t)] - top[str(g)] <= margin:
-                return i
-            return None
-    return None
 
 
 def recovered_changes(history: list[dict[str, Any]]) -> dict[int, bool]:

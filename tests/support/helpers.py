@@ -263,27 +263,6 @@ def http(url: str, method: str, path: str, body=None, *, raw: bytes | None = Non
 
 E2E_TOKENS = 16
 
-from shmkv.bench.churn_bench import NEAR_TIE  # noqa: E402 - the one margin for a near tie (bench churn's too)
-
-
-def greedy_agrees(got: list[int], truth: list[int], truth_logprobs: list[dict[str, float]],
-                  margin: float = NEAR_TIE) -> str | None:
-    """None where `got` is `truth`'s greedy continuation: the same tokens, or
-    the first that differs is a near tie in the truth's own logprobs (the
-    token `got` chose within `margin` of the truth's choice: KV computed in
-    another batch shape rounds differently in bf16 and can order an exact or
-    near tie either way; what follows another choice is another
-    continuation, not compared). Otherwise why not."""
-    for i, (g, t) in enumerate(zip(got, truth)):
-        if g == t:
-            continue
-        top = truth_logprobs[i]
-        if str(g) not in top:
-            return f"token {i}: {g} against {t}, not among the truth's top {len(top)} ({top})"
-        gap = top[str(t)] - top[str(g)]
-        return None if gap <= margin else f"token {i}: {g} against {t}, {gap:.4f} below the truth's choice"
-    return None if len(got) == len(truth) else f"{len(got)} tokens against {len(truth)}"
-
 
 def random_prompt(n: int, seed: int) -> list[int]:
     import random
