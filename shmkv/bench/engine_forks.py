@@ -142,6 +142,7 @@ class ForkServer:
         self._lock = threading.Lock()  # one request at a time (engines may be started from several threads)
         ready = self.sock.recv(64)
         if ready != b"ready":
+            self.close()  # what it started and its directory go
             raise RuntimeError(f"the engine fork server did not start ({self.proc.poll()})")
 
     def start(self, request: dict[str, Any], fds: list[int]) -> int:
@@ -270,6 +271,9 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     tempfile.tempdir = None  # the server's cached choice: the child's TMPDIR (its own, owned_files) decides
+    # torch.compile's on-disk caches (vLLM compiles its logprobs' rank op on first use): the server's, shared by
+    # its children, so only the first child compiles cold (about 10 s on 2 cores), the rest load it (_warm)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE)
     code = 0
     try:
         if "module" in request:
@@ -297,6 +301,7 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
         os._exit(code)
 
 
+_INDUCTOR_CACHE = ""  # server: torch.compile's cache directory, shared by its children (_serve_forks)
 _LIVE: set[int] = set()  # server: children not yet reaped (their pids and group ids are still theirs)
 _LIVE_LOCK = threading.Lock()
 
@@ -342,8 +347,35 @@ def _preload() -> None:
             pass
 
 
+def _warm() -> None:
+    """vLLM's one torch.compile'd op an engine meets (the sampled token's rank among the logprobs,
+    vllm/v1/sample/ops/logprobs.py), compiled here before any fork, as vLLM's sampler calls it (batch
+    unbacked; two vocabularies: the second compile is dynamic in it), so children that ask for logprobs
+    find it compiled (first logprobs of a forked engine: 0.6 s instead of 10-20 s on 2 cores). Only where
+    one OpenMP thread computes (a child of a server whose OpenMP pool has run would hang in its first
+    parallel region; the compiled op's guards want the child's thread count anyway)."""
+    import torch
+
+    if torch.get_num_threads() != 1 or os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":  # V2 samples otherwise
+        return
+    try:
+        from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+    except ImportError:
+        return
+    for batch in (1, 2):
+        for vocab in (4096, 4099):
+            logprobs = torch.zeros(batch, vocab, dtype=torch.float32)
+            sampled = logprobs.gather(-1, torch.zeros(batch, 1, dtype=torch.int64))
+            torch._dynamo.decorators.mark_unbacked(logprobs, 0)
+            torch._dynamo.decorators.mark_unbacked(sampled, 0)
+            batched_count_greater_than(logprobs, sampled)
+
+
 def _serve_forks(fd: int) -> None:
+    global _INDUCTOR_CACHE
     sock = socket.socket(fileno=fd)
+    _INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), "torchinductor")  # the server's own directory
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
     import torch  # noqa: F401 - what every engine imports, once
     import vllm  # noqa: F401
     from vllm import LLM, SamplingParams  # noqa: F401
@@ -352,6 +384,7 @@ def _serve_forks(fd: int) -> None:
     from shmkv.bench import engines  # noqa: F401
 
     _preload()
+    _warm()
     # NOTE: what is imported lives as long as any child: frozen, the collections vLLM's start runs (after
     # loading weights, before serving) walk only what the child made, not this whole heap (about half of an
     # in-process start otherwise), and children do not copy its pages by touching their gc headers

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -233,3 +234,17 @@ def test_the_fork_server_outlives_the_engine_whose_environment_started_it():
             server = engine_forks._SERVERS.pop(key, None)
         if server is not None:
             server.close()
+
+
+def test_a_fork_server_that_fails_to_start_leaves_no_directory(tmp_path, monkeypatch):
+    from shmkv.bench import engine_forks
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "vllm.py").write_text("raise ImportError('no vLLM here')\n")  # the server's import fails
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
+    with pytest.raises(RuntimeError, match="did not start"):
+        engine_forks.ForkServer({**os.environ, "PYTHONPATH": str(broken)})
+    assert os.listdir(private_tmp) == []
