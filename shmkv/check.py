@@ -305,11 +305,11 @@ def _check_gpu_build(torch: Any, cuda_part: Any, index: int, driver: int) -> Fin
 def _measure_gpu() -> Finding:
     """On the first GPU: pinning a 1 GiB segment, and shmkv's store and load
     copies against cudaMemcpy (bench gpu's measurements, fewer repeats)."""
-    from shmkv.bench.gpu_bench import _segment_figures, _worker_figures
+    from shmkv.bench.gpu_bench import segment_figures, worker_figures
 
     try:
-        seg = _segment_figures(1)
-        w = _worker_figures(2, 2048)
+        seg = segment_figures(1)
+        w = worker_figures(2, 2048)
     except Exception as e:  # noqa: BLE001 - the measurement failing is the finding
         return Finding("gpu copies", FAIL, f"{type(e).__name__}: {e}", "run `python -m shmkv.bench gpu` for the "
                        "whole picture, and report it")

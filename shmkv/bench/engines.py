@@ -180,7 +180,7 @@ class EngineProcess:
         self.block_size: int = ready["block_size"]
         self.attention_backends: list[str] = ready["attention_backends"]
         self.start_s = time.monotonic() - t0  # spawn to ready: what a caller waits for
-        _note_start(os.path.basename(log_path), self.start_s)
+        note_start(os.path.basename(log_path), self.start_s)
 
     def _read(self, timeout: float) -> dict[str, Any]:
         """The engine's next answer; TimeoutError when none comes within
@@ -343,7 +343,7 @@ def sweep_weights_boards() -> None:
         pass
 
 
-def _note_start(label: str, seconds: float) -> None:
+def note_start(label: str, seconds: float) -> None:
     """Append "LABEL SECONDS" to the file PYTEST_ENGINE_START_LOG names, if any
     (the test suite's summary of time spent starting engines)."""
     path = os.environ.get("PYTEST_ENGINE_START_LOG")

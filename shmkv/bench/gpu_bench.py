@@ -46,16 +46,19 @@ def run(argv: list[str]) -> dict:
     why = unavailable()
     if why is not None:
         return {"skipped": why}
-    out = _worker_figures(a.repeats, a.matmul)
+    out = worker_figures(a.repeats, a.matmul)
     out["layout_cases"] = _layout_cases(a.repeats)
-    out.update(_segment_figures(a.segment_gib))
+    out.update(segment_figures(a.segment_gib))
     out["load_gbps_over_h2d"] = out["load_gbps"] / out["h2d_gbps"]
     out["store_gbps_over_d2h"] = out["store_gbps"] / out["d2h_gbps"]
     out["first_layer_target_ms"] = out["load_ms"] / LAYERS + 1
     return out
 
 
-def _worker_figures(repeats: int, n: int) -> dict:
+def worker_figures(repeats: int, n: int) -> dict:
+    """The worker's GPU copies (stores and loads through shmkv's connector
+    worker, `repeats` times) and, beside them, an `n`x`n` matmul's time: the
+    figures `bench gpu` and `shmkv check`'s GPU finding report."""
     import torch
 
     from shmkv import Store
@@ -272,7 +275,9 @@ def _layout_cases(repeats: int, layers: int = 8, chunks: int = 8) -> list[dict]:
     return out
 
 
-def _segment_figures(gib: int) -> dict:
+def segment_figures(gib: int) -> dict:
+    """A segment of up to `gib` GiB (a third of /dev/shm's free space at
+    most): its population and the time to pin it for the GPU (per GiB)."""
     import shutil
 
     from shmkv import Store

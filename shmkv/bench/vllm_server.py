@@ -87,10 +87,10 @@ class VllmServer:
                 raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); see {log_path}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
-                    from shmkv.bench.engines import _note_start
+                    from shmkv.bench.engines import note_start
 
                     self.start_seconds = time.monotonic() - t0
-                    _note_start(os.path.basename(log_path), self.start_seconds)
+                    note_start(os.path.basename(log_path), self.start_seconds)
                     return
             except OSError:
                 time.sleep(0.5)
