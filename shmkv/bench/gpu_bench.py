@@ -56,9 +56,10 @@ def run(argv: list[str]) -> dict:
 
 
 def worker_figures(repeats: int, n: int) -> dict:
-    """The worker's GPU copies (stores and loads through shmkv's connector
-    worker, `repeats` times) and, beside them, an `n`x`n` matmul's time: the
-    figures `bench gpu` and `shmkv check`'s GPU finding report."""
+    """The connector worker's CUDA path (module doc: stores, loads, pinned
+    cudaMemcpy, the slowdown of `n`x`n` bf16 matmuls beside the stores, the
+    layout cases), medians over `repeats`: `bench gpu`'s figures and those
+    `shmkv check` reports."""
     import torch
 
     from shmkv import Store
@@ -277,7 +278,7 @@ def _layout_cases(repeats: int, layers: int = 8, chunks: int = 8) -> list[dict]:
 
 def segment_figures(gib: int) -> dict:
     """A segment of up to `gib` GiB (a third of /dev/shm's free space at
-    most): its population and the time to pin it for the GPU (per GiB)."""
+    most): its creation and cudaHostRegister of its arena, per GiB."""
     import shutil
 
     from shmkv import Store
