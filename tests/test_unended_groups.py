@@ -3,8 +3,9 @@
 files removed, and the run names where it was made (tests/support/leftovers.py).
 
 The run is a nested pytest session with the suite's leftovers plugin, in a
-mount namespace with a /dev/shm of its own and a temporary directory of its
-own, so the other xdist worker's files do not enter its count."""
+mount namespace with a /dev/shm of its own, and a temporary and a runtime
+directory of its own, so the other xdist worker's files do not enter its
+count."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_a_group_never_ended_fails_the_run_and_is_ended(tmp_path):
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
     pids = tmp_path / "pids"
-    env = {**os.environ, "TMPDIR": str(private_tmp), "PIDS": str(pids),
+    # a runtime directory of its own too: the other worker's engines write theirs meanwhile
+    env = {**os.environ, "TMPDIR": str(private_tmp), "PIDS": str(pids), "SHMKV_RUNTIME_DIR": str(tmp_path / "run"),
            "PYTHONPATH": os.pathsep.join([SUPPORT, REPO, os.environ.get("PYTHONPATH", "")])}
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_ENGINE_START_LOG", "SHMKV_TEST_UNENDED_GROUPS_LOG",
                  "SHMKV_TEST_LEFTOVERS"):
