@@ -182,8 +182,8 @@ def _server(env: dict[str, str]) -> ForkServer:
     with _SERVERS_LOCK:
         server = _SERVERS.get(key)
         if server is None or server.proc.poll() is not None:
-            if server is not None:  # it died: what it left goes
-                shutil.rmtree(server.tmpdir, ignore_errors=True)
+            if server is not None:  # it died: its socket and directory go
+                server.close()
             server = _SERVERS[key] = ForkServer(env)
         return server
 

@@ -72,30 +72,30 @@ def tmpdir_users(tmpdir: str) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie does not)."""
+def _stat_fields(pid: int | str) -> list[bytes]:
+    """/proc/PID/stat's fields after the command name (state first, the process group third); [] if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
-        return False
-    return data[data.rindex(b")") + 2:][:1] != b"Z"
+        return []
+    return data[data.rindex(b")") + 2:].split()  # after the command name, which may hold spaces
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != b"Z"
 
 
 def group_pids(pgid: int) -> list[int]:
     """The live processes (zombies left out) whose process group is `pgid` (read from /proc)."""
     out = []
     for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        fields = data[data.rindex(b")") + 2:].split()  # after the command name, which may hold spaces
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":  # a zombie holds nothing
-            out.append(int(d))
+        if d.isdigit():
+            fields = _stat_fields(d)
+            if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":  # a zombie holds nothing
+                out.append(int(d))
     return out
 
 
