@@ -84,11 +84,14 @@ PYBIND11_MODULE(_C, m) {
     m.attr("METRIC_FAMILIES") = families;
   }
 
-  m.def("unlink", [](const std::string& name) -> py::tuple {
+  m.def("unlink", [](const std::string& name, const std::string& segment_dir) -> py::tuple {
     std::string err;
-    Status s = Segment::unlink(name, &err);
+    Status s = Segment::unlink(name, segment_dir, &err);
     return py::make_tuple(int(s), err);
-  }, py::arg("name"));
+  }, py::arg("name"), py::arg("segment_dir"), "Remove the segment `name` of `segment_dir` (\"\": POSIX shm).");
+  m.def("valid_cache_name", &Segment::valid_name, py::arg("name"),
+        "Whether `name` is a cache (segment) name the core accepts: LIMITS['cache_name_max'] characters at most "
+        "of [A-Za-z0-9._-], not starting with '.'.");
   m.def("geometry", [](uint64_t capacity, uint64_t max_payload, uint64_t alignment,
                        uint32_t max_entries, uint32_t max_leases, uint32_t max_procs) -> py::tuple {
     SegmentConfig cfg{capacity, max_payload, alignment, max_entries, max_leases, max_procs};

@@ -74,7 +74,7 @@ bool ofd_lock_within(int fd, off_t byte, short type, uint64_t wait_ns) {
 }
 
 // Where segments live: POSIX shared memory (/dev/shm), or the directory
-// SHMKV_SEGMENT_DIR names: a tmpfs of its own that a container mounts alone
+// the caller names (the segment_dir setting): a tmpfs of its own that a container mounts alone
 // (a hostPath), instead of the host's whole /dev/shm or IPC namespace. The
 // directory must be this uid's, mode 0700, on a memory filesystem.
 struct SegmentPlace {
@@ -112,17 +112,11 @@ std::string foreign_owner_text(const std::string& what, const struct stat& st) {
 constexpr long kTmpfsMagic = 0x01021994;
 constexpr long kHugetlbfsMagic = 0x958458f6;
 
-// SHMKV_SEGMENT_DIR, or "" when unset (POSIX shm).
-std::string segment_dir_env() {
-  const char* env = std::getenv("SHMKV_SEGMENT_DIR");
-  return env != nullptr ? std::string(env) : std::string();
-}
-
-Status open_place(SegmentPlace* p, std::string* err) {
-  p->dir = segment_dir_env();
+Status open_place(const std::string& dir, SegmentPlace* p, std::string* err) {
+  p->dir = dir;
   if (p->dir.empty()) return Status::kOk;
   if (p->dir[0] != '/') {
-    *err = "SHMKV_SEGMENT_DIR=" + p->dir + " is not an absolute path";
+    *err = "segment_dir=" + p->dir + " is not an absolute path";
     return Status::kInvalidArgument;
   }
   p->dirfd = ::open(p->dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
@@ -130,28 +124,28 @@ Status open_place(SegmentPlace* p, std::string* err) {
     int e = errno;
     struct stat st;
     if (e == EACCES && lstat(p->dir.c_str(), &st) == 0 && st.st_uid != geteuid()) {
-      *err = foreign_owner_text("SHMKV_SEGMENT_DIR=" + p->dir, st);
+      *err = foreign_owner_text("segment_dir=" + p->dir, st);
       return Status::kPermission;
     }
-    *err = errno_text(("SHMKV_SEGMENT_DIR=" + p->dir + " (a directory of this uid, mode 0700, on a tmpfs)").c_str(), e);
+    *err = errno_text(("segment_dir=" + p->dir + " (a directory of this uid, mode 0700, on a tmpfs)").c_str(), e);
     return e == EACCES ? Status::kPermission : (e == ENOENT ? Status::kNotFound : Status::kSystem);
   }
   struct stat st;
   struct statfs fs;
   if (fstat(p->dirfd, &st) != 0 || fstatfs(p->dirfd, &fs) != 0) {
-    *err = errno_text(("SHMKV_SEGMENT_DIR=" + p->dir).c_str(), errno);
+    *err = errno_text(("segment_dir=" + p->dir).c_str(), errno);
     return Status::kSystem;
   }
   if (st.st_uid != geteuid() || (st.st_mode & 0077) != 0) {
     char mode_s[16];
     std::snprintf(mode_s, sizeof mode_s, "%04o", unsigned(st.st_mode & 07777));
-    *err = "SHMKV_SEGMENT_DIR=" + p->dir + " is owned by uid " + std::to_string(st.st_uid) + " with mode " + mode_s +
+    *err = "segment_dir=" + p->dir + " is owned by uid " + std::to_string(st.st_uid) + " with mode " + mode_s +
            "; shmkv keeps segments only in a directory of its own uid (" + std::to_string(geteuid()) +
            ") with mode 0700 (chown it, chmod 700 it)";
     return Status::kPermission;
   }
   if (long(fs.f_type) != kTmpfsMagic && long(fs.f_type) != kHugetlbfsMagic) {
-    *err = "SHMKV_SEGMENT_DIR=" + p->dir + " is not on a memory filesystem (tmpfs): a segment there would be "
+    *err = "segment_dir=" + p->dir + " is not on a memory filesystem (tmpfs): a segment there would be "
            "written back to disk; mount a tmpfs there (Kubernetes: an emptyDir with medium Memory, or a hostPath "
            "of a host tmpfs)";
     return Status::kInvalidArgument;
@@ -159,15 +153,10 @@ Status open_place(SegmentPlace* p, std::string* err) {
   return Status::kOk;
 }
 
-// The filesystem segments live on, for messages and its free space.
-std::string segments_where() {
-  std::string dir = segment_dir_env();
-  return dir.empty() ? std::string("/dev/shm") : dir;
-}
-
-uint64_t shm_free_bytes() {
+// The free space of the filesystem the segment file `fd` lives on.
+uint64_t free_bytes_of(int fd) {
   struct statvfs st;
-  if (statvfs(segments_where().c_str(), &st) != 0) return 0;
+  if (fstatvfs(fd, &st) != 0) return 0;
   return uint64_t(st.f_bavail) * uint64_t(st.f_frsize);
 }
 
@@ -386,14 +375,14 @@ struct SegmentOpener {
       return Status::kSystem;
     }
     uint64_t first = std::min(g.arena_bytes, kFirstReserve);
-    int rc = shm_free_bytes() < g.capacity_bytes ? ENOSPC : posix_fallocate(fd, 0, off_t(g.arena_offset + first));
+    int rc = free_bytes_of(fd) < g.capacity_bytes ? ENOSPC : posix_fallocate(fd, 0, off_t(g.arena_offset + first));
     if (rc != 0) {
-      uint64_t free_now = shm_free_bytes();
+      uint64_t free_now = free_bytes_of(fd);
       ftruncate(fd, 0);
       *err = "cannot reserve " + format_bytes(g.capacity_bytes) + " (" +
              std::to_string(g.capacity_bytes) + " bytes) for shared-memory segment '" + name +
-             "': " + segments_where() + " has " + format_bytes(free_now) + " free (posix_fallocate: " +
-             std::strerror(rc) + "); lower the capacity or enlarge " + segments_where();
+             "': " + place.where() + " has " + format_bytes(free_now) + " free (posix_fallocate: " +
+             std::strerror(rc) + "); lower the capacity or enlarge " + place.where();
       return rc == ENOSPC ? Status::kNoSpace : Status::kSystem;
     }
     Status s = map(g.capacity_bytes);
@@ -599,6 +588,7 @@ struct SegmentOpener {
       prefault_reserved();  // after the init lock: attachers waiting need not wait for this
       auto seg = std::shared_ptr<Segment>(new Segment());
       seg->name_ = name;
+      seg->where_ = place.where();
       seg->fd_ = fd;
       seg->base_ = base;
       seg->mapped_bytes_ = mapped;
@@ -612,7 +602,7 @@ struct SegmentOpener {
   }
 };
 
-Status Segment::open(const std::string& name, OpenMode mode, const SegmentConfig& cfg,
+Status Segment::open(const std::string& name, const std::string& dir, OpenMode mode, const SegmentConfig& cfg,
                      bool populate, std::shared_ptr<Segment>* out, std::string* err) {
   if (!valid_name(name)) {
     *err = "invalid cache name '" + name + "': use 1-" + std::to_string(kCacheNameMax) +
@@ -620,19 +610,19 @@ Status Segment::open(const std::string& name, OpenMode mode, const SegmentConfig
     return Status::kInvalidArgument;
   }
   SegmentPlace place;
-  Status ps = open_place(&place, err);
+  Status ps = open_place(dir, &place, err);
   if (ps != Status::kOk) return ps;
   SegmentOpener op{name, place, mode, cfg, populate, err};
   return op.run(out);
 }
 
-Status Segment::unlink(const std::string& name, std::string* err) {
+Status Segment::unlink(const std::string& name, const std::string& dir, std::string* err) {
   if (!valid_name(name)) {
     *err = "invalid cache name '" + name + "'";
     return Status::kInvalidArgument;
   }
   SegmentPlace place;
-  Status ps = open_place(&place, err);
+  Status ps = open_place(dir, &place, err);
   if (ps != Status::kOk) return ps;
   if (place.unlink_file(name) != 0) {
     int e = errno;
@@ -683,8 +673,8 @@ Status Segment::reserve_more(uint64_t max_bytes, bool map_pages, uint64_t* reser
   if (rc != 0) {
     header()->counters.reserve_errors.fetch_add(1, std::memory_order_relaxed);
     *err = "cannot reserve " + format_bytes(len) + " more of segment '" + name_ + "' (" + format_bytes(from) +
-           " of its " + format_bytes(geo_.arena_bytes) + " arena reserved; " + segments_where() + " has " +
-           format_bytes(shm_free_bytes()) + " free; posix_fallocate: " + std::strerror(rc) +
+           " of its " + format_bytes(geo_.arena_bytes) + " arena reserved; " + where_ + " has " +
+           format_bytes(free_bytes_of(fd_)) + " free; posix_fallocate: " + std::strerror(rc) +
            "): the cache works with the part reserved";
     return rc == ENOSPC ? Status::kNoSpace : Status::kSystem;
   }

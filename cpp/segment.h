@@ -58,9 +58,10 @@ class Segment {
   //   the same geometry exists; adopt a stale one with the same geometry after
   //   a rebuild; otherwise create or re-initialise. `populate` maps the
   //   reserved pages now so the first copy into a chunk does not pay page faults.
-  static Status open(const std::string& name, OpenMode mode, const SegmentConfig& cfg,
+  // `dir`: the segment directory (a tmpfs of this uid, mode 0700), or "" for POSIX shm (/dev/shm).
+  static Status open(const std::string& name, const std::string& dir, OpenMode mode, const SegmentConfig& cfg,
                      bool populate, std::shared_ptr<Segment>* out, std::string* err);
-  static Status unlink(const std::string& name, std::string* err);
+  static Status unlink(const std::string& name, const std::string& dir, std::string* err);
   static Status compute_geometry(const SegmentConfig& cfg, Geometry* geo, std::string* err);
   static bool valid_name(const std::string& name);
 
@@ -120,6 +121,7 @@ class Segment {
  private:
   Segment() = default;
   std::string name_;
+  std::string where_;  // the directory it lives in, for messages (/dev/shm for POSIX shm)
   int fd_ = -1;
   uint8_t* base_ = nullptr;
   uint64_t mapped_bytes_ = 0;

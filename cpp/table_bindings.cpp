@@ -332,7 +332,7 @@ struct PyTable {
   }
 };
 
-py::tuple open_table(const std::string& name, int mode, uint64_t capacity, uint64_t max_payload,
+py::tuple open_table(const std::string& name, const std::string& segment_dir, int mode, uint64_t capacity, uint64_t max_payload,
                      uint64_t alignment, uint32_t max_entries, uint32_t max_leases,
                      uint32_t max_procs, bool populate, double lock_timeout_s, double init_wait_s) {
   if (!(lock_timeout_s >= kLockTimeoutMinS && lock_timeout_s <= kLockTimeoutMaxS))
@@ -354,7 +354,7 @@ py::tuple open_table(const std::string& name, int mode, uint64_t capacity, uint6
   Status s;
   {
     py::gil_scoped_release nogil;
-    s = Segment::open(name, static_cast<OpenMode>(mode), cfg, populate, &seg, &err);
+    s = Segment::open(name, segment_dir, static_cast<OpenMode>(mode), cfg, populate, &seg, &err);
     if (s == Status::kOk) {
       try {
         table = std::make_shared<ChunkTable>(seg, uint64_t(lock_timeout_s * 1e9));
@@ -378,12 +378,13 @@ py::tuple open_table(const std::string& name, int mode, uint64_t capacity, uint6
 }  // namespace
 
 void register_table(py::module_& m) {
-  m.def("open_table", &open_table, py::arg("name"), py::arg("mode"), py::arg("capacity_bytes"),
+  m.def("open_table", &open_table, py::arg("name"), py::arg("segment_dir"), py::arg("mode"), py::arg("capacity_bytes"),
         py::arg("max_payload_bytes"), py::arg("alignment"), py::arg("max_entries"),
         py::arg("max_leases"), py::arg("max_procs"), py::arg("populate"),
         py::arg("lock_timeout_s") = double(ChunkTable::kDefaultLockTimeoutNs) / 1e9,
         py::arg("init_wait_s") = double(SegmentConfig{}.init_wait_ns) / 1e9,
-        "Open a segment; returns (status, message, Table | None, outcome).");
+        "Open the segment `name` in `segment_dir` (\"\": POSIX shm, /dev/shm); returns (status, message, "
+        "Table | None, outcome).");
 
   py::class_<PyReservation>(m, "Reservation", py::buffer_protocol())
       .def_buffer([](PyReservation& r) {

@@ -90,7 +90,7 @@ RUN="$WORK/run"
 rm -rf "$RUN" && mkdir -p "$RUN/run-shmkv" "$RUN/var-lib-shmkv"
 chmod 0700 "$RUN/run-shmkv" "$RUN/var-lib-shmkv"
 mount -t tmpfs -o size=1g,mode=0700 shmkv-image-segments "$RUN/run-shmkv"
-python3 -c "from shmkv.bench.models import write_llama; write_llama('$RUN/model')" >/dev/null
+python3 -c "from shmkv.engines.models import write_llama; write_llama('$RUN/model')" >/dev/null
 cleanup() {
   # the daemon's whole process group (unshare and the daemon, PID 1 of its namespace), then reaped
   [ -n "${daemon_pid:-}" ] && kill -TERM -- "-$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null || true

@@ -23,8 +23,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shmkv import Store  # noqa: E402
-from shmkv.bench.engines import EngineProcess, EngineSpec  # noqa: E402
-from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, write_llama  # noqa: E402
+from shmkv.engines.engine import EngineProcess, EngineSpec  # noqa: E402
+from shmkv.engines.models import TEST_MODEL, TIMING_MODEL, write_llama  # noqa: E402
 
 
 def main() -> int:

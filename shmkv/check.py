@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shmkv.config import ShmkvConfig, config_sources, default_capacity, load_config, use_segment_dir
+from shmkv.config import ShmkvConfig, config_sources, default_capacity, load_config
 from shmkv.errors import ShmkvError
 from shmkv.units import format_bytes
 
@@ -59,18 +59,18 @@ class Finding:
 
 # ------------------------------------------------------------ the checks --
 def check_segment_dir(cfg: ShmkvConfig) -> Finding:
-    """The directory segments live in: a memory filesystem; with
-    SHMKV_SEGMENT_DIR, ours with mode 0700 below parents nobody else can change."""
-    from shmkv.names import SEGMENT_DIR_ENV, segments_dir
+    """The directory segments live in: a memory filesystem; with segment_dir
+    set, ours with mode 0700 below parents nobody else can change."""
+    from shmkv.names import segments_dir
     from shmkv.paths import check_trusted_dir
 
-    where = segments_dir()
+    where = segments_dir(cfg.segment_dir)
     try:
         st, fs = os.stat(where), os.statvfs(where)
     except OSError as e:
         return Finding("segment directory", FAIL, f"{where}: {e.strerror}",
-                       f"create it: a tmpfs of this uid, mode 0700 (docs/deployment.md \"Containers\"), or unset "
-                       f"{SEGMENT_DIR_ENV}")
+                       "create it: a tmpfs of this uid, mode 0700 (docs/deployment.md \"Containers\"), or unset "
+                       "segment_dir (SHMKV_SEGMENT_DIR, --segment-dir)")
     data = {"path": where, "size_bytes": fs.f_blocks * fs.f_frsize, "free_bytes": fs.f_bavail * fs.f_frsize}
     fs_type = _fs_type(where)
     if fs_type not in ("tmpfs", "hugetlbfs"):
@@ -96,10 +96,10 @@ def check_capacity(cfg: ShmkvConfig) -> Finding:
     the memory available."""
     from shmkv.names import segments_dir
 
-    where = segments_dir()
+    where = segments_dir(cfg.segment_dir)
     path = os.path.join(where, cfg.cache_name)
     existing = os.stat(path).st_size if os.path.exists(path) else 0
-    capacity = cfg.capacity or existing or default_capacity()
+    capacity = cfg.capacity or existing or default_capacity(cfg.segment_dir)
     source = "capacity" if cfg.capacity else ("the existing segment" if existing else "the default capacity")
     try:
         fs = os.statvfs(where)
@@ -126,7 +126,7 @@ def check_huge_pages(cfg: ShmkvConfig) -> Finding:
     from shmkv.hostmem import segment_pages, shmem_enabled
     from shmkv.names import segments_dir
 
-    where = segments_dir()
+    where = segments_dir(cfg.segment_dir)
     pages = segment_pages(where)
     data = {"huge": pages.huge, "how": pages.how, "mount_options": [o for o in pages.options if
                                                                     o.startswith(("huge=", "size="))],
@@ -135,7 +135,7 @@ def check_huge_pages(cfg: ShmkvConfig) -> Finding:
         return Finding("huge pages", OK, f"the segment gets huge pages: {pages.how}", data=data)
     return Finding("huge pages", WARN, f"the segment gets 4 KiB pages ({pages.how}): pinning it for a GPU "
                    "costs more per GiB",
-                   f"mount -o remount,huge=within_size {where} (or a tmpfs of its own for SHMKV_SEGMENT_DIR, "
+                   f"mount -o remount,huge=within_size {where} (or a tmpfs of its own for segment_dir, "
                    "mounted with huge=within_size)", data)
 
 
@@ -146,7 +146,7 @@ def check_access(cfg: ShmkvConfig) -> Finding:
     from shmkv.paths import open_private_dir, runtime_dir
 
     problems, fixes = [], []
-    seg = os.path.join(segments_dir(), cfg.cache_name)
+    seg = os.path.join(segments_dir(cfg.segment_dir), cfg.cache_name)
     if os.path.lexists(seg):
         st = os.lstat(seg)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
@@ -179,7 +179,7 @@ def check_segment(cfg: ShmkvConfig) -> Finding:
     from shmkv.names import segments_dir
     from shmkv.store.opening import open_store
 
-    existed = os.path.lexists(os.path.join(segments_dir(), cfg.cache_name))
+    existed = os.path.lexists(os.path.join(segments_dir(cfg.segment_dir), cfg.cache_name))
     probe_cfg = cfg if existed else dataclasses.replace(cfg, cache_name=_own_cache_name())
     try:
         t0 = time.perf_counter()
@@ -187,7 +187,7 @@ def check_segment(cfg: ShmkvConfig) -> Finding:
         opened_s = time.perf_counter() - t0
     except (ShmkvError, OSError) as e:
         if not existed:
-            _drop_own_cache(probe_cfg.cache_name)
+            _drop_own_cache(probe_cfg.cache_name, cfg.segment_dir)
         return Finding("segment", FAIL, f"cannot open '{cfg.cache_name}': {e}", _fix_for(e))
     key = os.urandom(KEY_BYTES)
     payload = os.urandom(PROBE_BYTES)
@@ -208,7 +208,7 @@ def check_segment(cfg: ShmkvConfig) -> Finding:
     finally:
         store.close()
         if not existed:
-            _drop_own_cache(probe_cfg.cache_name)
+            _drop_own_cache(probe_cfg.cache_name, cfg.segment_dir)
     if got is None or bytes(got) != payload:
         return Finding("segment", FAIL, f"the probe chunk did not come back ({put.name.lower()})",
                        "the segment is full of pinned or leased chunks, or damaged: `shmkv stats`, then "
@@ -226,13 +226,13 @@ def _own_cache_name() -> str:
     return f"shmkv-check-{os.getpid()}-{os.urandom(3).hex()}"
 
 
-def _drop_own_cache(name: str) -> None:
+def _drop_own_cache(name: str, segment_dir: str) -> None:
     """The check's own segment and runtime files, gone (never the configured cache's)."""
     from shmkv import Store
     from shmkv.paths import remove_cache_files
 
     with contextlib.suppress(FileNotFoundError, ShmkvError):
-        Store.unlink(name)
+        Store.unlink(name, segment_dir=segment_dir)
     with contextlib.suppress(OSError, ShmkvError):  # a runtime directory the check refuses has nothing of ours
         remove_cache_files(name)
 
@@ -326,8 +326,8 @@ def check_vllm(cfg: ShmkvConfig, model: str, workdir: str) -> Finding:
     import random
 
     try:
-        from shmkv.bench.engines import EngineProcess, EngineSpec
-        from shmkv.bench.models import TEST_MODEL, write_llama
+        from shmkv.engines.engine import EngineProcess, EngineSpec
+        from shmkv.engines.models import TEST_MODEL, write_llama
     except ImportError as e:
         return Finding("vllm", FAIL, f"the engine harness cannot load ({e})", "pip install 'shmkv[vllm,bench]'")
     if model == "tiny":
@@ -354,7 +354,7 @@ def check_vllm(cfg: ShmkvConfig, model: str, workdir: str) -> Finding:
         return Finding("vllm", FAIL, f"an engine did not serve: {str(e)[-500:]}",
                        f"read the engine logs in {workdir}")
     finally:
-        _drop_own_cache(own)
+        _drop_own_cache(own, cfg.segment_dir)
     (out1, _), (out2, hit) = rows
     data = {"model": model, "hit_tokens": hit, "outputs_equal": out1 == out2, "segment": own}
     if hit <= 0:
@@ -433,16 +433,17 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML file of shmkv settings (the daemon's)")
     ap.add_argument("--cache", help="cache name (default shmkv-<uid>)")
+    ap.add_argument("--segment-dir", help="the directory segments live in (default /dev/shm: POSIX shared memory)")
     ap.add_argument("--json", action="store_true", help="one JSON object")
     ap.add_argument("--vllm", metavar="MODEL_DIR", help="also run two vLLM engines on this model (`tiny`: a "
                     "random-weight model written here)")
     ap.add_argument("--workdir", help="where --vllm writes its model and logs")
     args = ap.parse_args(argv)
-    explicit = {k: v for k, v in (("config_file", args.config), ("cache_name", args.cache)) if v is not None}
+    explicit = {k: v for k, v in (("config_file", args.config), ("cache_name", args.cache),
+                                  ("segment_dir", args.segment_dir)) if v is not None}
     try:
         cfg = load_config(explicit)
         sources = config_sources(explicit)
-        use_segment_dir(cfg)
     except ShmkvError as e:
         print(f"shmkv check: {e}", file=sys.stderr)
         return 2

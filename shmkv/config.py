@@ -22,7 +22,7 @@ from typing import Any
 
 from shmkv.errors import ConfigError
 from shmkv.keys import CHUNK_SIZE_MAX, CHUNK_SIZE_MIN
-from shmkv.names import CODEC_SETTINGS, LOSSY_FORMS, SEGMENT_DIR_ENV, segments_dir
+from shmkv.names import CODEC_SETTINGS, LOSSY_FORMS, segments_dir
 from shmkv.testing import PREFIX as TEST_PREFIX
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
@@ -102,14 +102,14 @@ def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     return s
 
 
-def default_capacity() -> int:
+def default_capacity(segment_dir: str | None = None) -> int:
     """The capacity of a segment created with no explicit `capacity`: a
-    quarter of the size of /dev/shm (or of SHMKV_SEGMENT_DIR: segments_dir),
+    quarter of the size of /dev/shm (or of the segment directory: segments_dir),
     not of what is free in it, which the segment itself changes; between
     256 MiB and 16 GiB, in whole MiB. Used only when no segment of the name
     exists: then the existing one's size wins."""
     try:
-        st = os.statvfs(segments_dir())
+        st = os.statvfs(segments_dir(segment_dir))
         total = st.f_blocks * st.f_frsize
     except OSError:
         total = 4 << 30
@@ -424,7 +424,9 @@ def redact_url(url: str) -> str:
 
 def _check_name(key: str, value: Any) -> str:
     s = str(value)
-    if not re.fullmatch(rf"[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{CACHE_NAME_MAX - 1}}}", s):
+    from shmkv import _C
+
+    if not _C.valid_cache_name(s):  # the core's rule, the one every open checks
         raise ConfigError(f"{key}={value!r}: expected {CACHE_NAME_RULE}")
     return s
 
@@ -541,15 +543,6 @@ def _warn_unknown_env(env: dict[str, str], known: set[str]) -> None:
         logging.getLogger("shmkv.config").warning(
             "shmkv: environment variable %s is not a shmkv setting (ignored)%s", var,
             f"; did you mean {close[0]}?" if close else "")
-
-
-def use_segment_dir(cfg: ShmkvConfig) -> None:
-    """Make `segment_dir` this process's segment directory wherever it was
-    set (the core, and segments_dir(), read SHMKV_SEGMENT_DIR): called where
-    a process opens its segment (open_store) or checks it (shmkv check)."""
-    where = getattr(cfg, "segment_dir", "")
-    if where and os.environ.get(SEGMENT_DIR_ENV) != where:
-        os.environ[SEGMENT_DIR_ENV] = where
 
 
 def io_threads(cfg: ShmkvConfig) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from helpers import VLLM_RUNNERS, Child, DaemonProcess, Reference, check_runner, fresh_cache_name, runner_env
 
-from shmkv.bench.engine_forks import fork_engine
+from shmkv.engines.forks import fork_engine
 
 cache_name = pytest.fixture(fresh_cache_name, name="cache_name")
 
@@ -150,16 +150,16 @@ def _private_server(make) -> Iterator:
 
 @pytest.fixture
 def redis_server(tmp_path) -> Iterator:
-    """A private redis-server on a loopback port (shmkv.bench.redis_server.PrivateRedis)."""
-    from shmkv.bench.redis_server import PrivateRedis
+    """A private redis-server on a loopback port (shmkv.engines.redis_server.PrivateRedis)."""
+    from shmkv.engines.redis_server import PrivateRedis
 
     yield from _private_server(lambda: PrivateRedis(str(tmp_path)))
 
 
 @pytest.fixture
 def redis_cluster(tmp_path) -> Iterator:
-    """A private Redis Cluster of 3 primaries on loopback (shmkv.bench.redis_server.PrivateRedisCluster)."""
-    from shmkv.bench.redis_server import PrivateRedisCluster
+    """A private Redis Cluster of 3 primaries on loopback (shmkv.engines.redis_server.PrivateRedisCluster)."""
+    from shmkv.engines.redis_server import PrivateRedisCluster
 
     yield from _private_server(lambda: PrivateRedisCluster(str(tmp_path)))
 
@@ -173,7 +173,7 @@ def redis_cluster(tmp_path) -> Iterator:
 #
 # Engines run EngineCore in their own process (EngineSpec.in_process: one
 # Python importing vLLM per engine instead of three), forked from a server
-# that imported vLLM once (shmkv/bench/engine_forks.py), unless a test checks
+# that imported vLLM once (shmkv/engines/forks.py), unless a test checks
 # vLLM's process split itself: it passes in_process=False (the connector's
 # halves then talk only through pickled metadata, as in every deployment).
 #
@@ -208,7 +208,7 @@ def _v1_left_out(item) -> bool:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
-    from shmkv.bench.models import write_llama
+    from shmkv.engines.models import write_llama
 
     return write_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
@@ -216,7 +216,7 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def mla_dir(tmp_path_factory) -> str:
     """A tiny DeepSeek-V2 (MLA) checkpoint."""
-    from shmkv.bench.models import write_mla
+    from shmkv.engines.models import write_mla
 
     return write_mla(str(tmp_path_factory.mktemp("tiny-mla")))
 
@@ -238,7 +238,7 @@ def with_test_kv_cache(llm_kwargs: dict) -> dict:
 
 @pytest.fixture(scope="session")
 def reference(model_dir, engine_logs, vllm_runner):
-    from shmkv.bench.engines import EngineProcess, EngineSpec
+    from shmkv.engines.engine import EngineProcess, EngineSpec
 
     engine = EngineProcess(EngineSpec(model_dir, shmkv=None, prefix_caching=True, in_process=True,
                                       env=runner_env(vllm_runner), llm_kwargs=with_test_kv_cache({})),
@@ -252,7 +252,7 @@ def start_engine(model_dir, engine_logs, vllm_runner):
     """start_engine(name, **spec) -> EngineProcess on this test's vLLM
     runner, closed after the test (EngineCore in the engine's process unless
     the spec says in_process=False)."""
-    from shmkv.bench.engines import EngineProcess, EngineSpec
+    from shmkv.engines.engine import EngineProcess, EngineSpec
 
     made = []
 

@@ -3,7 +3,9 @@
 (benchmarks aside: they time one tier's own writes) and, with open_tiers,
 the only place tiers are built (benchmarks included); no tier imports
 another tier; no layer imports one above it (store < tiers < transfer <
-services < integrations)."""
+services < integrations < engines < bench, check); the engine machinery
+(shmkv.engines) never imports the measurements (shmkv.bench), and the
+product's own floors never import either."""
 
 from __future__ import annotations
 
@@ -62,14 +64,19 @@ def test_no_tier_imports_another_tier_or_the_chain(tier, other):
     assert not any(bad.values()), bad
 
 
-SERVICES_AND_UP = ("shmkv.integration", "shmkv.services", "shmkv.daemon", "shmkv.stats", "shmkv.bench", "shmkv.cli")
+SERVICES_AND_UP = ("shmkv.integration", "shmkv.services", "shmkv.daemon", "shmkv.stats", "shmkv.engines",
+                   "shmkv.bench", "shmkv.check", "shmkv.cli")
 
 
 @pytest.mark.parametrize("layer,above", [
     ("shmkv.store", SERVICES_AND_UP + ("shmkv.tiers", "shmkv.transfer")),
     ("shmkv.tiers", SERVICES_AND_UP + ("shmkv.transfer",)),
     ("shmkv.transfer", SERVICES_AND_UP + ("shmkv.tiers.chain", "shmkv.tiers.disk", "shmkv.tiers.remote")),
-    ("shmkv.services", ("shmkv.integration", "shmkv.bench", "shmkv.cli", "shmkv.transfer")),
+    ("shmkv.services", ("shmkv.integration", "shmkv.engines", "shmkv.bench", "shmkv.check", "shmkv.cli",
+                        "shmkv.transfer")),
+    ("shmkv.integration", ("shmkv.engines", "shmkv.bench", "shmkv.check", "shmkv.cli")),
+    ("shmkv.engines", ("shmkv.bench", "shmkv.check", "shmkv.cli")),
+    ("shmkv.bench", ("shmkv.check",)),
 ])
 def test_no_layer_imports_one_above_it(layer, above):
     bad = {m: sorted(i for i in imports_of(t) if any(in_package(i, a) for a in above))

@@ -2,7 +2,11 @@
 the run, making vLLM's kinds of files (a named semaphore, a message queue) in
 the run's last moments and starting a worker that opens them by name after
 the run ended, keeps working; the run still leaves /dev/shm as it found it,
-its own killed engine's files removed by ownership. (The run that removed
+its own killed engine's files removed by ownership. The neighbour's engine
+directory in the run's temporary directory, the segment it maps and that
+cache's files and a weights board in the runtime directory are named as in
+use, not counted against the run (a run beside `bench churn` failed on
+them). (The run that removed
 every new sem.mp-* at its end, by name and time, broke exactly this: a
 neighbour's `vllm serve` died at start in SemLock._rebuild.)
 
@@ -39,9 +43,16 @@ def test_a_neighbours_files_survive_the_run_and_the_run_leaves_nothing(model_dir
     files = got["neighbour_files"]
     assert files["sem"].startswith("sem.mp-") and files["psm"].startswith("psm_")
     assert "in use by live processes" in got["run_tail"], "the run named the neighbour's files as in use"
-    assert {files["sem"], files["psm"]} <= set(got["shm_after_run"]), "the run removed the neighbour's files"
+    theirs = {files["sem"], files["psm"], files["segment"]}
+    assert theirs <= set(got["shm_after_run"]), "the run removed the neighbour's files"
     assert got["worker"] == {"worker_read": 42, "worker_exit": 0}, "the neighbour's worker opened them by name"
-    assert set(got["shm_after_run"]) - set(got["shm_before"]) == {files["sem"], files["psm"]}, \
+    assert set(got["shm_after_run"]) - set(got["shm_before"]) == theirs, \
         "the run left /dev/shm as it found it, the neighbour's files aside"
     assert got["shm_at_end"] == got["shm_before"], "the neighbour removed its own at its end"
-    assert [n for n in got["left_in_tmp"] if not n.startswith("pytest-of-")] == [], "nor any in the temporary directory"
+    assert [n for n in got["left_in_tmp"] if not n.startswith("pytest-of-")] == [files["engine_tmp"]], \
+        "nothing of the run's in the temporary directory; the neighbour's engine directory kept"
+    assert set(files["runtime_files"]) <= set(got["runtime_after_run"]), "the neighbour's runtime files kept"
+    named = got["run_tail"].split("in use by live processes, not this run's to remove: ", 1)[1].splitlines()[0]
+    for n in (files["engine_tmp"], files["segment"], *files["runtime_files"]):
+        assert n in named, (n, named)
+    assert "LEFT BEHIND" not in got["run_tail"], got["run_tail"]

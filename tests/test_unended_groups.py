@@ -1,5 +1,5 @@
 """A process group a test started through the harness and never ended
-(shmkv.bench.owned_files) fails the run: at the run's end it is killed, its
+(shmkv.engines.owned_files) fails the run: at the run's end it is killed, its
 files removed, and the run names where it was made (tests/support/leftovers.py).
 
 The run is a nested pytest session with the suite's leftovers plugin, in a
@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INNER = textwrap.dedent('''
     import os, subprocess
 
-    from shmkv.bench.owned_files import OwnedFiles
+    from shmkv.engines.owned_files import OwnedFiles
 
 
     def start(owned):

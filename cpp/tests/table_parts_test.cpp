@@ -41,7 +41,7 @@ struct Fixture {
     cfg.max_entries = max_entries;
     std::shared_ptr<Segment> seg;
     std::string err;
-    Status s = Segment::open(name, OpenMode::kCreate, cfg, false, &seg, &err);
+    Status s = Segment::open(name, "", OpenMode::kCreate, cfg, false, &seg, &err);
     if (s != Status::kOk) {
       std::fprintf(stderr, "cannot create segment %s: %s\n", name.c_str(), err.c_str());
       std::exit(2);
@@ -51,7 +51,7 @@ struct Fixture {
   ~Fixture() {
     t.reset();
     std::string err;
-    Segment::unlink(name, &err);
+    Segment::unlink(name, "", &err);
   }
   bool put(uint64_t i, uint64_t size, Reservation* out = nullptr) {
     Reservation r;

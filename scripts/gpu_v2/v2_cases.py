@@ -147,7 +147,7 @@ def main() -> int:
     if not pre["gpu"]:
         print("v2_cases.py: no CUDA GPU here; stopped after the preflight", file=sys.stderr)
         return 3
-    from shmkv.bench.models import write_llama
+    from shmkv.engines.models import write_llama
 
     model = write_llama(os.path.join(a.out, "model"))
     cases = prompts()

@@ -63,9 +63,9 @@ from typing import Any
 import xxhash
 
 from shmkv.bench import drop_cache
-from shmkv.bench.engines import TP2_ON_TWO_CORES, EngineProcess, EngineSpec, start_daemon
 from shmkv.bench.greedy import first_difference
-from shmkv.bench.models import TEST_MODEL, write_llama
+from shmkv.engines.engine import TP2_ON_TWO_CORES, EngineProcess, EngineSpec, start_daemon
+from shmkv.engines.models import TEST_MODEL, write_llama
 
 # change kind: weight (how often it is drawn, relative)
 CHANGES = {
@@ -145,7 +145,7 @@ class Churn:
         self.adapters = {name: os.path.join(a.workdir, f"lora-{name}") for name in ADAPTERS}
         self.adapter_version = dict.fromkeys(ADAPTERS, 0)  # the seed its directory's files were written with
         if a.lora:
-            from shmkv.bench.models import write_lora
+            from shmkv.engines.models import write_lora
 
             for i, path in enumerate(self.adapters.values()):
                 write_lora(path, seed=1 + i)
@@ -197,7 +197,7 @@ class Churn:
 
     def start_redis(self) -> bool:
         """The remote tier: a redis-server of the bench's own (False: none installed)."""
-        from shmkv.bench.redis_server import PrivateRedis
+        from shmkv.engines.redis_server import PrivateRedis
 
         try:
             self.redis = PrivateRedis(os.path.join(self.workdir))
@@ -460,7 +460,7 @@ class Churn:
     def _lora_rewrite(self, rec: dict[str, Any]) -> None:
         """One adapter's directory rewritten in place with other tensors, under the same name and id: engines
         that read it keep serving what they read, an engine reading it later gets the new tensors."""
-        from shmkv.bench.models import write_lora
+        from shmkv.engines.models import write_lora
 
         name = self._drawn(rec, "adapter", lambda: self.rng.choice(ADAPTERS))
         self.adapter_version[name] += 1
@@ -707,7 +707,7 @@ def run(argv: list[str], launch: Callable | None = None) -> dict[str, Any]:
     """`launch`: how engines start (EngineProcess's; default: forked from one server, engine_forks)."""
     a = parse(argv)
     if launch is None and a.fork:
-        from shmkv.bench.engine_forks import fork_engine
+        from shmkv.engines.forks import fork_engine
 
         launch = fork_engine
     own_dir = a.workdir is None

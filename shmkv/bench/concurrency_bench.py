@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from shmkv.bench.serve_bench import COUNTERS, Run, Workload, _counters, _wait_stores
-from shmkv.bench.vllm_server import NO_FORK_HELP, VllmServer
+from shmkv.engines.vllm_server import NO_FORK_HELP, VllmServer
 
 DATASETS = ("random", "prefix_repetition")
 GOALS = {"random": ("total_tokens_per_s", 0.98, "at least"), "prefix_repetition": ("ttft_p50_ms", 1.02, "at most")}

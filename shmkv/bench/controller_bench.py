@@ -33,8 +33,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from shmkv.bench import drop_cache
-from shmkv.bench.engines import start_daemon
 from shmkv.config import load_config
+from shmkv.engines.engine import start_daemon
 from shmkv.services.controller_auth import read_token
 from shmkv.services.controller_client import request, url_of
 

@@ -85,8 +85,8 @@ def _throughput(chunks: list[bytes], workdir: str, level: int, threads: int = 1,
 
 def _vllm_kv(workdir: str) -> list[bytes]:
     """Chunk payloads vLLM computed for a 3,000-token prompt (tiny random Llama)."""
-    from shmkv.bench.engines import EngineProcess, EngineSpec
-    from shmkv.bench.models import TEST_MODEL, write_llama
+    from shmkv.engines.engine import EngineProcess, EngineSpec
+    from shmkv.engines.models import TEST_MODEL, write_llama
 
     model = write_llama(os.path.join(workdir, "model"), TEST_MODEL)
     name = f"shmkv-bench-kv-{os.getpid()}"

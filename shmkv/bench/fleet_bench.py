@@ -32,8 +32,8 @@ from typing import Any
 
 from shmkv import Store
 from shmkv.bench import drop_cache
-from shmkv.bench.engines import EngineProcess, EngineSpec
-from shmkv.bench.models import bench_model
+from shmkv.bench.ttft_options import bench_model
+from shmkv.engines.engine import EngineProcess, EngineSpec
 
 ROUTERS = ("round-robin", "prefix-aware")
 
@@ -61,7 +61,7 @@ def start(specs: list[EngineSpec], logs: str, label: str, fork: bool = False) ->
     once, engine_forks)."""
     launch = None
     if fork:
-        from shmkv.bench.engine_forks import fork_engine
+        from shmkv.engines.forks import fork_engine
 
         launch = fork_engine
     with ThreadPoolExecutor(len(specs)) as ex:

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from shmkv.bench.vllm_server import free_port
+from shmkv.engines.vllm_server import free_port
 
 LMCACHE_VERSION = "0.5.6"
 VLLM_VERSION = "0.32.0"

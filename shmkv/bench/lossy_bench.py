@@ -27,9 +27,9 @@ import statistics
 
 from shmkv import Store
 from shmkv.bench import drop_cache
-from shmkv.bench.engines import EngineProcess, EngineSpec
-from shmkv.bench.models import bench_model, ttft_args
+from shmkv.bench.ttft_options import bench_model, ttft_args
 from shmkv.config import load_config
+from shmkv.engines.engine import EngineProcess, EngineSpec
 from shmkv.services.controller import Controller
 
 

@@ -30,8 +30,8 @@ import xxhash
 
 from shmkv import Store
 from shmkv.bench import drop_cache
-from shmkv.bench.redis_server import PrivateRedis
 from shmkv.config import load_config
+from shmkv.engines.redis_server import PrivateRedis
 from shmkv.tiers import format as fmt
 from shmkv.tiers import open_tiers
 from shmkv.tiers.remote.tier import chunk_key
@@ -128,7 +128,7 @@ def _parallel(a: argparse.Namespace) -> dict:
     (a.url or a private one) and, with a.cluster, on a private cluster."""
     import multiprocessing
 
-    from shmkv.bench.redis_server import PrivateRedisCluster
+    from shmkv.engines.redis_server import PrivateRedisCluster
 
     workdir = tempfile.mkdtemp(prefix="shmkv-bench-remote-")
     servers: list = []

@@ -53,8 +53,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shmkv.bench import drop_cache
-from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, words, write_llama, write_tokenizer
-from shmkv.bench.vllm_server import NO_FORK_HELP, BenchServeClient, RoundRobinProxy, VllmServer
+from shmkv.bench.serve_client import BenchServeClient
+from shmkv.engines.models import TEST_MODEL, TIMING_MODEL, words, write_llama, write_tokenizer
+from shmkv.engines.vllm_server import NO_FORK_HELP, RoundRobinProxy, VllmServer
 
 VLLM_BLOCK = 128  # vLLM-CPU's KV block size
 ARMS = ("no_reuse", "in_cache", "evicted", "restart", "round_robin", "budget")

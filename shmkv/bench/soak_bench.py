@@ -43,7 +43,7 @@ import time
 import xxhash
 
 from shmkv.bench import drop_cache
-from shmkv.bench.engines import container_argv, signal_container, start_daemon
+from shmkv.engines.engine import container_argv, signal_container, start_daemon
 
 KEYSPACE = 3000
 

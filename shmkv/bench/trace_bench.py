@@ -46,9 +46,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from shmkv.bench import trace
-from shmkv.bench.models import TEST_MODEL, TIMING_MODEL, words, write_llama, write_tokenizer
 from shmkv.bench.serve_bench import COUNTERS, VLLM_BLOCK, Run, Workload, _counters
-from shmkv.bench.vllm_server import CLIENT_HASH_SEED, NO_FORK_HELP, RoundRobinProxy, StickyRouter
+from shmkv.bench.serve_client import CLIENT_HASH_SEED
+from shmkv.engines.models import TEST_MODEL, TIMING_MODEL, words, write_llama, write_tokenizer
+from shmkv.engines.vllm_server import NO_FORK_HELP, RoundRobinProxy, StickyRouter
 
 MIN_BUDGET = 64 << 20  # the smallest segment a budget asks for
 

@@ -106,7 +106,7 @@ class Daemon:
             self.store.close()
             self.store = None
             if created and alone:
-                Store.unlink(self.cfg.cache_name)
+                Store.unlink(self.cfg.cache_name, segment_dir=self.cfg.segment_dir)
                 log.info("shmkv: removed segment '%s', which this refused start had created", self.cfg.cache_name)
 
     def serve(self) -> None:
@@ -138,7 +138,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="shmkv daemon", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML file of shmkv settings (same keys as the connector's)")
-    ap.add_argument("--cache", help="cache name: the segment /dev/shm/NAME (default shmkv-<uid>)")
+    ap.add_argument("--cache", help="cache name: the segment <segment dir>/NAME (default shmkv-<uid>)")
+    ap.add_argument("--segment-dir", help="the directory segments live in: a tmpfs of this uid, mode 0700 "
+                                          "(default /dev/shm: POSIX shared memory)")
     ap.add_argument("--capacity", help="segment size when creating it, e.g. 8GiB")
     ap.add_argument("--disk-dir", help="disk tier directory (chunks go to DIR/<cache>/)")
     ap.add_argument("--disk-capacity", help="byte cap of the disk tier, e.g. 64GiB")
@@ -152,7 +154,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _config(args: argparse.Namespace) -> ShmkvConfig:
-    explicit = {"config_file": args.config, "cache_name": args.cache, "capacity": args.capacity,
+    explicit = {"config_file": args.config, "cache_name": args.cache, "segment_dir": args.segment_dir,
+                "capacity": args.capacity,
                 "disk_dir": args.disk_dir, "disk_capacity": args.disk_capacity, "listen": args.listen,
                 "log_level": args.log_level}
     return load_config({k: v for k, v in explicit.items() if v is not None})

@@ -21,7 +21,7 @@ from typing import Any
 
 from shmkv import _C
 from shmkv.errors import SegmentNotFoundError, ShmkvError
-from shmkv.names import segments_dir
+from shmkv.names import SEGMENT_DIR_ENV, segments_dir
 from shmkv.store import Store, default_cache_name
 from shmkv.units import format_bytes
 
@@ -59,11 +59,13 @@ CONTROLLER_METRICS = [
 ]
 
 
-def collect(cache: str, disk_dir: str | None = None) -> dict[str, Any]:
-    """A snapshot of one cache: {"cache", "shm": {...}, "disk": {...}}."""
+def collect(cache: str, disk_dir: str | None = None, segment_dir: str | None = None) -> dict[str, Any]:
+    """A snapshot of one cache: {"cache", "shm": {...}, "disk": {...}}
+    (`segment_dir` as Store.attach's)."""
     from shmkv import engine_registry
 
-    store = Store.attach(cache, populate=False, background_reserve=False)  # a reader: reserves nothing
+    store = Store.attach(cache, populate=False, background_reserve=False,  # a reader: reserves nothing
+                         segment_dir=segment_dir)
     try:
         snap = snapshot(store, disk_dir, count_self=False)
     finally:
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="cache name (default: $SHMKV_CACHE_NAME or shmkv-<uid>)")
     ap.add_argument("--disk-dir", default=os.environ.get("SHMKV_DISK_DIR"),
                     help="disk tier directory, to count its files")
+    ap.add_argument("--segment-dir", default=os.environ.get(SEGMENT_DIR_ENV, ""),
+                    help=f"the directory segments live in (default: ${SEGMENT_DIR_ENV}, else /dev/shm)")
     fmt = ap.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="one JSON object per snapshot")
     fmt.add_argument("--prometheus", action="store_true", help="Prometheus text exposition")
@@ -214,9 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while True:
             try:
-                snap = collect(args.cache, args.disk_dir)
+                snap = collect(args.cache, args.disk_dir, args.segment_dir)
             except SegmentNotFoundError:
-                print(f"shmkv: no cache named '{args.cache}' (looked for {segments_dir()}/{args.cache}).\n"
+                where = os.path.join(segments_dir(args.segment_dir), args.cache)
+                print(f"shmkv: no cache named '{args.cache}' (looked for {where}).\n"
                       "Start one with `shmkv daemon` (scripts/start_shm_daemon.sh in a checkout), or start vLLM with "
                       "the shmkv connector (the first process creates it); pick another name with --cache NAME.",
                       file=sys.stderr)

@@ -35,16 +35,16 @@ def open_store(cfg: Any, *, populate: bool | None = None) -> Store:
     instance's or the daemon's settings) is attached as it is, with a warning;
     a stale one is re-created with the explicit settings, and the log says how
     many chunks that dropped."""
-    from shmkv.config import default_capacity, use_segment_dir
+    from shmkv.config import default_capacity
 
-    use_segment_dir(cfg)
     populate = cfg.populate if populate is None else populate
-    name, kw = cfg.cache_name, {"populate": populate, "lock_timeout_s": cfg.lock_timeout}
+    name, kw = cfg.cache_name, {"populate": populate, "lock_timeout_s": cfg.lock_timeout,
+                                "segment_dir": cfg.segment_dir}
     if not cfg.capacity:
         try:
             store = Store.attach(name, **kw)
         except (SegmentNotFoundError, SegmentMismatchError, SegmentCorruptError) as e:
-            capacity = default_capacity()
+            capacity = default_capacity(cfg.segment_dir)
             if not isinstance(e, SegmentNotFoundError):
                 log.warning("shmkv: segment '%s' is not usable (%s); re-creating it unless a process uses it",
                             name, str(e).replace("\n", ";"))
@@ -65,7 +65,7 @@ def _open_explicit(cfg: Any, kw: dict[str, Any]) -> Store:
     want = SegmentGeometry(cfg.capacity, cfg.max_payload).resolved()
     try:
         probe: Store | None = Store.attach(name, populate=False, lock_timeout_s=kw["lock_timeout_s"],
-                                             background_reserve=False)
+                                             background_reserve=False, segment_dir=kw["segment_dir"])
     except (SegmentNotFoundError, SegmentMismatchError, SegmentCorruptError):
         probe = None  # none, or one open_or_create re-creates (stale) or refuses (live)
     if probe is not None:

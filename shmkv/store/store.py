@@ -124,14 +124,12 @@ _checked_segment_dirs: set[str] = set()
 _pages_said: set[str] = set()
 
 
-def _say_page_size() -> None:
-    """One log line per process and segment directory, from a process that
-    makes a segment: the page size its segments get (shmkv.hostmem), and how
-    to get huge pages where they are 4 KiB."""
+def _say_page_size(where: str) -> None:
+    """One log line per process and segment directory `where`, from a process
+    that makes a segment: the page size its segments get (shmkv.hostmem), and
+    how to get huge pages where they are 4 KiB."""
     from shmkv.hostmem import segment_pages
-    from shmkv.names import segments_dir
 
-    where = segments_dir()
     if where in _pages_said:
         return
     _pages_said.add(where)
@@ -143,21 +141,19 @@ def _say_page_size() -> None:
                  "pages (fewer to pin for a GPU): `shmkv check` says more", where, pages.how)
 
 
-def _check_segment_dir_parents() -> None:
-    """SHMKV_SEGMENT_DIR's parent directories must be ones no other user can
-    change (the directory itself the core checks: ours, 0700, a tmpfs):
-    otherwise another user could swap a parent and point us at another
-    directory between two opens. Once per process and value."""
-    from shmkv.names import SEGMENT_DIR_ENV
+def _check_segment_dir_parents(where: str) -> None:
+    """The segment directory's parents must be ones no other user can change
+    (the directory itself the core checks: ours, 0700, a tmpfs): otherwise
+    another user could swap a parent and point us at another directory
+    between two opens. Once per process and directory."""
     from shmkv.paths import check_trusted_dir
 
-    where = os.environ.get(SEGMENT_DIR_ENV)
     if not where or where in _checked_segment_dirs or not os.path.isabs(where):
         return  # unset: POSIX shm; relative: the core refuses it, naming it
     try:
         check_trusted_dir(os.path.dirname(os.path.normpath(where)) or "/")
     except PermissionDeniedError as e:
-        raise PermissionDeniedError(f"{SEGMENT_DIR_ENV}={where}: {e}") from None
+        raise PermissionDeniedError(f"segment_dir={where}: {e}") from None
     _checked_segment_dirs.add(where)
 
 class Store:
@@ -168,10 +164,11 @@ class Store:
     while waiting for it).
     """
 
-    def __init__(self, table: Any, outcome: OpenOutcome) -> None:
+    def __init__(self, table: Any, outcome: OpenOutcome, segment_dir: str) -> None:
         self._t = table
         self.outcome = outcome
         self.name: str = table.name
+        self.segment_dir = segment_dir  # "" = POSIX shm (/dev/shm)
         self._reserver: threading.Thread | None = None
         self._stop_reserving = threading.Event()
         self._reserve_ended = threading.Event()
@@ -180,23 +177,26 @@ class Store:
     @classmethod
     def _open(cls, name: str, mode: int, geometry: SegmentGeometry, populate: bool,
               lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, init_wait_s: float = INIT_WAIT_S,
-              background_reserve: bool = True) -> Store:
+              background_reserve: bool = True, segment_dir: str | None = None) -> Store:
+        from shmkv.names import segment_dir_or_default, segments_dir
+
+        where = segment_dir_or_default(segment_dir)
         g = geometry
         g.check()
         if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, (int, float)) \
                 or not LOCK_TIMEOUT_S[0] <= lock_timeout_s <= LOCK_TIMEOUT_S[1]:
             raise InvalidArgumentError(f"lock_timeout_s={lock_timeout_s!r}: expected seconds in "
                                        f"[{LOCK_TIMEOUT_S[0]:g}, {LOCK_TIMEOUT_S[1]:g}]")
-        _check_segment_dir_parents()
+        _check_segment_dir_parents(where)
         code, msg, table, outcome = _C.open_table(
-            name, mode, g.capacity_bytes, g.max_payload_bytes, g.alignment,
+            name, where, mode, g.capacity_bytes, g.max_payload_bytes, g.alignment,
             g.max_entries, g.max_leases, g.max_procs, populate, float(lock_timeout_s), float(init_wait_s),
         )
         if code:
             _raise(code, msg)
-        store = cls(table, OpenOutcome(outcome))
+        store = cls(table, OpenOutcome(outcome), where)
         if store.outcome is not OpenOutcome.ATTACHED:  # whoever makes (or remakes) the segment says its pages
-            _say_page_size()
+            _say_page_size(segments_dir(where))
         st = table.stats()
         if background_reserve and st["arena_reserved_bytes"] < st["arena_bytes"]:
             store._reserver = threading.Thread(target=store._reserve_rest, args=(populate,),
@@ -215,41 +215,49 @@ class Store:
     @classmethod
     def create(cls, name: str, capacity_bytes: int, *, populate: bool = True,
                lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, init_wait_s: float = INIT_WAIT_S,
-               background_reserve: bool = True, **geometry: int) -> Store:
+               background_reserve: bool = True, segment_dir: str | None = None, **geometry: int) -> Store:
         """Create a fresh, empty segment. A stale one (no live process
         attached) is re-initialised; a live one raises SegmentExistsError.
         `lock_timeout_s` bounds every wait for the table lock (module doc);
         `init_wait_s` the wait for another process initialising the segment
         (then LockTimeoutError naming it); `background_reserve`: reserve
         the rest of the arena in a thread of this process (module doc; off:
-        only the first part is usable until someone calls reserve_more)."""
+        only the first part is usable until someone calls reserve_more).
+        `segment_dir`: the directory the segment lives in, "" for POSIX shm
+        (/dev/shm); None: the segment_dir setting of this process's
+        environment (SHMKV_SEGMENT_DIR). The same for every opener below."""
         return cls._open(name, _MODE_CREATE, SegmentGeometry(capacity_bytes, **geometry), populate,
-                         lock_timeout_s, init_wait_s, background_reserve)
+                         lock_timeout_s, init_wait_s, background_reserve, segment_dir)
 
     @classmethod
     def attach(cls, name: str, *, populate: bool = True, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
-               init_wait_s: float = INIT_WAIT_S, background_reserve: bool = True) -> Store:
+               init_wait_s: float = INIT_WAIT_S, background_reserve: bool = True,
+               segment_dir: str | None = None) -> Store:
         """Attach to an existing segment, live or stale, whatever its geometry
         (read from it; a stale one is adopted with its chunks). Raises
         SegmentNotFoundError or SegmentMismatchError (nothing written)."""
         return cls._open(name, _MODE_ATTACH, SegmentGeometry(1 << 20), populate, lock_timeout_s, init_wait_s,
-                         background_reserve)
+                         background_reserve, segment_dir)
 
     @classmethod
     def open_or_create(cls, name: str, capacity_bytes: int, *, populate: bool = True,
                        lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, init_wait_s: float = INIT_WAIT_S,
-                       background_reserve: bool = True, **geometry: int) -> Store:
+                       background_reserve: bool = True, segment_dir: str | None = None,
+                       **geometry: int) -> Store:
         """Attach if a segment with this geometry exists, else create it. A
         live segment with another geometry raises SegmentMismatchError naming
         the differences; a stale one is adopted if it matches (its chunks
         survive), else re-initialised."""
         return cls._open(name, _MODE_OPEN_OR_CREATE, SegmentGeometry(capacity_bytes, **geometry),
-                         populate, lock_timeout_s, init_wait_s, background_reserve)
+                         populate, lock_timeout_s, init_wait_s, background_reserve, segment_dir)
 
     @staticmethod
-    def unlink(name: str, *, missing_ok: bool = True) -> bool:
-        """Remove the segment's name. Attached processes keep their mapping."""
-        code, msg = _C.unlink(name)
+    def unlink(name: str, *, missing_ok: bool = True, segment_dir: str | None = None) -> bool:
+        """Remove the segment's name (in `segment_dir`, as for create).
+        Attached processes keep their mapping."""
+        from shmkv.names import segment_dir_or_default
+
+        code, msg = _C.unlink(name, segment_dir_or_default(segment_dir))
         if code == Status.NOT_FOUND and missing_ok:
             return False
         if code:

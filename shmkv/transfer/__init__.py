@@ -6,7 +6,9 @@ import anywhere here):
     gpu.py            the segment registered with CUDA (pinned, mapped)
     items.py          units as windows of block ids
     streams.py        CPU and CUDA copy streams and events
-    engine.py         loads, stores and their bookkeeping (TransferEngine)
+    engine.py         the façade (TransferEngine): what both directions share, loads after stores
+    loads.py          loads: leases, issue-ahead by layer, compressed decode, completion
+    stores.py         stores: reservations, gathers, commit or abort, ordering the compute after them
 
 May import the store, the chunk format (shmkv.tiers.format) and
 shmkv._C/_C_cuda; never the tier chain, the services or the integrations.

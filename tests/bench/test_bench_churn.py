@@ -18,7 +18,7 @@ import json
 import pytest
 
 from shmkv.bench import churn_bench
-from shmkv.bench.engine_forks import fork_engine
+from shmkv.engines.forks import fork_engine
 
 pytestmark = pytest.mark.slow
 

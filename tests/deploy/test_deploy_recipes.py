@@ -32,7 +32,7 @@ import yaml
 from helpers import E2E_TOKENS, REPO, check_loaded_bytes_equal_stored, random_prompt
 
 from shmkv import Store
-from shmkv.bench.engines import container_argv, signal_container
+from shmkv.engines.engine import container_argv, signal_container
 
 DEPLOY = os.path.join(REPO, "deploy")
 COMPOSE = os.path.join(DEPLOY, "compose.yaml")

@@ -54,7 +54,7 @@ if args.get("ext_dir"):  # the real attach path, when this interpreter can load 
     sys.path.insert(0, args["ext_dir"])
     try:
         import _C
-        code, msg, table, _ = _C.open_table(args["cache"], 1, 1 << 20, 0, 4096, 0, 0, 256, False)
+        code, msg, table, _ = _C.open_table(args["cache"], "", 1, 1 << 20, 0, 4096, 0, 0, 256, False)
         out["attach_code"], out["attach_message"] = code, msg
     except ImportError as e:
         out["attach_code"] = "no extension: " + str(e)
@@ -158,7 +158,7 @@ def test_a_container_of_another_uid_is_told_which_uid_owns_the_cache(cache_name,
         os.mkdir(d, 0o700)
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "shmkv-segments", d], check=True)
         monkeypatch.setenv("SHMKV_SEGMENT_DIR", d)
-        what = f"SHMKV_SEGMENT_DIR={d}"
+        what = f"segment_dir={d}"
     try:
         with Store.create(cache_name, 8 << 20, populate=False):
             r = as_nobody(ATTACH, cache_name, REPO)

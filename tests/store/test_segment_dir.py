@@ -53,7 +53,7 @@ def test_a_directory_that_is_not_safe_memory_is_refused_naming_it(cache_name, tm
     expected = {"group-readable": PermissionDeniedError, "not-tmpfs": InvalidArgumentError,
                 "relative": InvalidArgumentError, "missing": SegmentNotFoundError}[bad]
     try:
-        with pytest.raises(expected, match=re.escape("SHMKV_SEGMENT_DIR=" + path)):
+        with pytest.raises(expected, match=re.escape("segment_dir=" + path)):
             Store.create(cache_name, 8 << 20, populate=False)
     finally:
         if bad == "group-readable":
@@ -71,7 +71,7 @@ def test_a_directory_under_a_parent_others_can_change_is_refused(cache_name, tmp
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "shmkv-segments", str(d)], check=True)
     monkeypatch.setenv("SHMKV_SEGMENT_DIR", str(d))
     try:
-        with pytest.raises(PermissionDeniedError, match=re.escape(f"SHMKV_SEGMENT_DIR={d}: {parent}: ")):
+        with pytest.raises(PermissionDeniedError, match=re.escape(f"segment_dir={d}: {parent}: ")):
             Store.create(cache_name, 8 << 20, populate=False)
         assert os.listdir(d) == [], "refused before anything is created"
     finally:
@@ -132,3 +132,37 @@ def test_containers_sharing_only_the_segment_directory_share_the_cache(segment_d
         a.kill9()
         wait_until(lambda: s.stats()["processes_attached"] == 1, "the killed container's process exited")
         assert s.reclaim()["leases"] == 1
+
+
+def test_one_process_opens_two_caches_in_two_directories(cache_name, tmp_path, monkeypatch):
+    """The directory is an argument, not this process's environment: two
+    caches of the same name in two directories (and one in /dev/shm) are
+    three segments, each opened, read and removed through its own directory,
+    whatever SHMKV_SEGMENT_DIR says meanwhile."""
+    dirs = []
+    for n in ("a", "b"):
+        d = tmp_path / n
+        d.mkdir(mode=0o700)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "shmkv-segments", str(d)], check=True)
+        dirs.append(str(d))
+    monkeypatch.setenv("SHMKV_SEGMENT_DIR", str(tmp_path / "nowhere"))  # what a call naming its directory ignores
+    try:
+        stores = [Store.create(cache_name, 8 << 20, populate=False, segment_dir=d) for d in (*dirs, "")]
+        try:
+            for i, s in enumerate(stores):
+                assert s.put(key(1), payload_for(key(i), 4096)) is PutResult.OK
+            for i, d in enumerate((*dirs, "")):
+                assert os.stat(os.path.join(d or "/dev/shm", cache_name)).st_mode & 0o777 == 0o600
+                with Store.attach(cache_name, populate=False, segment_dir=d) as t:
+                    assert t.segment_dir == d and bytes(t.get(key(1))) == payload_for(key(i), 4096), d
+        finally:
+            for s in stores:
+                s.close()
+        for d in (*dirs, ""):
+            assert Store.unlink(cache_name, segment_dir=d)
+            assert not os.path.exists(os.path.join(d or "/dev/shm", cache_name))
+        with pytest.raises(SegmentNotFoundError, match=re.escape(f"segment_dir={tmp_path / 'nowhere'}")):
+            Store.attach(cache_name, populate=False)  # no directory named: the setting's (the environment's)
+    finally:
+        for d in dirs:
+            subprocess.run(["umount", "-l", d], check=False)

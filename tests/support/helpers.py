@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import pytest
 import xxhash
 
-from shmkv.bench.engines import container_argv
-from shmkv.bench.vllm_server import VllmServer
+from shmkv.engines.engine import container_argv
+from shmkv.engines.vllm_server import VllmServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

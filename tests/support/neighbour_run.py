@@ -6,6 +6,10 @@ as `python neighbour_run.py WORKDIR MODEL_DIR` in a mount namespace with a
     what vLLM's processes make while they start (a named semaphore of
     multiprocessing's spawn context, a message queue in /dev/shm) when told,
     and later starts a worker that opens both by name, as vLLM's workers do;
+    and what a neighbour's engine harness and shmkv make meanwhile (a child
+    whose TMPDIR is a new directory in the run's temporary directory, a
+    segment it maps, that cache's registry file and a weights board it maps
+    in the runtime directory);
   * a nested pytest session with the suite's leftovers plugin, whose one test
     starts a vLLM engine through the harness, kills it, and then, in the
     run's last moments, has the neighbour make its files;
@@ -36,7 +40,7 @@ INNER_TEST = '''
 import os
 import random
 
-from shmkv.bench.engines import EngineProcess, EngineSpec
+from shmkv.engines.engine import EngineProcess, EngineSpec
 
 
 def test_a_killed_engine_leaves_nothing_while_a_neighbour_starts(tmp_path):
@@ -66,15 +70,37 @@ def _worker(lock, psm_name: str, conn) -> None:  # noqa: ANN001 - multiprocessin
 
 def neighbour() -> None:
     """The neighbour: reads commands on stdin, answers one JSON line each."""
+    import mmap
+
+    from shmkv import Store
+
     ctx = mp.get_context("spawn")
-    lock = shm = None
+    lock = shm = store = child = board = None
+    made: list[str] = []
     for line in sys.stdin:
-        cmd = line.strip()
-        if cmd == "make":
+        cmd, *args = line.split()
+        if cmd == "make":  # make TMP RUNTIME_DIR
+            tmp, runtime = args
             lock = ctx.Lock()
             shm = shared_memory.SharedMemory(create=True, size=64)
             shm.buf[0] = 42
             answer = {"sem": "sem." + lock._semlock.name.lstrip("/"), "psm": shm.name}
+            engine_tmp = tempfile.mkdtemp(prefix="shmkv-engine-tmp-", dir=tmp)  # an engine's, as the harness's
+            child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                                     env={**os.environ, "TMPDIR": engine_tmp})
+            cache = f"shmkv-neighbour-{os.getpid()}"
+            store = Store.create(cache, 8 << 20, populate=False, segment_dir="")
+            registry = os.path.join(runtime, cache + ".engines.jsonl")
+            with open(registry, "w") as f:
+                f.write("{}\n")
+            board_path = os.path.join(runtime, "weights-board.neighbour.0")
+            with open(board_path, "wb") as f:
+                f.write(b"\0" * 4096)
+            with open(board_path, "r+b") as f:
+                board = mmap.mmap(f.fileno(), 4096)
+            made = [engine_tmp, registry, board_path]
+            answer.update(segment=cache, engine_tmp=os.path.basename(engine_tmp),
+                          runtime_files=sorted(os.path.basename(p) for p in made[1:]))
         elif cmd == "worker":
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(lock, shm.name, child))
@@ -90,6 +116,18 @@ def neighbour() -> None:
             if shm is not None:
                 shm.close()
                 shm.unlink()
+            if child is not None:
+                child.stdin.close()
+                child.wait(timeout=60)
+            if board is not None:
+                board.close()
+            if store is not None:
+                store.close()
+                Store.unlink(store.name, segment_dir="")
+            if made:
+                shutil.rmtree(made[0], ignore_errors=True)
+                for p in made[1:]:
+                    os.unlink(p)
             print(json.dumps({"bye": True}), flush=True)
             return
         print(json.dumps(answer), flush=True)
@@ -126,20 +164,21 @@ def main(workdir: str, model_dir: str) -> None:
     os.close(made_r)
     # the run's test in its last moments, or the run ended first (EOF)
     reached = os.read(near_end_r, 64) == b"near the end"
-    files = ask("make") if reached else {}
+    files = ask(f"make {tmp} {runtime}") if reached else {}
     if reached:
         os.write(made_w, b"made")
     os.close(made_w)
     out, _ = run.communicate(timeout=600)
     os.close(near_end_r)
     left_in_tmp = sorted(os.listdir(tmp))
-    shutil.rmtree(tmp, ignore_errors=True)
+    runtime_after_run = sorted(os.listdir(runtime))
     after_run = sorted(os.listdir("/dev/shm"))
     worker = ask("worker") if reached else {}
     ask("quit")
+    shutil.rmtree(tmp, ignore_errors=True)
     nb.wait(timeout=60)
     print(json.dumps({"run_exit": run.returncode, "run_tail": out[-3000:], "neighbour_files": files,
-                      "left_in_tmp": left_in_tmp,
+                      "left_in_tmp": left_in_tmp, "runtime_after_run": runtime_after_run,
                       "worker": worker, "shm_before": before, "shm_after_run": after_run,
                       "shm_at_end": sorted(os.listdir("/dev/shm"))}))
 

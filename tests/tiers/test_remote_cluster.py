@@ -68,7 +68,7 @@ def test_a_byte_budget_on_a_cluster_is_refused(store, redis_cluster):
 
 @pytest.fixture
 def replicated_cluster(tmp_path):
-    from shmkv.bench.redis_server import PrivateRedisCluster
+    from shmkv.engines.redis_server import PrivateRedisCluster
 
     cluster = PrivateRedisCluster(str(tmp_path), masters=3, replicas=1)
     yield cluster

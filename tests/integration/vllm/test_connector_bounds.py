@@ -23,7 +23,7 @@ def test_planners_and_roots_are_bounded(cache_name, tmp_path, monkeypatch, caplo
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from shmkv.bench.models import write_llama
+    from shmkv.engines.models import write_llama
     from shmkv.integration.vllm.connector import ShmKVConnector
 
     monkeypatch.setattr(sched_mod, "MAX_PLANNERS", 4)

@@ -159,7 +159,7 @@ def test_a_mamba_group_turns_the_connector_off_and_vllm_serves_as_usual(cache_na
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    from shmkv.bench.models import write_llama
+    from shmkv.engines.models import write_llama
     from shmkv.integration.vllm.connector import ShmKVConnector, ShmKVMetadata
 
     mc = ModelConfig(model=write_llama(str(tmp_path / "model")), skip_tokenizer_init=True, dtype="bfloat16",

@@ -46,7 +46,7 @@ def shmkv_log(caplog):
 
 def test_an_off_worker_answers_vllms_protocol_and_its_report_turns_the_engine_off(cache_name, tmp_path,
                                                                                    shmkv_log, monkeypatch):
-    from shmkv.bench.models import write_llama
+    from shmkv.engines.models import write_llama
 
     monkeypatch.setenv(WORKER_OFF, "a worker-only reason")
     vc = engine_config(write_llama(str(tmp_path / "model")), cache_name)
@@ -93,7 +93,7 @@ def test_an_off_worker_answers_vllms_protocol_and_its_report_turns_the_engine_of
 
 
 def test_a_rank_that_does_not_report_turns_the_engine_off(cache_name, tmp_path, shmkv_log):
-    from shmkv.bench.models import write_llama
+    from shmkv.engines.models import write_llama
 
     vc = engine_config(write_llama(str(tmp_path / "model")), cache_name)
     vc.parallel_config.tensor_parallel_size = 2
@@ -112,7 +112,7 @@ def test_workers_that_serve_name_their_shape_sections_in_the_namespace(cache_nam
     from their reports the namespace names both shapes."""
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
-    from shmkv.bench.models import write_llama
+    from shmkv.engines.models import write_llama
 
     vc = engine_config(write_llama(str(tmp_path / "model")), cache_name)
     shapes = {"model.layers.0.self_attn.attn": (2, 64), "model.layers.1.self_attn.attn": (2, 64),

@@ -17,7 +17,7 @@ import pytest
 from helpers import REPO, segment_stat, wait_until
 
 from shmkv import Store
-from shmkv.bench.engine_forks import ForkedProcess, fork_module
+from shmkv.engines.forks import ForkedProcess, fork_module
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from helpers import E2E_TOKENS, Reference, check_loaded_bytes_equal_stored, random_prompt, read_digests
 
-from shmkv.bench.models import TinyLlama, write_llama
+from shmkv.engines.models import TinyLlama, write_llama
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ import pytest
 from helpers import random_prompt
 
 from shmkv import Store
-from shmkv.bench.models import write_hybrid
 from shmkv.config import load_config
+from shmkv.engines.models import write_hybrid
 from shmkv.services.maintainer import Maintainer
 from shmkv.testing import EVICT_BEFORE_LOAD, SKIP_LOAD_LAYERS
 from shmkv.tiers import open_tiers

@@ -10,7 +10,7 @@ import pytest
 from helpers import random_prompt
 
 from shmkv import Store
-from shmkv.bench.models import write_hybrid
+from shmkv.engines.models import write_hybrid
 from shmkv.errors import SegmentNotFoundError
 
 pytestmark = pytest.mark.slow

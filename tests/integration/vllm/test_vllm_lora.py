@@ -15,7 +15,7 @@ import pytest
 from helpers import E2E_TOKENS, random_prompt
 
 from shmkv.bench.greedy import first_difference
-from shmkv.bench.models import write_lora
+from shmkv.engines.models import write_lora
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import pytest
 from helpers import random_prompt, read_digests
 from vllm_host import mla_backends
 
-from shmkv.bench.engines import TP2_ON_TWO_CORES
+from shmkv.engines.engine import TP2_ON_TWO_CORES
 
 pytestmark = pytest.mark.slow
 

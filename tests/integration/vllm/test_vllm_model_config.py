@@ -13,7 +13,7 @@ import os
 import pytest
 from helpers import random_prompt
 
-from shmkv.bench.models import TEST_MODEL, write_llama
+from shmkv.engines.models import TEST_MODEL, write_llama
 
 pytestmark = pytest.mark.slow
 

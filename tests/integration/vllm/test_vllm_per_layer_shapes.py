@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from helpers import E2E_TOKENS, check_loaded_bytes_equal_stored, random_prompt
 
-from shmkv.bench.models import write_decilm
+from shmkv.engines.models import write_decilm
 
 pytestmark = pytest.mark.slow
 

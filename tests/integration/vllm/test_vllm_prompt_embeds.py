@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from helpers import E2E_TOKENS
 
-from shmkv.bench.models import TEST_MODEL
+from shmkv.engines.models import TEST_MODEL
 
 pytestmark = pytest.mark.slow
 

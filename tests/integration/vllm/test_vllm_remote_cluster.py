@@ -15,7 +15,7 @@ from helpers import random_prompt
 from redis.cluster import RedisCluster
 
 from shmkv import Store
-from shmkv.bench.redis_server import PrivateRedisCluster
+from shmkv.engines.redis_server import PrivateRedisCluster
 from shmkv.namespaces import known
 from shmkv.tiers.remote.tier import chunk_key
 

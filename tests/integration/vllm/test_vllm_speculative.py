@@ -20,7 +20,7 @@ import re
 import pytest
 from helpers import check_loaded_bytes_equal_stored, random_prompt
 
-from shmkv.bench.models import TinyLlama, write_eagle, write_eagle3, write_llama, write_llama_wide_heads
+from shmkv.engines.models import TinyLlama, write_eagle, write_eagle3, write_llama, write_llama_wide_heads
 from shmkv.testing import SKIP_LOAD_LAYERS
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 from helpers import random_prompt
 
-from shmkv.bench.models import TinyLlama, write_llama
+from shmkv.engines.models import TinyLlama, write_llama
 from shmkv.testing import WORKER_OFF
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 from helpers import random_prompt, read_digests
 
-from shmkv.bench.engines import TP2_ON_TWO_CORES
+from shmkv.engines.engine import TP2_ON_TWO_CORES
 from shmkv.testing import EVICT_BEFORE_LOAD
 
 pytestmark = pytest.mark.slow

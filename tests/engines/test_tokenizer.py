@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from shmkv.bench.models import TIMING_MODEL, word, words, write_tokenizer
+from shmkv.engines.models import TIMING_MODEL, word, words, write_tokenizer
 
 
 def test_words_read_back_as_their_token_ids(tmp_path):

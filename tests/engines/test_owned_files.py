@@ -1,4 +1,4 @@
-"""Cleanup by ownership (shmkv.bench.owned_files): what a killed process
+"""Cleanup by ownership (shmkv.engines.owned_files): what a killed process
 group held in /dev/shm and put in its own temporary directory is removed;
 what a neighbour made meanwhile under the same kinds of names stays, and so
 does a name that holds another file by the time of the removal."""
@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from shmkv.bench.owned_files import OwnedFiles, group_pids, shm_files_of, unremoved
+from shmkv.engines.owned_files import OwnedFiles, group_pids, shm_files_of, unremoved
 
 # A process that makes what vLLM's processes make: a message queue (psm_*), a named semaphore that a
 # spawned child must open by name (sem.mp-*), a file in the temporary directory; then says their names.
@@ -187,7 +187,7 @@ def test_end_kills_a_group_its_harness_never_ended_and_removes_its_files():
 
 
 def test_an_engine_that_fails_to_launch_leaves_no_directory(tmp_path):
-    from shmkv.bench.engines import EngineProcess, EngineSpec
+    from shmkv.engines.engine import EngineProcess, EngineSpec
 
     before = set(unremoved())
 
@@ -208,7 +208,7 @@ def test_the_fork_server_outlives_the_engine_whose_environment_started_it():
     directory of its own: ending that engine's group (its TMPDIR's users
     too) leaves the server serving the next engine, and nothing the server
     writes makes that engine's directory again."""
-    from shmkv.bench import engine_forks
+    from shmkv.engines import forks as engine_forks
 
     o = OwnedFiles("test")
     # a server of this test's own (PYTHONPATH is part of a server's key): started by this engine's environment
@@ -237,7 +237,7 @@ def test_the_fork_server_outlives_the_engine_whose_environment_started_it():
 
 
 def test_a_fork_server_that_fails_to_start_leaves_no_directory(tmp_path, monkeypatch):
-    from shmkv.bench import engine_forks
+    from shmkv.engines import forks as engine_forks
 
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from shmkv.bench.vllm_server import RoundRobinProxy, StickyRouter
+from shmkv.engines.vllm_server import RoundRobinProxy, StickyRouter
 
 
 class _Named(BaseHTTPRequestHandler):

@@ -21,7 +21,7 @@ arguments) and environment as JSON, with four file descriptors passed
 alongside (SCM_RIGHTS): the child's stdin, stdout and stderr, and a pipe for
 its exit status. The forked child becomes its own session (its process
 group is its pid, as with start_new_session), puts those on fds 0, 1 and 2,
-sets its environment and serves exactly as `python -m shmkv.bench.engines`
+sets its environment and serves exactly as `python -m shmkv.engines.engine`
 does (or runs the module). The server answers the child's pid; a thread of
 the server reaps it and writes its wait status to the status pipe, so the
 client's handle has a returncode as Popen's has (negative: the signal).
@@ -104,7 +104,7 @@ class ForkedProcess:
         return text[0], text[1]
 
     def wait_exited(self, timeout: float) -> bool:
-        """Whether the child exited within `timeout` s (shmkv.bench.process_groups asks)."""
+        """Whether the child exited within `timeout` s (shmkv.engines.process_groups asks)."""
         try:
             self.wait(timeout)
             return True
@@ -261,7 +261,7 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
     (or run the module), exit."""
     import runpy
 
-    from shmkv.bench.engines import EngineSpec, _serve
+    from shmkv.engines.engine import EngineSpec, _serve
 
     os.setsid()
     for target, fd in zip((0, 1, 2), fds):
@@ -381,7 +381,7 @@ def _serve_forks(fd: int) -> None:
     from vllm import LLM, SamplingParams  # noqa: F401
 
     import shmkv.integration.vllm.connector  # noqa: F401
-    from shmkv.bench import engines  # noqa: F401
+    from shmkv.engines import engine  # noqa: F401
 
     _preload()
     _warm()

@@ -9,10 +9,8 @@ prompt, and output checks that pass on garbage KV. Never use it here.)
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 
 
@@ -418,20 +416,3 @@ def write_lora(directory: str, seed: int, spec: TinyLlama = TEST_MODEL, rank: in
                    "lora_dropout": 0.0, "bias": "none", "target_modules": sorted(outs),
                    "base_model_name_or_path": "shmkv-tiny-llama"}, f, indent=2)
     return directory
-
-
-def ttft_args(prog: str, workdir: str) -> argparse.ArgumentParser:
-    """The options every TTFT benchmark takes (prompts, their length, --small, --workdir)."""
-    ap = argparse.ArgumentParser(prog=prog)
-    ap.add_argument("--prompts", type=int, default=3, help="distinct prompts per figure")
-    ap.add_argument("--prompt-tokens", type=int, default=3000)
-    ap.add_argument("--small", action="store_true", help="tiny model (quick check)")
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), workdir))
-    return ap
-
-
-def bench_model(a: argparse.Namespace) -> tuple[TinyLlama, str]:
-    """(spec, checkpoint directory) of the model a TTFT benchmark's options ask for."""
-    spec = TEST_MODEL if a.small else TIMING_MODEL
-    return spec, write_llama(os.path.join(a.workdir, "model-small" if a.small else "model"), spec)
-

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from shmkv.bench.engines import EngineProcess, EngineSpec
+from shmkv.engines.engine import EngineProcess, EngineSpec
 
 STUCK = r'''
 import sys, time
