@@ -311,7 +311,7 @@ def _measure_gpu() -> Finding:
         seg = segment_figures(1)
         w = worker_figures(2, 2048)
     except Exception as e:  # noqa: BLE001 - the measurement failing is the finding
-        return Finding("gpu copies", FAIL, f"{type(e).__name__}: {e}", "run `python -m shmkv.bench gpu` for the "
+        return Finding("gpu copies", FAIL, f"{type(e).__name__}: {e}", "run `shmkv bench gpu` for the "
                        "whole picture, and report it")
     data = {"register_s_per_gib": round(seg["register_s_per_gib"], 3),
             **{k: round(w[k], 1) for k in ("store_gbps", "load_gbps", "h2d_gbps", "d2h_gbps")}}

@@ -15,92 +15,32 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shmkv.config_values import (
+    CACHE_NAME_RULE,
+    check_cache_name,
+    parse_bool,
+    parse_choice,
+    parse_float,
+    parse_fraction,
+    parse_int,
+    parse_listen_setting,
+    parse_path,
+    parse_remote_url,
+    parse_size,
+    parse_uids,
+)
 from shmkv.errors import ConfigError
 from shmkv.keys import CHUNK_SIZE_MAX, CHUNK_SIZE_MIN
 from shmkv.names import CODEC_SETTINGS, LOSSY_FORMS, segments_dir
+from shmkv.testing import EVICT_BEFORE_LOAD, SKIP_LOAD_LAYERS, WORKER_OFF
 from shmkv.testing import PREFIX as TEST_PREFIX
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-               "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-               "tib": 1 << 40}
-
-
-MAX_SIZE = 1 << 62
-# SHMKV_* variables that are not settings: directories (shmkv.paths reads the runtime one, the core the segments' one)
+# SHMKV_* variables that are not settings (shmkv.paths reads the runtime directory's; the other allows an untested vLLM)
 ENV_NOT_SETTINGS = frozenset({"SHMKV_RUNTIME_DIR", "SHMKV_UNTESTED_VLLM"})
-
-
-def parse_size(key: str, value: Any) -> int:
-    """Bytes from an int or a string like '8GiB', '512 MiB', '2g'."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}={value!r}: expected a byte size such as 8GiB or 1073741824")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-        if not m or m.group(2).lower() not in _SIZE_UNITS:
-            raise ConfigError(f"{key}={value!r}: expected a byte size such as 8GiB, 512MiB or 1073741824")
-        exact = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
-        if not exact.is_integer() and exact < (1 << 20):  # 1.5 bytes; 1.5GiB is a size, 1.7 KB rounds
-            raise ConfigError(f"{key}={value!r}: not a whole number of bytes; expected a size such as 8GiB, "
-                              "512MiB or 1073741824")
-        n = int(exact)
-    if n <= 0:
-        raise ConfigError(f"{key}={value!r}: must be positive")
-    if n > MAX_SIZE:
-        raise ConfigError(f"{key}={value!r}: more than {MAX_SIZE >> 40} TiB is not a size shmkv can use")
-    return n
-
-
-def _parse_bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    s = str(value).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{key}={value!r}: expected true or false")
-
-
-def _parse_int(key: str, value: Any, lo: int, hi: int) -> int:
-    """An integer setting: an int, or a string of one (never 32.7 -> 32, nor True -> 1)."""
-    n: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-        n = int(value)
-    if n is None or not lo <= n <= hi:
-        raise ConfigError(f"{key}={value!r}: expected an integer in [{lo}, {hi}]")
-    return n
-
-
-def _parse_float(key: str, value: Any, ok: Any, expected: str) -> float:
-    """float(value) if ok(it), else ConfigError saying what was `expected`."""
-    try:
-        x = float(value) if not isinstance(value, bool) else None
-    except (TypeError, ValueError):
-        x = None
-    if x is None or not ok(x):
-        raise ConfigError(f"{key}={value!r}: expected {expected}")
-    return x
-
-
-def _parse_fraction(key: str, value: Any) -> float:
-    return _parse_float(key, value, lambda x: 0.0 <= x < 1.0, "a fraction in [0, 1)")
-
-
-def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
-    s = str(value).strip().lower()
-    if s not in choices:
-        raise ConfigError(f"{key}={value!r}: expected one of {', '.join(choices)}")
-    return s
-
 
 def default_capacity(segment_dir: str | None = None) -> int:
     """The capacity of a segment created with no explicit `capacity`: a
@@ -142,7 +82,6 @@ def _limits() -> dict[str, Any]:
 LIMITS = _limits()
 LOCK_TIMEOUT_S: tuple[float, float] = tuple(LIMITS["lock_timeout_s"])  # type: ignore[assignment]
 CACHE_NAME_MAX: int = LIMITS["cache_name_max"]
-CACHE_NAME_RULE = f"1-{CACHE_NAME_MAX} characters from [A-Za-z0-9._-], not starting with '.'"
 
 
 def _num(x: float) -> str:
@@ -158,32 +97,32 @@ def size_kind(zero: str = "") -> Kind:
 
 
 def int_kind(lo: int, hi: int) -> Kind:
-    return Kind(lambda k, v: _parse_int(k, v, lo, hi), f"an integer in [{lo}, {hi}]")
+    return Kind(lambda k, v: parse_int(k, v, lo, hi), f"an integer in [{lo}, {hi}]")
 
 
 def seconds_kind(lo: float, hi: float) -> Kind:
-    return Kind(lambda k, v: _parse_float(k, v, lambda x: lo <= x <= hi, f"seconds in [{_num(lo)}, {_num(hi)}]"),
+    return Kind(lambda k, v: parse_float(k, v, lambda x: lo <= x <= hi, f"seconds in [{_num(lo)}, {_num(hi)}]"),
                 f"seconds in [{_num(lo)}, {_num(hi)}]")
 
 
 def choice_kind(*choices: str, empty: str = "") -> Kind:
     """One of `choices`; `empty`: what the empty value means, if it is allowed."""
     if empty:
-        return Kind(lambda k, v: "" if v in (None, "") else _parse_choice(k, v, choices),
+        return Kind(lambda k, v: "" if v in (None, "") else parse_choice(k, v, choices),
                     f"{', '.join(choices)}, or empty ({empty})")
-    return Kind(lambda k, v: _parse_choice(k, v, choices), ", ".join(choices))
+    return Kind(lambda k, v: parse_choice(k, v, choices), ", ".join(choices))
 
 
-BOOL = Kind(lambda k, v: _parse_bool(k, v), "true or false (1/0, yes/no, on/off)")
-FRACTION = Kind(lambda k, v: _parse_fraction(k, v), "a fraction in [0, 1)")
-PATH = Kind(lambda k, v: _parse_path(k, v), "an absolute path, or empty")
+BOOL = Kind(lambda k, v: parse_bool(k, v), "true or false (1/0, yes/no, on/off)")
+FRACTION = Kind(lambda k, v: parse_fraction(k, v), "a fraction in [0, 1)")
+PATH = Kind(lambda k, v: parse_path(k, v), "an absolute path, or empty")
 TEXT = Kind(lambda k, v: str(v), "text")
-NAME = Kind(lambda k, v: _check_name(k, v), CACHE_NAME_RULE)
-LISTEN = Kind(lambda k, v: _parse_listen(k, v), "a loopback HOST:PORT (port 0 picks one) or unix:/absolute/path")
-REMOTE_URL = Kind(lambda k, v: _parse_remote_url(k, v),
+NAME = Kind(lambda k, v: check_cache_name(k, v), CACHE_NAME_RULE)
+LISTEN = Kind(lambda k, v: parse_listen_setting(k, v), "a loopback HOST:PORT (port 0 picks one) or unix:/absolute/path")
+REMOTE_URL = Kind(lambda k, v: parse_remote_url(k, v),
                   "redis://, rediss:// or unix:// URL, a comma-separated list of a cluster's seed URLs, or empty")
-UIDS = Kind(lambda k, v: _parse_uids(k, v), "uids, as a list or comma-separated (1000,1001)")
-SEGMENT_DIR = Kind(lambda k, v: _parse_path(k, v),
+UIDS = Kind(lambda k, v: parse_uids(k, v), "uids, as a list or comma-separated (1000,1001)")
+SEGMENT_DIR = Kind(lambda k, v: parse_path(k, v),
                    "an absolute path of a directory of this uid, mode 0700, on a tmpfs; or empty (/dev/shm)")
 
 
@@ -318,117 +257,26 @@ def settings_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-def _parse_path(key: str, value: Any) -> str:
-    """An absolute path (~ expanded), or empty: a relative one would depend
-    on the directory each process happens to start in."""
-    s = os.path.expanduser(str(value).strip()) if value is not None else ""
-    if not s:
-        return ""
-    if "\0" in s or not os.path.isabs(s):
-        raise ConfigError(f"{key}={value!r}: expected an absolute path (or empty), not one relative to the "
-                          "directory a process starts in")
-    return s
+# Settings that existed once: what a configuration still naming one is told instead of "unknown"
+RETIRED = {
+    f"debug_{v[len(TEST_PREFIX):].lower()}": f"a test-only fault, now the environment variable {v} (shmkv/testing.py); "
+                                             "remove it from the configuration"
+    for v in (SKIP_LOAD_LAYERS, EVICT_BEFORE_LOAD, WORKER_OFF)
+}
 
 
-def _parse_remote_url(key: str, value: Any) -> str:
-    s = str(value).strip()
-    bad = next((i for i, c in enumerate(s) if c.isspace() or not c.isprintable()), None)
-    if bad is not None:
-        raise ConfigError(f"{key}: {s[bad]!r} at character {bad} of the URL; a URL holds no space, newline or "
-                          "control character")
-    parts = [p.strip() for p in s.split(",")] if s else []
-    if any(not p.startswith(("redis://", "rediss://", "unix://")) for p in parts):
-        raise ConfigError(f"{redact_url(s)!r} for {key}: expected a redis://, rediss:// or unix:// URL, or a "
-                          "comma-separated list of a cluster's redis:// / rediss:// seed URLs (or empty)")
-    if len(parts) > 1 and (any(p.startswith("unix://") for p in parts)
-                           or len({p.partition("://")[0] for p in parts}) > 1):
-        raise ConfigError(f"{key}: the seed URLs of a cluster are all redis:// or all rediss://")
-    return ",".join(parts)
+def _unknown_settings_error(where: str, unknown: list[str], known: set[str]) -> ConfigError:
+    """The error for settings nobody defines: a retired one says what replaced it, a typo its closest name."""
+    import difflib
 
-
-def parse_listen(value: str) -> tuple[str, str, int]:
-    """("unix", path, 0) or ("tcp", address, port) of a controller address;
-    the host must be a loopback address. A name (localhost) comes back as the
-    one address both the daemon binds and clients connect to: its first IPv4
-    address, else its first address (a client that tried ::1 first while the
-    daemon bound 127.0.0.1 could reach whoever listens on [::1]:PORT)."""
-    import ipaddress
-    import socket
-
-    s = str(value).strip()
-    if "\x00" in s:
-        raise ConfigError(f"listen={value!r}: holds a NUL character")
-    if s.startswith("unix:"):
-        path = s[5:]
-        if not path.startswith("/"):
-            raise ConfigError(f"listen={value!r}: a unix socket needs an absolute path (unix:/run/...)")
-        return "unix", path, 0
-    host, sep, port_s = s.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not port_s.isdigit() or not 0 <= int(port_s) <= 65535 or not host:
-        raise ConfigError(f"listen={value!r}: expected HOST:PORT (loopback) or unix:/absolute/path")
-    try:
-        addrs = [ipaddress.ip_address(a[4][0].split("%")[0])
-                 for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)]
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"listen={value!r}: cannot resolve {host!r}: {e}") from e
-    if not addrs or not all(a.is_loopback for a in addrs):
-        raise ConfigError(f"listen={value!r}: the controller listens on loopback only (127.0.0.1, ::1, "
-                          "localhost) or on a unix socket; it has no authentication")
-    chosen = next((a for a in addrs if a.version == 4), addrs[0])
-    return "tcp", str(chosen), int(port_s)
-
-
-def _parse_listen(key: str, value: Any) -> str:
-    parse_listen(value)
-    return str(value).strip()
-
-
-def _parse_uids(key: str, value: Any) -> tuple[int, ...]:
-    """uids as a list or a comma-separated string ("1000,1001")."""
-    items = value if isinstance(value, (list, tuple)) else [x for x in str(value).split(",") if x.strip()]
-    return tuple(_parse_int(key, x.strip() if isinstance(x, str) else x, 0, (1 << 32) - 2) for x in items)
-
-
-# a query parameter whose name holds one of these carries a credential (redis-py: password,
-# ssl_password, ssl_keyfile_password; and any token, secret or key a client may take)
-_SECRET_PARAMS = ("pass", "pwd", "secret", "token", "auth", "cred", "key")
-
-
-def redact_url(url: str) -> str:
-    """A URL without any credential, for logs and answers: the password of
-    its userinfo and the value of every query parameter whose name speaks of
-    a credential (`password`, `ssl_password`, `ssl_keyfile_password`, a
-    token, a secret, a key) become ***."""
-    from urllib.parse import parse_qsl, urlencode, urlsplit
-
-    if "," in url:  # a cluster's seed list: each URL on its own
-        return ",".join(redact_url(u) for u in url.split(","))
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        creds, _, hostport = netloc.rpartition("@")
-        user = creds.split(":", 1)[0]
-        netloc = f"{user}:***@{hostport}" if ":" in creds else f"{user}@{hostport}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if any(w in k.lower() for w in _SECRET_PARAMS) else v) for k, v in pairs],
-                          safe="*")
-    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
-            + (f"#{parts.fragment}" if parts.fragment else ""))
-
-
-def _check_name(key: str, value: Any) -> str:
-    s = str(value)
-    from shmkv import _C
-
-    if not _C.valid_cache_name(s):  # the core's rule, the one every open checks
-        raise ConfigError(f"{key}={value!r}: expected {CACHE_NAME_RULE}")
-    return s
+    said = []
+    for k in unknown:
+        if k in RETIRED:
+            said.append(f"{k!r} is retired: {RETIRED[k]}")
+        else:
+            close = difflib.get_close_matches(str(k), sorted(known), n=1)
+            said.append(f"{k!r} is not a setting" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ConfigError(f"{where}{'; '.join(said)}; known: {', '.join(sorted(known))}")
 
 
 def load_config(explicit: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> ShmkvConfig:
@@ -463,7 +311,7 @@ def _layers(explicit: dict[str, Any] | None, env: dict[str, str] | None) -> list
 
     unknown = sorted(set(explicit) - known)
     if unknown:
-        raise ConfigError(f"unknown shmkv setting(s) {unknown}; known: {', '.join(sorted(known))}")
+        raise _unknown_settings_error("unknown shmkv setting(s): ", unknown, known)
     env_values = {k: env[env_name(k)] for k in known if env_name(k) in env}
     _warn_unknown_env(env, known)
 
@@ -494,7 +342,7 @@ def _read_config_file(path: str, known: set[str]) -> dict[str, Any]:
         raise ConfigError(f"config_file={path!r}: expected a mapping of settings at the top level")
     bad = sorted(set(loaded) - known)
     if bad:
-        raise ConfigError(f"config_file={path!r}: unknown setting(s) {bad}; known: {', '.join(sorted(known))}")
+        raise _unknown_settings_error(f"config_file={path!r}: unknown setting(s): ", bad, known)
     return loaded
 
 

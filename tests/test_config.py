@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shmkv.config import load_config, parse_size
+from shmkv.config import load_config
+from shmkv.config_values import parse_size
 from shmkv.errors import ConfigError
 
 
@@ -57,6 +58,15 @@ def test_unknown_keys_are_errors(tmp_path):
         load_config({"config_file": str(f)}, env={})
     with pytest.raises(ConfigError, match="cannot read"):
         load_config({"config_file": str(tmp_path / "missing.yaml")}, env={})
+
+
+def test_a_misspelt_or_retired_setting_is_told_what_it_should_be(tmp_path):
+    with pytest.raises(ConfigError, match=r"'capacty' is not a setting \(did you mean 'capacity'\?\)"):
+        load_config({"capacty": "1GiB"}, env={})
+    f = tmp_path / "old.yaml"
+    f.write_text("debug_worker_off: why\n")
+    with pytest.raises(ConfigError, match=r"'debug_worker_off' is retired: .*SHMKV_TEST_WORKER_OFF"):
+        load_config({"config_file": str(f)}, env={})
 
 
 @pytest.mark.parametrize("listen", ["0.0.0.0:7470", "[::]:7470", "192.0.2.1:7470", "10.1.2.3:80", "7470",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shmkv.config import redact_url
+from shmkv.config_values import redact_url
 
 
 @pytest.mark.parametrize("url, shown", [

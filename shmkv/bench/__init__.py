@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m shmkv.bench {store,kernels} [--json]`.
+"""Benchmarks, one module each: `shmkv bench NAME [--json]` (`shmkv bench --help` lists them).
 
 Each benchmark measures its baseline (memcpy, cudaMemcpy...) in the same run,
 so ratios are meaningful on whatever machine runs them.

@@ -33,7 +33,7 @@ from shmkv.store import FLAG_COMPRESSED
 
 
 def run(argv: list[str]) -> dict:
-    a = ttft_args("shmkv bench compress", "shmkv-bench-compress").parse_args(argv)
+    a = ttft_args("shmkv bench compress", "shmkv-bench-compress", __doc__).parse_args(argv)
     spec, model = bench_model(a)
     rng = random.Random(7)
 

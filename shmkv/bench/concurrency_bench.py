@@ -1,4 +1,4 @@
-"""`python -m shmkv.bench concurrency`: what shmkv costs on the two most
+"""`shmkv bench concurrency`: what shmkv costs on the two most
 common paths, measured with vLLM's own client and its own datasets at
 several `--max-concurrency` levels:
 
@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Any
 
-from shmkv.bench.serve_bench import COUNTERS, Run, Workload, _counters, _wait_stores
+from shmkv.bench.serve_bench import COUNTERS, Run, Workload, server_counters, wait_stores
 from shmkv.engines.vllm_server import NO_FORK_HELP, VllmServer
 
 DATASETS = ("random", "prefix_repetition")
@@ -54,12 +54,12 @@ def measure(run: Run, server: VllmServer, name: str, a: argparse.Namespace, conc
     client = run.client()
     if name == "prefix_repetition":  # the prefixes in vLLM's own cache first, untimed
         client.run_dataset(server.url, run.model, args, result, requests=requests, max_concurrency=concurrency)
-        _wait_stores([server])
-    before = _counters([server])
+        wait_stores([server])
+    before = server_counters([server])
     r = client.run_dataset(server.url, run.model, args, result, requests=requests, max_concurrency=concurrency,
                            metrics="ttft,tpot,e2el", percentiles="50,90,99")
-    _wait_stores([server])
-    after = _counters([server])
+    wait_stores([server])
+    after = server_counters([server])
     if r.get("completed") != requests:
         raise RuntimeError(f"{label}: vLLM's client completed {r.get('completed')} of {requests} requests; "
                            f"see {run.logs}")

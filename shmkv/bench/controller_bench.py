@@ -167,7 +167,8 @@ def _attack(url: str, owner_url: str, token: str, pid: int, uids: int, seconds: 
 
 
 def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="shmkv bench controller")
+    ap = argparse.ArgumentParser(prog="shmkv bench controller", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=20, help="requests per client")
     ap.add_argument("--idle", type=int, default=200, help="silent connections held open")

@@ -107,7 +107,8 @@ def _vllm_kv(workdir: str) -> list[bytes]:
 
 
 def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="shmkv bench disk")
+    ap = argparse.ArgumentParser(prog="shmkv bench disk", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--level", type=int, default=1, help="zstd level")
     ap.add_argument("--gauss-chunks", type=int, default=32)
     ap.add_argument("--chunk-mib", type=int, default=8)

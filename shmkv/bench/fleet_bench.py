@@ -110,7 +110,8 @@ def serve(engines: list[EngineProcess], rounds: list, router: str, progress: Any
 
 
 def run(argv: list[str]) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="shmkv bench fleet")
+    ap = argparse.ArgumentParser(prog="shmkv bench fleet", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=3)

@@ -36,7 +36,8 @@ CHUNK_TOKENS, CHUNKS = 256, 16
 
 
 def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="shmkv bench gpu")
+    ap = argparse.ArgumentParser(prog="shmkv bench gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--segment-gib", type=int, default=32, help="segment size for create/ready/register")
     ap.add_argument("--matmul", type=int, default=8192, help="matrix size of the compute-bound loop")

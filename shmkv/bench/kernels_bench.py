@@ -138,7 +138,8 @@ def bench_gpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: i
 
 
 def run(argv: list[str]) -> dict:
-    p = argparse.ArgumentParser(prog="shmkv bench kernels")
+    p = argparse.ArgumentParser(prog="shmkv bench kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)

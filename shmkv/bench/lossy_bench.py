@@ -34,7 +34,7 @@ from shmkv.services.controller import Controller
 
 
 def run(argv: list[str]) -> dict:
-    ap = ttft_args("shmkv bench lossy", "shmkv-bench-lossy")
+    ap = ttft_args("shmkv bench lossy", "shmkv-bench-lossy", __doc__)
     ap.add_argument("--max-tokens", type=int, default=32, help="greedy output tokens per prompt")
     a = ap.parse_args(argv)
     spec, model = bench_model(a)

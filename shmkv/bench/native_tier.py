@@ -1,6 +1,6 @@
 """vLLM's native offloading with a shared tier: one engine's scheduler side
 (vLLM's own TieringOffloadingManager, built from a plain OffloadingConfig: no
-model, no engine) per process, and `python -m shmkv.bench native-tier`.
+model, no engine) per process, and `shmkv bench native-tier`.
 
 Child process (used by the benchmark and tests/integration/vllm/test_native_tier.py):
 
@@ -178,7 +178,8 @@ def run(argv: list[str]) -> dict:
     import tempfile
     import uuid
 
-    ap = argparse.ArgumentParser(prog="shmkv bench native-tier")
+    ap = argparse.ArgumentParser(prog="shmkv bench native-tier", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=256, help="chunks of 256 KiB moved per round")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--disk-dir", default=os.path.join(tempfile.gettempdir(), "shmkv-bench-native-fs"),

@@ -11,7 +11,7 @@ SHMKV_SEGMENT_DIR in turn), in one run.
   mlock_s_per_gib    pinning the populated segment's pages in memory (mlock), the CPU side of
                      what cudaHostRegister does per GiB
 
-    python -m shmkv.bench pages --dirs /mnt/shmkv-huge,/mnt/shmkv-small --json
+    shmkv bench pages --dirs /mnt/shmkv-huge,/mnt/shmkv-small --json
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ NS = b"bench-namespace!"
 
 
 def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="shmkv bench remote")
+    ap = argparse.ArgumentParser(prog="shmkv bench remote", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="an existing Redis/Valkey (default: start a private one)")
     ap.add_argument("--chunk-mib", type=float, default=8.0)
     ap.add_argument("--chunks", type=int, default=24)

@@ -112,7 +112,8 @@ def default_size() -> int:
 
 
 def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="shmkv bench segment")
+    ap = argparse.ArgumentParser(prog="shmkv bench segment", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=int, default=0, help="segment size (default: 8, less if /dev/shm is small)")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)

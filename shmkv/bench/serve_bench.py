@@ -1,4 +1,4 @@
-"""`python -m shmkv.bench serve`: shmkv measured the way vLLM users measure
+"""`shmkv bench serve`: shmkv measured the way vLLM users measure
 it, with vLLM's own client (`vllm bench serve`) against `vllm serve`.
 
 Each arm runs against fresh servers, once with vLLM alone (its prefix cache
@@ -219,17 +219,17 @@ class Run:
         """Untimed requests, in turn over the servers from servers[first] (as the proxy would)."""
         for i, p in enumerate(prompts):
             servers[(first + i) % len(servers)].complete(p, max_tokens=self.w.output_tokens)
-        _wait_stores(servers)
+        wait_stores(servers)
 
     def measure(self, servers: list[VllmServer], url: str, prompts: list[list[int]], label: str) -> dict[str, Any]:
         """The prompts through vLLM's client, one at a time; its figures and
         the servers' counters over exactly these requests."""
         dataset = self.dataset([{"prompt": words(p)} for p in prompts], label)
         self.warm_up(servers)
-        before = _counters(servers)
+        before = server_counters(servers)
         r = self.client().run(url, self.model, dataset, dataset[:-6] + ".result.json", requests=len(prompts),
                               output_tokens=self.w.output_tokens)
-        after = _counters(servers)
+        after = server_counters(servers)
         if r.get("completed") != len(prompts):
             raise RuntimeError(f"{label}: vLLM's client completed {r.get('completed')} of {len(prompts)} "
                                f"requests; see {self.logs}")
@@ -263,7 +263,7 @@ class Run:
             u = self.fresh(1, self.w.prefix_tokens)[0]
             for q in self.fresh(2, self.w.suffix_tokens):
                 srv.complete(u + q, max_tokens=self.w.output_tokens)
-        _wait_stores(servers)
+        wait_stores(servers)
 
     def asked(self, prefixes: list[list[int]]) -> list[list[int]]:
         """Each prefix with a new question (suffix) after it."""
@@ -393,7 +393,7 @@ def _v(shmkv: bool) -> str:
     return "shmkv" if shmkv else "vllm"
 
 
-def _counters(servers: list[VllmServer]) -> dict[str, float]:
+def server_counters(servers: list[VllmServer]) -> dict[str, float]:
     out = dict.fromkeys(COUNTERS, 0.0)
     for s in servers:
         totals = s.totals(list(COUNTERS.values()))
@@ -406,18 +406,18 @@ def _as_fresh(servers: list[VllmServer], arm: str) -> None:
     """Servers kept from an earlier arm, as a fresh server holds the arm's
     prompts in vLLM's own cache (nothing): their stores landed, then vLLM's
     prefix cache reset."""
-    _wait_stores(servers)
+    wait_stores(servers)
     for s in servers:
         if not s.post("/reset_prefix_cache").get("success", True):
             raise RuntimeError(f"{arm}: vLLM's prefix cache of a kept server would not reset; see {s.log_path}")
 
 
-def _wait_stores(servers: list[VllmServer], timeout_s: float = 60.0) -> None:
+def wait_stores(servers: list[VllmServer], timeout_s: float = 60.0) -> None:
     """Until the servers' stored-token counters stop moving (their stores are
     asynchronous): a warm-up's chunks are in the cache before what follows."""
     last, deadline = None, time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        now = _counters(servers)["shmkv_stored_tokens"]
+        now = server_counters(servers)["shmkv_stored_tokens"]
         if now == last:
             return
         last = now

@@ -198,7 +198,8 @@ def _stop_daemon(proc: subprocess.Popen, pid_namespace: bool) -> None:
 
 
 def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="shmkv bench soak")
+    ap = argparse.ArgumentParser(prog="shmkv bench soak", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--kill-every-ms", type=float, default=300.0, help="mean interval between kills")
@@ -288,5 +289,5 @@ def report(r: dict) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         sys.exit(worker(sys.argv[2], int(sys.argv[3])))
-    print("use: python -m shmkv.bench soak [--seconds N] [--json]", file=sys.stderr)
+    print("use: shmkv bench soak [--seconds N] [--json]", file=sys.stderr)
     sys.exit(2)

@@ -6,7 +6,7 @@ guard), then found in memory, found on disk, and lost (committed, in
 neither). `--spill-guard off` keeps the maintainer from renewing the guard:
 puts evict from the LRU tail whether spilled or not (shmkv before the guard).
 
-    python -m shmkv.bench spill [--paces 0,300,100,50] [--json]
+    shmkv bench spill [--paces 0,300,100,50] [--json]
 """
 
 from __future__ import annotations

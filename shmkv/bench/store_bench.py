@@ -99,7 +99,8 @@ def bench_lookup(repeats: int) -> dict[str, float]:
 
 
 def run(argv: list[str]) -> dict:
-    p = argparse.ArgumentParser(prog="shmkv bench store")
+    p = argparse.ArgumentParser(prog="shmkv bench store", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args(argv)
     big = bench_size(32 * MiB, 6, args.repeats)

@@ -1,4 +1,4 @@
-"""`python -m shmkv.bench trace`: a production request trace (Mooncake
+"""`shmkv bench trace`: a production request trace (Mooncake
 format; the conversation trace in shared/traces by default) replayed with
 vLLM's own client (`vllm bench serve`) against two `vllm serve` behind a
 proxy, `--max-concurrency` requests at a time at most: closed loop in trace
@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shmkv.bench import trace
-from shmkv.bench.serve_bench import COUNTERS, VLLM_BLOCK, Run, Workload, _counters
+from shmkv.bench.serve_bench import COUNTERS, VLLM_BLOCK, Run, Workload, server_counters
 from shmkv.bench.serve_client import CLIENT_HASH_SEED
 from shmkv.engines.models import TEST_MODEL, TIMING_MODEL, words, write_llama, write_tokenizer
 from shmkv.engines.vllm_server import NO_FORK_HELP, RoundRobinProxy, StickyRouter
@@ -197,13 +197,13 @@ class TraceRun(Run):
                     data_args = ["--dataset-name", "custom", "--dataset-path", dataset, "--disable-shuffle",
                                  "--custom-output-len", "-1"]
                 self.warm_up(servers)
-                before = _counters(servers)
+                before = server_counters(servers)
                 t0 = time.perf_counter()
                 r = self.client().run_dataset(proxy.url, self.model, data_args, result, requests=len(self.prompts),
                                               max_concurrency=self.a.max_concurrency, metrics="ttft,tpot,e2el",
                                               percentiles="50,90,99")
                 wall = time.perf_counter() - t0
-                after = _counters(servers)
+                after = server_counters(servers)
             finally:
                 proxy.close()
                 for s in servers:

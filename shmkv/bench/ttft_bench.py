@@ -30,7 +30,7 @@ from shmkv.tiers import open_tiers
 
 
 def run(argv: list[str]) -> dict:
-    a = ttft_args("shmkv bench ttft", "shmkv-bench-ttft").parse_args(argv)
+    a = ttft_args("shmkv bench ttft", "shmkv-bench-ttft", __doc__).parse_args(argv)
     spec, model = bench_model(a)
     rng = random.Random(1)
 

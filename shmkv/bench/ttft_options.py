@@ -10,9 +10,10 @@ import tempfile
 from shmkv.engines.models import TEST_MODEL, TIMING_MODEL, TinyLlama, write_llama
 
 
-def ttft_args(prog: str, workdir: str) -> argparse.ArgumentParser:
+def ttft_args(prog: str, workdir: str, description: str | None = None) -> argparse.ArgumentParser:
     """The options every TTFT benchmark takes (prompts, their length, --small, --workdir)."""
-    ap = argparse.ArgumentParser(prog=prog)
+    ap = argparse.ArgumentParser(prog=prog, description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=3, help="distinct prompts per figure")
     ap.add_argument("--prompt-tokens", type=int, default=3000)
     ap.add_argument("--small", action="store_true", help="tiny model (quick check)")

@@ -445,7 +445,7 @@ def _make_embeds(spec: dict[str, int]) -> Any:
     return e.to(torch.bfloat16)
 
 
-def _serve(spec: EngineSpec) -> None:
+def serve_engine(spec: EngineSpec) -> None:
     import logging
 
     from vllm import LLM, SamplingParams
@@ -558,4 +558,4 @@ def _serve(spec: EngineSpec) -> None:
 
 
 if __name__ == "__main__":
-    _serve(EngineSpec(**json.loads(sys.argv[1])))
+    serve_engine(EngineSpec(**json.loads(sys.argv[1])))

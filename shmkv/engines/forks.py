@@ -261,7 +261,7 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
     (or run the module), exit."""
     import runpy
 
-    from shmkv.engines.engine import EngineSpec, _serve
+    from shmkv.engines.engine import EngineSpec, serve_engine
 
     os.setsid()
     for target, fd in zip((0, 1, 2), fds):
@@ -282,7 +282,7 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
             sys.argv = [request["module"], *request["argv"]]
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         else:
-            _serve(EngineSpec(**json.loads(request["spec"])))
+            serve_engine(EngineSpec(**json.loads(request["spec"])))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):

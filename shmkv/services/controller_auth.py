@@ -35,7 +35,8 @@ import struct
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from shmkv.config import ShmkvConfig, parse_listen
+from shmkv.config import ShmkvConfig
+from shmkv.config_values import parse_listen
 from shmkv.errors import ConfigError, PermissionDeniedError
 from shmkv.paths import read_secret_file, runtime_dir, runtime_dir_path
 

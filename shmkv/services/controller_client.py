@@ -21,7 +21,8 @@ import stat
 import sys
 from typing import Any
 
-from shmkv.config import ShmkvConfig, load_config, parse_listen
+from shmkv.config import ShmkvConfig, load_config
+from shmkv.config_values import parse_listen
 from shmkv.errors import PermissionDeniedError, ShmkvError
 from shmkv.services.controller_auth import owner_socket_path, peer_uid, read_token, tcp_peer_uid
 

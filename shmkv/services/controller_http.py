@@ -59,7 +59,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from shmkv.config import parse_listen
+from shmkv.config_values import parse_listen
 from shmkv.errors import RequestError
 from shmkv.paths import check_trusted_dir
 from shmkv.services.controller import (

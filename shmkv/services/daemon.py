@@ -134,8 +134,22 @@ class Daemon:
         self.lock.release()
 
 
+DAEMON_HELP = """The cache's maintainer and controller, in one process (one per cache).
+
+It creates the segment or adopts the one vLLM processes already use, keeps
+memory below its watermark (spilling to the disk and remote tiers ahead of
+need, reclaiming what dead processes left) and serves the controller API on
+loopback or a 0600 unix socket. Foreground by default; --background starts it
+detached, waits until it serves and prints its pid. SIGTERM or SIGINT detach
+it: the segment and its chunks stay for the engines and the next daemon.
+
+    shmkv daemon --capacity 8GiB --disk-dir /var/cache/shmkv
+    shmkv daemon --listen unix:/run/shmkv/ctl.sock --background --log-file /var/log/shmkv.log
+"""
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="shmkv daemon", description=__doc__,
+    ap = argparse.ArgumentParser(prog="shmkv daemon", description=DAEMON_HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML file of shmkv settings (same keys as the connector's)")
     ap.add_argument("--cache", help="cache name: the segment <segment dir>/NAME (default shmkv-<uid>)")

@@ -190,8 +190,19 @@ def render_prometheus(snap: dict[str, Any]) -> str:
     return generate_latest(registry).decode()
 
 
+STATS_HELP = """What the cache is doing, read from the segment itself (with or without
+the daemon: the counters live in the segment, shared by every process); with
+the disk tier's directory, its files counted too.
+
+    shmkv stats                          # a table for the default cache
+    shmkv stats --cache NAME --json
+    shmkv stats --watch 2                # every 2 s (Ctrl-C ends)
+    shmkv stats --prometheus             # Prometheus text exposition
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="shmkv stats", description=__doc__,
+    ap = argparse.ArgumentParser(prog="shmkv stats", description=STATS_HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", default=os.environ.get("SHMKV_CACHE_NAME") or default_cache_name(),
                     help="cache name (default: $SHMKV_CACHE_NAME or shmkv-<uid>)")

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shmkv.errors import StaleHandleError
-from shmkv.store.results import FLAG_COMPRESSED, PutResult, Status, _raise_if_error
+from shmkv.store.results import FLAG_COMPRESSED, PutResult, Status, raise_if_error
 
 if TYPE_CHECKING:
     import numpy as np
@@ -99,7 +99,7 @@ class _PayloadHandle:
 
 # Reservations aborted while a view of them was alive: their room stays
 # reserved until the views die (retry_deferred_aborts, from Store.reserve).
-_DEFERRED: list[Reservation] = []
+DEFERRED_ABORTS: list[Reservation] = []
 
 
 class Reservation(_PayloadHandle):
@@ -127,17 +127,17 @@ class Reservation(_PayloadHandle):
                                    "exported to numpy/torch objects; delete them before commit (a committed "
                                    "chunk must not change)")
         code = self._c.commit()
-        _raise_if_error(code)
+        raise_if_error(code)
         return PutResult(code)
 
     def abort(self) -> None:
         """Give the room back; while an object made from one of its views is
         alive, once it is gone (module doc)."""
         if not self._drop_views():
-            if self not in _DEFERRED:
-                _DEFERRED.append(self)
+            if self not in DEFERRED_ABORTS:
+                DEFERRED_ABORTS.append(self)
             return
-        _raise_if_error(self._c.abort())
+        raise_if_error(self._c.abort())
 
     @property
     def is_open(self) -> bool:
@@ -157,11 +157,11 @@ class Reservation(_PayloadHandle):
 
 def retry_deferred_aborts() -> None:
     """Abort the deferred reservations whose views have died since."""
-    for r in list(_DEFERRED):
+    for r in list(DEFERRED_ABORTS):
         if r._drop_views():
-            _DEFERRED.remove(r)
+            DEFERRED_ABORTS.remove(r)
             if r._c.is_open:
-                _raise_if_error(r._c.abort())
+                raise_if_error(r._c.abort())
 
 
 class Lease(_PayloadHandle):
@@ -184,7 +184,7 @@ class Lease(_PayloadHandle):
         self._exports.clear()
         self._drop_views()
         code = self._c.release(cold)
-        _raise_if_error(code)
+        raise_if_error(code)
         return code == Status.OK
 
     def torch(self, dtype: torch.dtype | None = None, shape: Sequence[int] | None = None) -> torch.Tensor:

@@ -60,8 +60,8 @@ class Presence(enum.Enum):
     WRITING = 2  # reserved by a writer that has not committed yet
 
 
-_READ_RESULT = {r.value: r for r in ReadResult}
-_PRESENCE = {p.value: p for p in Presence}
+READ_RESULT_OF = {r.value: r for r in ReadResult}
+PRESENCE_OF = {p.value: p for p in Presence}
 
 
 class OpenOutcome(enum.Enum):
@@ -71,12 +71,12 @@ class OpenOutcome(enum.Enum):
     ADOPTED_STALE = 3  # ... or kept, after a rebuild, because it matched
 
 
-def _raise(code: int, message: str) -> None:
+def raise_status(code: int, message: str) -> None:
     name = Status(code).name if code in Status._value2member_map_ else str(code)
     raise error_for(name, message or name)
 
 
-def _raise_if_error(code: int, message: str = "") -> None:
+def raise_if_error(code: int, message: str = "") -> None:
     """Raise for the error codes of cpp/status.h; ordinary outcomes pass."""
     if code in _C.ERROR_CODES:
-        _raise(code, message)
+        raise_status(code, message)

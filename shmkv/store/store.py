@@ -38,12 +38,12 @@ from typing import Any
 
 from shmkv import _C
 from shmkv.errors import InvalidArgumentError, PayloadTooLargeError, PermissionDeniedError, StoreInUseError
-from shmkv.store.handles import _DEFERRED, Lease, Reservation, retry_deferred_aborts
+from shmkv.store.handles import DEFERRED_ABORTS, Lease, Reservation, retry_deferred_aborts
 from shmkv.store.results import (
-    _PRESENCE,
-    _READ_RESULT,
     FLAG_COMPRESSED,
     FLAG_SPILLED,
+    PRESENCE_OF,
+    READ_RESULT_OF,
     Key,
     Keys,
     OpenOutcome,
@@ -52,8 +52,8 @@ from shmkv.store.results import (
     ReadResult,
     Role,
     Status,
-    _raise,
-    _raise_if_error,
+    raise_if_error,
+    raise_status,
 )
 from shmkv.units import format_bytes
 
@@ -100,7 +100,7 @@ class SegmentGeometry:
             self.max_entries, self.max_leases, self.max_procs,
         )
         if code:
-            _raise(code, msg)
+            raise_status(code, msg)
         return dict(geo)
 
     def check(self) -> None:
@@ -193,7 +193,7 @@ class Store:
             g.max_entries, g.max_leases, g.max_procs, populate, float(lock_timeout_s), float(init_wait_s),
         )
         if code:
-            _raise(code, msg)
+            raise_status(code, msg)
         store = cls(table, OpenOutcome(outcome), where)
         if store.outcome is not OpenOutcome.ATTACHED:  # whoever makes (or remakes) the segment says its pages
             _say_page_size(segments_dir(where))
@@ -261,7 +261,7 @@ class Store:
         if code == Status.NOT_FOUND and missing_ok:
             return False
         if code:
-            _raise(code, msg)
+            raise_status(code, msg)
         return True
 
     def close(self, *, timeout_s: float = CLOSE_WAIT_S) -> None:
@@ -343,7 +343,7 @@ class Store:
         cannot be had; the cache keeps working with the part reserved."""
         code, msg, now = self.table.reserve_more(int(max_bytes), bool(map_pages))
         if code:
-            _raise(code, msg)
+            raise_status(code, msg)
         return int(now)
 
     def __enter__(self) -> Store:
@@ -372,7 +372,7 @@ class Store:
         `compressed`: the payload is an encoded chunk, not raw KV."""
         if nbytes <= 0:
             raise InvalidArgumentError(f"payload size must be > 0, got {nbytes}")
-        if _DEFERRED:
+        if DEFERRED_ABORTS:
             retry_deferred_aborts()
         code, res = self.table.reserve(key, nbytes, namespace, tokens, FLAG_COMPRESSED if compressed else 0)
         if code == Status.OK:
@@ -382,7 +382,7 @@ class Store:
                 f"payload of {nbytes} bytes exceeds max_payload_bytes "
                 f"{self.table.stats()['max_payload_bytes']} of segment '{self.name}'"
             )
-        _raise_if_error(code)
+        raise_if_error(code)
         return PutResult(code)
 
     def put(self, key: Key, data: Any, *, namespace: bytes | None = None, tokens: int = 0,
@@ -393,7 +393,7 @@ class Store:
             raise PayloadTooLargeError(f"payload exceeds max_payload_bytes of segment '{self.name}'")
         if code == Status.INVALID_ARGUMENT:
             raise InvalidArgumentError("payload must be non-empty")
-        _raise_if_error(code)
+        raise_if_error(code)
         return PutResult(code)
 
     # -------------------------------------------------------------- loads --
@@ -432,7 +432,7 @@ class Store:
     def presence(self, keys: Keys) -> list[Presence]:
         """For each key: READY, WRITING (a writer has reserved it and not
         committed yet) or ABSENT; one lock, no leases."""
-        return [_PRESENCE[b] for b in self.table.contains(keys)]
+        return [PRESENCE_OF[b] for b in self.table.contains(keys)]
 
     def read_chunks(self, keys: Keys, out: Any, offsets: Sequence[int], size: int) -> list[ReadResult]:
         """Copy each key's payload, which must be exactly `size` raw bytes,
@@ -441,7 +441,7 @@ class Store:
         import numpy as np
 
         offs = np.ascontiguousarray(offsets, dtype=np.uint64)
-        return [_READ_RESULT[c] for c in self.table.read_chunks(keys, out, offs, int(size))]
+        return [READ_RESULT_OF[c] for c in self.table.read_chunks(keys, out, offs, int(size))]
 
     def write_chunks(self, keys: Keys, src: Any, offsets: Sequence[int], size: int, *,
                      namespace: bytes | None = None, tokens: int = 0) -> list[PutResult]:
@@ -459,7 +459,7 @@ class Store:
         offs = np.ascontiguousarray(offsets, dtype=np.uint64)
         codes = self.table.write_chunks(keys, src, offs, int(size), namespace, tokens)
         for c in codes:
-            _raise_if_error(c)
+            raise_if_error(c)
         return [PutResult(c) for c in codes]
 
     # --------------------------------------------------------- management --
@@ -569,7 +569,7 @@ class Store:
         log.error("shmkv: segment '%s' file was truncated to %d bytes (a process of this user did it); "
                   "restoring its size and resetting the cache", self.name, have)
         code, msg = self.table.restore_size()
-        _raise_if_error(code, msg)
+        raise_if_error(code, msg)
         return False
 
     @property

@@ -55,3 +55,19 @@ def test_each_subcommand_shows_its_options_under_its_own_name(sub):
 
     text = help_text(shmkv_main, [sub, "--help"])
     assert text.startswith(f"usage: shmkv {sub}"), text[:200]
+
+
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_each_benchmark_says_what_it_measures_under_its_usage(name):
+    text = help_text(main, [name, "--help"])
+    paragraphs = text.split("\n\n")
+    assert len(paragraphs) > 2 and not paragraphs[1].startswith(("options:", "positional arguments:")), text[:400]
+
+
+@pytest.mark.parametrize("sub", ["daemon", "stats", "ctl", "check"])
+def test_a_subcommands_help_speaks_to_its_user(sub):
+    """Its own command line in its examples, no `python -m` module path and no maintainers' notes."""
+    from shmkv.cli import main as shmkv_main
+
+    text = help_text(shmkv_main, [sub, "--help"])
+    assert "python -m" not in text and "Invariant" not in text and "shmkv.controller" not in text, text[:1200]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shmkv.config import redact_url
+from shmkv.config_values import redact_url
 from shmkv.errors import ConfigError
 
 log = logging.getLogger("shmkv.remote")

@@ -36,7 +36,7 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from shmkv.config import redact_url
+from shmkv.config_values import redact_url
 
 log = logging.getLogger("shmkv.remote")
 

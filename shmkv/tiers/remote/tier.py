@@ -83,7 +83,7 @@ from typing import Any
 import redis
 
 from shmkv.backoff import Backoff
-from shmkv.config import redact_url
+from shmkv.config_values import redact_url
 from shmkv.errors import ConfigError
 from shmkv.names import AUTO, REMOTE
 from shmkv.tiers import format as fmt
