@@ -2,6 +2,7 @@
 // See segment.h for the liveness protocol (open-file-description locks on
 // bytes 0 and 1 of the segment file) and the invariants kept here.
 #include "segment.h"
+#include "segment_files.h"
 #include "value_limits.h"
 #include "table_internal.h"  // align_up, now_unix_ns
 
@@ -25,10 +26,16 @@
 namespace shmkv {
 namespace {
 
-constexpr off_t kInitByte = 0;   // exclusive while (re)initialising or validating
-constexpr off_t kAliveByte = 1;  // shared by every attached process
-constexpr off_t kRoleByteBase = 16;             // + role: exclusive roles (the maintainer)
-constexpr off_t kSlotByteBase = off_t(1) << 20;  // + slot: held (shared) by the slot's process
+using segment_files::errno_text;
+using segment_files::foreign_owner_text;
+using segment_files::free_bytes_of;
+using segment_files::kAliveByte;
+using segment_files::kInitByte;
+using segment_files::ofd_lock;
+using segment_files::ofd_lock_within;
+using segment_files::open_place;
+using segment_files::SegmentPlace;
+
 // Arena bytes a new segment reserves before it is handed out; the rest is
 // reserved by Segment::reserve_more, in the background (shmkv.store).
 constexpr uint64_t kFirstReserve = 256ull << 20;
@@ -36,129 +43,6 @@ constexpr uint64_t kFirstReserve = 256ull << 20;
 #define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL
 #endif
 
-
-std::string errno_text(const char* what, int e) {
-  return std::string(what) + ": " + std::strerror(e);
-}
-
-// Open-file-description byte locks: released by the kernel when the last fd of
-// the description closes, i.e. when the process dies.
-bool ofd_lock(int fd, off_t byte, short type, bool wait) {
-  struct flock fl;
-  std::memset(&fl, 0, sizeof fl);
-  fl.l_type = type;
-  fl.l_whence = SEEK_SET;
-  fl.l_start = byte;
-  fl.l_len = 1;
-  for (;;) {
-    if (fcntl(fd, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl) == 0) return true;
-    if (errno == EINTR) continue;
-    return false;
-  }
-}
-
-// ofd_lock(..., wait=true) bounded by `wait_ns`: false with errno ETIMEDOUT past it.
-bool ofd_lock_within(int fd, off_t byte, short type, uint64_t wait_ns) {
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(wait_ns);
-  useconds_t pause = 1000;
-  for (;;) {
-    if (ofd_lock(fd, byte, type, false)) return true;
-    if (errno != EAGAIN && errno != EACCES) return false;
-    if (std::chrono::steady_clock::now() >= deadline) {
-      errno = ETIMEDOUT;
-      return false;
-    }
-    usleep(pause);  // NOTE: a lock held for seconds (a creator populating GiBs): poll, backing off
-    pause = pause < 50000 ? pause * 2 : pause;
-  }
-}
-
-// Where segments live: POSIX shared memory (/dev/shm), or the directory
-// the caller names (the segment_dir setting): a tmpfs of its own that a container mounts alone
-// (a hostPath), instead of the host's whole /dev/shm or IPC namespace. The
-// directory must be this uid's, mode 0700, on a memory filesystem.
-struct SegmentPlace {
-  std::string dir;  // "" = POSIX shm
-  int dirfd = -1;
-  ~SegmentPlace() {
-    if (dirfd >= 0) close(dirfd);
-  }
-  std::string where() const { return dir.empty() ? std::string("/dev/shm") : dir; }
-  std::string display(const std::string& name) const { return where() + "/" + name; }
-  int open_file(const std::string& name, int flags, mode_t mode) const {
-    return dir.empty() ? shm_open(("/" + name).c_str(), flags, mode)
-                       : openat(dirfd, name.c_str(), flags | O_NOFOLLOW, mode);
-  }
-  int unlink_file(const std::string& name) const {
-    return dir.empty() ? shm_unlink(("/" + name).c_str()) : unlinkat(dirfd, name.c_str(), 0);
-  }
-  // The segment's owner and mode, without following a link; false if it cannot be read.
-  bool stat_file(const std::string& name, struct stat* st) const {
-    return dir.empty() ? lstat(display(name).c_str(), st) == 0 : fstatat(dirfd, name.c_str(), st, AT_SYMLINK_NOFOLLOW) == 0;
-  }
-};
-
-// The one line for a segment (or segment directory) another uid owns: who owns
-// it, who we are, and that every process sharing a cache runs as one uid.
-std::string foreign_owner_text(const std::string& what, const struct stat& st) {
-  char mode_s[16];
-  std::snprintf(mode_s, sizeof mode_s, "%04o", unsigned(st.st_mode & 07777));
-  std::string owner = std::to_string(st.st_uid), me = std::to_string(geteuid());
-  return what + " is owned by uid " + owner + " with mode " + mode_s + " and this process runs as uid " + me +
-         ": every process sharing a cache, in every container, runs as the uid that owns it (docker run --user " +
-         owner + ", Kubernetes runAsUser: " + owner + ")";
-}
-
-constexpr long kTmpfsMagic = 0x01021994;
-constexpr long kHugetlbfsMagic = 0x958458f6;
-
-Status open_place(const std::string& dir, SegmentPlace* p, std::string* err) {
-  p->dir = dir;
-  if (p->dir.empty()) return Status::kOk;
-  if (p->dir[0] != '/') {
-    *err = "segment_dir=" + p->dir + " is not an absolute path";
-    return Status::kInvalidArgument;
-  }
-  p->dirfd = ::open(p->dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (p->dirfd < 0) {
-    int e = errno;
-    struct stat st;
-    if (e == EACCES && lstat(p->dir.c_str(), &st) == 0 && st.st_uid != geteuid()) {
-      *err = foreign_owner_text("segment_dir=" + p->dir, st);
-      return Status::kPermission;
-    }
-    *err = errno_text(("segment_dir=" + p->dir + " (a directory of this uid, mode 0700, on a tmpfs)").c_str(), e);
-    return e == EACCES ? Status::kPermission : (e == ENOENT ? Status::kNotFound : Status::kSystem);
-  }
-  struct stat st;
-  struct statfs fs;
-  if (fstat(p->dirfd, &st) != 0 || fstatfs(p->dirfd, &fs) != 0) {
-    *err = errno_text(("segment_dir=" + p->dir).c_str(), errno);
-    return Status::kSystem;
-  }
-  if (st.st_uid != geteuid() || (st.st_mode & 0077) != 0) {
-    char mode_s[16];
-    std::snprintf(mode_s, sizeof mode_s, "%04o", unsigned(st.st_mode & 07777));
-    *err = "segment_dir=" + p->dir + " is owned by uid " + std::to_string(st.st_uid) + " with mode " + mode_s +
-           "; shmkv keeps segments only in a directory of its own uid (" + std::to_string(geteuid()) +
-           ") with mode 0700 (chown it, chmod 700 it)";
-    return Status::kPermission;
-  }
-  if (long(fs.f_type) != kTmpfsMagic && long(fs.f_type) != kHugetlbfsMagic) {
-    *err = "segment_dir=" + p->dir + " is not on a memory filesystem (tmpfs): a segment there would be "
-           "written back to disk; mount a tmpfs there (Kubernetes: an emptyDir with medium Memory, or a hostPath "
-           "of a host tmpfs)";
-    return Status::kInvalidArgument;
-  }
-  return Status::kOk;
-}
-
-// The free space of the filesystem the segment file `fd` lives on.
-uint64_t free_bytes_of(int fd) {
-  struct statvfs st;
-  if (fstatvfs(fd, &st) != 0) return 0;
-  return uint64_t(st.f_bavail) * uint64_t(st.f_frsize);
-}
 
 void init_mutex(pthread_mutex_t* m) {
   pthread_mutexattr_t a;
@@ -686,54 +570,6 @@ Status Segment::reserve_more(uint64_t max_bytes, bool map_pages, uint64_t* reser
   if (map_pages) prefault(arena() + from, len);  // without MADV_POPULATE_WRITE: first touch maps them
   return Status::kOk;
 }
-
-bool Segment::hold_slot(uint32_t slot) { return ofd_lock(fd_, kSlotByteBase + off_t(slot), F_RDLCK, false); }
-
-void Segment::release_slot(uint32_t slot) { ofd_lock(fd_, kSlotByteBase + off_t(slot), F_UNLCK, false); }
-
-namespace {
-// 1: another description holds a lock on `byte`; 0: none; -1: no answer.
-int ofd_held_elsewhere(int fd, off_t byte) {
-  struct flock fl;
-  std::memset(&fl, 0, sizeof fl);
-  fl.l_type = F_WRLCK;  // conflicts with any lock another description holds there
-  fl.l_whence = SEEK_SET;
-  fl.l_start = byte;
-  fl.l_len = 1;
-  if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return -1;
-  return fl.l_type == F_UNLCK ? 0 : 1;
-}
-}  // namespace
-
-int Segment::slot_held(uint32_t slot) const { return ofd_held_elsewhere(fd_, kSlotByteBase + off_t(slot)); }
-
-bool Segment::role_held_elsewhere(uint32_t role) const {
-  return ofd_held_elsewhere(fd_, kRoleByteBase + off_t(role)) != 0;
-}
-
-bool Segment::renew_description() {
-  char path[64];
-  std::snprintf(path, sizeof path, "/proc/self/fd/%d", fd_);
-  // NOTE: a magic link to this very file (checked below by inode): a new description of it
-  int fd = ::open(path, O_RDWR | O_CLOEXEC);
-  if (fd < 0) return false;
-  struct stat a, b;
-  if (fstat(fd, &a) != 0 || fstat(fd_, &b) != 0 || a.st_ino != b.st_ino || a.st_dev != b.st_dev ||
-      !ofd_lock(fd, kAliveByte, F_RDLCK, false)) {
-    close(fd);
-    return false;
-  }
-  // NOTE: the same fd number, atomically: another thread's fstat or fallocate on fd_ meets
-  // one description of the file or the other, never a closed or reused number. The old
-  // description stays open in the parent, and its locks with it.
-  bool ok = dup3(fd, fd_, O_CLOEXEC) == fd_;
-  close(fd);
-  return ok;
-}
-
-bool Segment::try_hold_role(uint32_t role) { return ofd_lock(fd_, kRoleByteBase + off_t(role), F_WRLCK, false); }
-
-void Segment::release_role(uint32_t role) { ofd_lock(fd_, kRoleByteBase + off_t(role), F_UNLCK, false); }
 
 Segment::~Segment() {
   if (base_) munmap(base_, mapped_bytes_);

@@ -34,7 +34,7 @@ from shmkv.config import load_config
 from shmkv.engines.redis_server import PrivateRedis
 from shmkv.tiers import format as fmt
 from shmkv.tiers import open_tiers
-from shmkv.tiers.remote.tier import chunk_key
+from shmkv.tiers.remote.signing import chunk_key
 
 MiB = 1 << 20
 NS = b"bench-namespace!"

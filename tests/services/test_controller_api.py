@@ -179,7 +179,7 @@ def test_flush_puts_every_chunk_on_disk(served):
 
 
 def test_flush_waits_for_the_remote_tier(cache_name, tmp_path, redis_server):
-    from shmkv.tiers.remote.tier import chunk_key
+    from shmkv.tiers.remote.signing import chunk_key
 
     d, t = start_daemon(cache_name, tmp_path, remote=redis_server.url)
     register(cache_name, NS)

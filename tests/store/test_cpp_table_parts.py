@@ -19,7 +19,7 @@ from helpers import REPO
 def test_table_parts_in_cpp(tmp_path):
     cpp = os.path.join(REPO, "cpp")
     sources = [os.path.join(cpp, "tests", "table_parts_test.cpp"), os.path.join(cpp, "chunk_table.cpp"),
-               os.path.join(cpp, "segment.cpp"), os.path.join(cpp, "process_liveness.cpp"),
+               *sorted(glob.glob(os.path.join(cpp, "segment*.cpp"))), os.path.join(cpp, "process_liveness.cpp"),
                *sorted(f for f in glob.glob(os.path.join(cpp, "table_*.cpp")) if not f.endswith("_bindings.cpp"))]
     binary = str(tmp_path / "table_parts_test")
     build = subprocess.run(["c++", "-std=c++17", "-O1", "-Wall", "-Werror", "-I", cpp, *sources, "-lpthread", "-lrt",

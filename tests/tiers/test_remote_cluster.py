@@ -88,7 +88,7 @@ def test_a_primary_lost_is_misses_then_its_replica_serves(store, replicated_clus
     assert redis.Redis(port=victim, socket_timeout=5).wait(1, 5000) == 1, "its replica has every write"
     from redis.cluster import RedisCluster
 
-    from shmkv.tiers.remote.tier import chunk_key
+    from shmkv.tiers.remote.signing import chunk_key
 
     view = RedisCluster(host="127.0.0.1", port=victim)
     on_victim = [i for i in range(N) if view.get_node_from_key(chunk_key(key(i), NS)).port == victim]

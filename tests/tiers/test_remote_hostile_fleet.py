@@ -15,8 +15,8 @@ from helpers import key, payload_for
 
 from shmkv.config import load_config
 from shmkv.tiers import open_tiers
-from shmkv.tiers.remote import tier as remote_tier
-from shmkv.tiers.remote.tier import chunk_key, key_id
+from shmkv.tiers.remote import signing as remote_signing
+from shmkv.tiers.remote.signing import chunk_key, key_id
 
 NS = b"N" * 16
 SIZE = 16 * 1024
@@ -76,7 +76,7 @@ def test_a_host_whose_clock_runs_ten_minutes_ahead_removes_nothing_alive(store, 
     before = readable_by_a_new_host(store, redis_server.url, tmp_path)
     client = redis_server.client()
     names = [chunk_key(key(i), NS, key_id(SECRET)) for i in FLEET]
-    monkeypatch.setattr(remote_tier, "_now", lambda: time.time() + 600)
+    monkeypatch.setattr(remote_signing, "_now", lambda: time.time() + 600)
     ahead = host(store, redis_server.url, tmp_path)
     assert readable(ahead) == len(FLEET), "judged in the server's clock: none expired"
     assert ahead.write(key(70), NS, payload_for(key(70), SIZE))
@@ -97,7 +97,7 @@ def test_a_redis_writer_without_the_secret_cannot_undo_the_clear_generations(sto
     the record reads every chunk (the signed generation proves the clear),
     writes the record back (counted), and a value from before the clear is
     still stale."""
-    monkeypatch.setattr(remote_tier, "GEN_REFRESH_S", 0.0)
+    monkeypatch.setattr(remote_signing, "GEN_REFRESH_S", 0.0)
     fleet = host(store, redis_server.url, tmp_path)
     client = redis_server.client()
     assert fleet.write(key(80), NS, payload_for(key(80), SIZE))

@@ -24,9 +24,9 @@ from shmkv.config import load_config
 from shmkv.errors import ConfigError, PermissionDeniedError
 from shmkv.tiers import TierChain, open_tiers
 from shmkv.tiers import format as fmt
-from shmkv.tiers.remote import tier as remote_tier
+from shmkv.tiers.remote import signing as remote_signing
 from shmkv.tiers.remote.client import read_secret
-from shmkv.tiers.remote.tier import KEY_ID_BYTES, MAC_BYTES, SIGNED_HEAD, chunk_key, key_id
+from shmkv.tiers.remote.signing import KEY_ID_BYTES, MAC_BYTES, SIGNED_HEAD, chunk_key, key_id
 
 NS = b"N" * 16
 SIZE = 16 * 1024
@@ -130,7 +130,7 @@ def test_a_value_written_back_after_its_signed_expiry_is_a_miss(store, redis_ser
     captured = client.get(rkey)
     client.set(rkey, captured)  # written back with no TTL
     now = time.time()
-    monkeypatch.setattr(remote_tier, "_now", lambda: now + 120)  # two minutes on: past the signed expiry
+    monkeypatch.setattr(remote_signing, "_now", lambda: now + 120)  # two minutes on: past the signed expiry
     assert c.remote.fetch(key(7), NS) is None
     assert store.stats()["remote_expired"] == 1 and not client.exists(rkey)
     c.close()
@@ -215,7 +215,7 @@ def test_another_hosts_clear_is_seen_and_a_rolled_back_generation_heals(store, r
     hosts that saw the newer one (one WARNING), and the stale value stays a
     miss there; a record without our MAC reads as no clear at all, and is
     written back the same way."""
-    monkeypatch.setattr(remote_tier, "GEN_REFRESH_S", 0.0)
+    monkeypatch.setattr(remote_signing, "GEN_REFRESH_S", 0.0)
     a = chain(store, redis_server.url, secret_file(tmp_path))
     b = chain(store, redis_server.url, secret_file(tmp_path))
     client = redis_server.client()

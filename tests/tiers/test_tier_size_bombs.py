@@ -20,7 +20,7 @@ from helpers import key
 from shmkv import Store
 from shmkv.tiers import format as fmt
 from shmkv.tiers.disk.tier import DiskTier
-from shmkv.tiers.remote.tier import chunk_key
+from shmkv.tiers.remote.signing import chunk_key
 
 NS = b"N" * 16
 BOMB_RAW = 1 << 30

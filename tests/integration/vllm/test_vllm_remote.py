@@ -14,7 +14,7 @@ from shmkv import Store
 from shmkv.chunking import Chunker
 from shmkv.config import io_threads, load_config
 from shmkv.namespaces import known
-from shmkv.tiers.remote.tier import chunk_key
+from shmkv.tiers.remote.signing import chunk_key
 
 pytestmark = pytest.mark.slow
 

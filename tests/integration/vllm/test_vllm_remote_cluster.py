@@ -17,7 +17,7 @@ from redis.cluster import RedisCluster
 from shmkv import Store
 from shmkv.engines.redis_server import PrivateRedisCluster
 from shmkv.namespaces import known
-from shmkv.tiers.remote.tier import chunk_key
+from shmkv.tiers.remote.signing import chunk_key
 
 pytestmark = pytest.mark.slow
 
