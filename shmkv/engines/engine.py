@@ -336,7 +336,7 @@ def sweep_weights_boards() -> None:
     shmkv's own sweep (which every engine's start runs too): only those no
     live process holds."""
     try:
-        from shmkv.integration.vllm.weights import sweep_stale
+        from shmkv.integration.vllm.weights_boards import sweep_stale
 
         sweep_stale("")
     except (ImportError, OSError):

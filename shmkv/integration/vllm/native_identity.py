@@ -41,17 +41,9 @@ import logging
 from typing import Any
 
 from shmkv.integration.vllm.loaded_weights import loaded_digest
-from shmkv.integration.vllm.weights import (
-    EngineWeights,
-    WorkerWeights,
-    board_id,
-    board_stamp,
-    engine_weights,
-    files_identity,
-    read_board,
-    remove_boards,
-    tp_rank,
-)
+from shmkv.integration.vllm.weights import EngineWeights, WorkerWeights, board_id, engine_weights, tp_rank
+from shmkv.integration.vllm.weights_boards import board_stamp, read_board, remove_boards
+from shmkv.integration.vllm.weights_files import files_identity
 
 log = logging.getLogger("shmkv.native_tier")
 

@@ -33,7 +33,8 @@ from shmkv.integration.vllm.engine_inputs import (
 from shmkv.integration.vllm.kv_events import EventGroup, SharedTierEvents
 from shmkv.integration.vllm.metadata import RequestSummary, ShmKVMetadata
 from shmkv.integration.vllm.planner import ALL_BLOCKS, NULL_BLOCK, Planner, RequestPlan
-from shmkv.integration.vllm.weights import EngineWeights, remove_boards
+from shmkv.integration.vllm.weights import EngineWeights
+from shmkv.integration.vllm.weights_boards import remove_boards
 from shmkv.keys import Namespace, lossy_key
 from shmkv.names import DISK, REMOTE, SHM
 from shmkv.namespaces import register

@@ -36,15 +36,9 @@ doubt (unknown digest, pending check), shmkv neither loads nor stores.
 
 from __future__ import annotations
 
-import fcntl
 import gc
-import json
 import logging
-import mmap
-import os
-import stat
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -53,139 +47,21 @@ import torch
 import xxhash
 
 from shmkv.integration.vllm.loaded_weights import combine, digest_tensors, watch
-from shmkv.integration.vllm.rank_failures import failures_name
-from shmkv.paths import runtime_dir, runtime_dir_path
+from shmkv.integration.vllm.weights_boards import (
+    board_stamp,
+    engine_bell,
+    read_board,
+    sweep_stale,
+    write_board,
+)
+from shmkv.integration.vllm.weights_files import (
+    FilesIdentity,
+)
 
 log = logging.getLogger("shmkv.connector")
 
-WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CHECK_WAIT_S = 30.0  # how long lookups wait for the workers' answer to a weights check
 FILES_WAIT_S = 5.0  # how long engine start waits for the files' digest (then serves without shmkv until known)
-READ_BLOCK = 16 << 20
-DIGESTS_FILE = "weights-digests.json"
-MAX_REMEMBERED = 4096  # file digests kept in DIGESTS_FILE
-
-_digests_lock = threading.Lock()
-
-
-# ------------------------------------------------------------------ files --
-def _file_key(st: os.stat_result) -> str:
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
-
-
-def _load_remembered() -> dict[str, str]:
-    try:
-        rd = runtime_dir()
-        fd = rd.open(DIGESTS_FILE, os.O_RDONLY)
-    except OSError:
-        return {}
-    with os.fdopen(fd) as f:
-        try:
-            got = json.load(f)
-        except ValueError:
-            return {}
-    return {str(k): str(v) for k, v in got.items()} if isinstance(got, dict) else {}
-
-
-def _remember(key: str, digest: str) -> None:
-    """Add one digest to the file (write a temp, rename): processes race only to the same content."""
-    with _digests_lock:
-        try:
-            rd = runtime_dir()
-            known = _load_remembered()
-            known[key] = digest
-            if len(known) > MAX_REMEMBERED:
-                known = dict(list(known.items())[-MAX_REMEMBERED:])
-            tmp = f".{DIGESTS_FILE}.{os.getpid()}.{threading.get_ident()}"
-            fd = rd.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(known, f)
-            rd.replace(tmp, DIGESTS_FILE)
-        except OSError as e:
-            log.debug("shmkv: cannot remember the digest of a weight file (%s): computed again next start", e)
-
-
-def file_digest(path: str) -> str:
-    """xxh3-128 of every byte of the file, remembered by (device, inode,
-    size, mtime, ctime): a rewrite in place with its mtime put back still
-    moves the ctime. Raises OSError when the file cannot be read."""
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        key = _file_key(st)
-        known = _load_remembered().get(key)
-        if known:
-            return known
-        h = xxhash.xxh3_128()
-        if st.st_size:
-            # hashed where the page cache holds it (a mapping: no copy into a buffer first)
-            with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
-                mm.madvise(mmap.MADV_SEQUENTIAL)
-                view = memoryview(mm)
-                try:
-                    for off in range(0, st.st_size, READ_BLOCK):
-                        h.update(view[off:off + READ_BLOCK])
-                finally:
-                    view.release()
-        after = os.fstat(f.fileno())
-    digest = h.hexdigest()
-    if _file_key(after) == key:  # not changed while read: else do not remember it
-        _remember(key, digest)
-    return digest
-
-
-def weight_files(model: str) -> tuple[str, list[str]]:
-    """(directory, weight file names) of a local model path; ("", []) for a hub name."""
-    if os.path.isdir(model):
-        return model, sorted(n for n in os.listdir(model) if n.endswith(WEIGHT_FILE_SUFFIXES))
-    if os.path.isfile(model):
-        base, name = os.path.split(model)
-        return base, [name]
-    return "", []
-
-
-def files_identity(model: str, commit: str | None = None) -> str:
-    """The weights' identity from their files: "hub:<commit>" for a model
-    vLLM loaded from the hub; "files:<xxh3 over every file's name, size and
-    digest>" for a local directory or file; "path:<model>" when there are no
-    weight files to read (vLLM's dummy loader: the weights are random per
-    engine anyway, and only the path is known). Raises OSError when a weight
-    file cannot be read."""
-    if commit:
-        return "hub:" + commit
-    base, names = weight_files(model)
-    if not names:
-        return "path:" + model
-    h = xxhash.xxh3_128()
-    for name in names:
-        path = os.path.join(base, name)
-        h.update(f"{name}\0{os.path.getsize(path)}\0{file_digest(path)}\0".encode())
-    return "files:" + h.hexdigest()
-
-
-class FilesIdentity:
-    """The files' identity, computed in a thread. `value` is None until known
-    (and for good if a weight file cannot be read: logged)."""
-
-    def __init__(self, model: str, commit: str | None = None) -> None:
-        self.value: str | None = None
-        self.seconds = 0.0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(model, commit), name="shmkv-weights", daemon=True)
-        self._thread.start()
-
-    def _run(self, model: str, commit: str | None) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.value = files_identity(model, commit)
-        except OSError as e:
-            log.warning("shmkv: cannot read the weight files of %s (%s): without knowing the weights, this engine "
-                        "serves without the shared cache", model, e)
-        finally:
-            self.seconds = time.perf_counter() - t0
-            self._done.set()
-
-    def wait(self, timeout_s: float) -> bool:
-        return self._done.wait(timeout_s)
 
 
 # -------------------------------------------------------------- in memory --
@@ -274,10 +150,6 @@ def engine_weights(vllm_config: Any) -> EngineWeights:
     model, commit = str(mc.model), commit if isinstance(commit, str) else None
     return EngineWeights(board_id(vllm_config), vllm_config.parallel_config.tensor_parallel_size,
                          files_factory=lambda: FilesIdentity(model, commit))
-
-
-def board_name(engine_id: str, rank: int) -> str:
-    return f"weights-board.{engine_id}.{rank}"
 
 
 class WorkerWeights:
@@ -393,176 +265,6 @@ class WorkerWeights:
                   time.perf_counter() - t0)
 
 
-_last_stamp = 0
-
-
-def write_board(engine_id: str, rank: int, content: dict[str, Any]) -> None:
-    """Write a rank's board (a temp file, renamed). Its mtime is a stamp this
-    process never repeats (a clock's granularity and a reused inode could
-    otherwise make two boards look alike to the reader's stat)."""
-    global _last_stamp
-    rd = runtime_dir()
-    name = board_name(engine_id, rank)
-    tmp = f".{name}.{os.getpid()}"
-    fd = rd.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(content, f)
-        f.flush()
-        _last_stamp = max(time.time_ns(), _last_stamp + 1)
-        os.utime(f.fileno(), ns=(_last_stamp, _last_stamp))
-    rd.replace(tmp, name)
-    _ring(engine_id, rank, _last_stamp)  # after the rename: a reader that hears it reads this board or a newer one
-
-
-BELL_RANKS = 512  # stamps in a bell file (8 bytes each); a rank past them is read by its board's stat
-ORPHAN_BOARD_S = 3600  # a board with no bell this old belongs to no live engine (a live one rings at once)
-_bells: dict[tuple[str, str], tuple[int, mmap.mmap]] = {}  # by (runtime directory, engine id): (locked fd, map)
-_bells_lock = threading.Lock()
-
-
-def bell_name(engine_id: str) -> str:
-    return f"weights-bell.{engine_id}"
-
-
-def _bell(engine_id: str) -> mmap.mmap | None:
-    """The engine's bell, mapped (created at its size by whichever side comes
-    first): one 8-byte stamp per rank, bumped after each board write. Every
-    process that maps it holds a shared flock on it for its lifetime, so a
-    sweep (sweep_stale) removes only the bells and boards of engines whose
-    processes are all gone. None where the runtime directory cannot hold it
-    (the boards' stat is used)."""
-    key = (runtime_dir_path(), engine_id)
-    held = _bells.get(key)  # every step: a dict read, no lock
-    if held is not None:
-        return held[1]
-    with _bells_lock:
-        held = _bells.get(key)
-        if held is not None:
-            return held[1]
-        rd = runtime_dir()
-        for _ in range(8):  # a sweep may unlink it between our open and our lock: open it again
-            try:
-                fd = rd.open(bell_name(engine_id), os.O_RDWR | os.O_CREAT, 0o600)
-            except OSError:
-                return None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a sweep holds it (an unlink)
-                st = os.fstat(fd)
-                try:
-                    named = rd.lstat(bell_name(engine_id))
-                except OSError:
-                    named = None
-                if named is None or (named.st_dev, named.st_ino) != (st.st_dev, st.st_ino):
-                    os.close(fd)
-                    continue
-                if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
-                    os.close(fd)
-                    return None
-                if st.st_size < 8 * BELL_RANKS:
-                    os.ftruncate(fd, 8 * BELL_RANKS)  # grows only: both sides may do it
-                m = mmap.mmap(fd, 8 * BELL_RANKS, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            except OSError:
-                os.close(fd)
-                return None
-            _bells[key] = (fd, m)
-            return m
-        return None
-
-
-def sweep_stale(own_engine_id: str) -> int:
-    """Remove the bells and boards of engines that are gone (no process holds
-    their bell), and boards with no bell older than ORPHAN_BOARD_S (an older
-    build's). An engine killed before its shutdown leaves them; each start
-    sweeps. How many files were removed."""
-    rd = runtime_dir()
-    removed = 0
-    names = [e.name for e in rd.scandir()]
-    gone: set[str] = set()
-    for name in names:
-        if not name.startswith("weights-bell.") or name == bell_name(own_engine_id):
-            continue
-        try:
-            fd = rd.open(name, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            st, named = os.fstat(fd), rd.lstat(name)
-            if (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino):
-                rd.unlink(name)  # under the lock: a process opening it now opens it again
-                removed += 1
-                gone.add(name[len("weights-bell."):])
-        except OSError:
-            pass  # held: the engine lives
-        finally:
-            os.close(fd)
-    now = time.time()
-    for name in names:
-        if not name.startswith("weights-board."):
-            continue
-        engine_id = name[len("weights-board."):].rpartition(".")[0]
-        try:
-            if engine_id == own_engine_id:
-                continue
-            if engine_id not in gone and (bell_name(engine_id) in names
-                                          or now - rd.lstat(name).st_mtime < ORPHAN_BOARD_S):
-                continue
-            rd.unlink(name)
-            removed += 1
-        except OSError:
-            pass
-    return removed
-
-
-def _ring(engine_id: str, rank: int, stamp: int) -> None:
-    m = _bell(engine_id) if rank < BELL_RANKS else None
-    if m is not None:
-        m[8 * rank:8 * rank + 8] = stamp.to_bytes(8, "little")
-
-
-def board_stamp(engine_id: str, rank: int) -> tuple[int, int] | None:
-    """What changes whenever the rank's board is written: its bell stamp (a
-    memory read), else (inode, mtime) of the board file (written, renamed)."""
-    m = _bell(engine_id) if rank < BELL_RANKS else None
-    if m is not None:
-        ring = int.from_bytes(m[8 * rank:8 * rank + 8], "little")
-        return (0, ring) if ring else None
-    try:
-        st = runtime_dir().lstat(board_name(engine_id, rank))
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns
-
-
-def read_board(engine_id: str, rank: int) -> dict[str, Any] | None:
-    try:
-        fd = runtime_dir().open(board_name(engine_id, rank), os.O_RDONLY)
-    except OSError:
-        return None
-    with os.fdopen(fd) as f:
-        try:
-            got = json.load(f)
-        except ValueError:
-            return None
-    return got if isinstance(got, dict) else None
-
-
-def remove_boards(engine_id: str, tp_size: int) -> None:
-    """The engine's boards, its bell and its ranks' load-failure file (rank_failures.py)."""
-    rd = runtime_dir()
-    names = [board_name(engine_id, r) for r in range(tp_size)] + [failures_name(engine_id)]
-    for name in names + [bell_name(engine_id)]:
-        try:
-            rd.unlink(name)
-        except OSError:
-            pass
-    with _bells_lock:
-        held = _bells.pop((runtime_dir_path(), engine_id), None)
-    if held is not None:
-        held[1].close()
-        os.close(held[0])
-
-
 class EngineWeights:
     """The scheduler half's view of the engine's weights: the ranks' digests
     of their tensors (reported at the handshake, loaded_weights.py), the
@@ -580,7 +282,7 @@ class EngineWeights:
         self._tensors: str | None = None  # the ranks' digests, combined, once every rank reported one
         self._tensors_basis = ""  # "loaded" when every rank's digest is of its tensors as loaded
         self._reported = False
-        _bell(engine_id)  # held from the start: no sweep takes it while this engine lives
+        engine_bell(engine_id)  # held from the start: no sweep takes it while this engine lives
         try:
             swept = sweep_stale(engine_id)
         except OSError as e:

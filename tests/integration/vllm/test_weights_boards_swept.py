@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from shmkv.integration.vllm import weights
+from shmkv.integration.vllm import weights_boards as weights
 from shmkv.paths import runtime_dir
 
 
@@ -28,7 +28,7 @@ def names() -> set[str]:
 def test_a_gone_engines_files_are_swept_and_a_live_ones_kept(tmp_path):
     weights.write_board("live", 0, {"fingerprint": "a"})  # this process holds the live engine's bell
     # an engine that was killed: its process held the bell and is gone
-    code = ("from shmkv.integration.vllm import weights as w; "
+    code = ("from shmkv.integration.vllm import weights_boards as w; "
             "w.write_board('killed', 0, {'fingerprint': 'b'}); w.write_board('killed', 1, {'fingerprint': 'c'})")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
     assert {"weights-bell.killed", "weights-board.killed.0", "weights-board.killed.1"} <= names()
@@ -40,7 +40,7 @@ def test_a_gone_engines_files_are_swept_and_a_live_ones_kept(tmp_path):
 
 
 def test_a_bell_held_by_another_live_process_is_kept():
-    code = ("import sys; from shmkv.integration.vllm import weights as w; "
+    code = ("import sys; from shmkv.integration.vllm import weights_boards as w; "
             "w.write_board('other', 0, {}); print('held', flush=True); sys.stdin.read()")
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                          env=dict(os.environ))

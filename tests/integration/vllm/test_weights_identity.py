@@ -16,7 +16,7 @@ import struct
 import numpy as np
 import pytest
 
-from shmkv.integration.vllm.weights import DIGESTS_FILE, FilesIdentity, files_identity
+from shmkv.integration.vllm.weights_files import DIGESTS_FILE, FilesIdentity, files_identity
 
 
 @pytest.fixture(autouse=True)
