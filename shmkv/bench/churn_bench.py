@@ -2,22 +2,14 @@
 changes under it, and every answer is checked (#64).
 
 A seeded stream of requests (multi-turn conversations on shared system
-prompts, some with a tenant's cache salt) goes to engines that share one
-segment (the disk tier on). Between requests a scheduler applies changes
-drawn by weight (CHANGES): graceful restarts, kill -9, a new engine
-attaching, the checkpoint rewritten in place or its config.json edited (then
-a rolling restart), weights changed in memory through the loader or in
-place by a collective_rpc, the connector reset by a pause, eviction storms
-(a writer filling the segment), the daemon (the cache's maintainer and
-controller) killed with -9 and started again, POST /clear of one namespace,
-the disk tier's file system filled and freed (a tmpfs of its own: root),
-Redis killed and started empty or flushed, a LoRA adapter's directory
-rewritten in place (a quarter of the conversations use one of two adapters),
-and a tensor-parallel-2 engine whose one rank finds its chunks gone between
-the scheduler's lookup and its load (shmkv.testing's EVICT_BEFORE_LOAD
-switch for one rank, as another engine's eviction would do:
-the request must come back right, recomputed; started at its first draw and
-kept, vLLM's own process split).
+prompts, some with a tenant's cache salt, a quarter through one of two LoRA
+adapters) goes to engines that share one segment (the disk tier on, Redis
+and the daemon by default). Between requests a change is drawn by weight
+and applied: the kinds are shmkv.bench.churn_changes's (restarts, kill -9,
+engines attaching, checkpoints and configs rewritten, weights changed in
+memory, connector resets, eviction storms, the daemon killed, a namespace
+cleared, the disk filled, Redis restarted or flushed, adapters rewritten, a
+TP=2 rank's chunks gone between lookup and load).
 
 Every answer that used loaded KV is checked against the truth for the
 weights and config that engine had at that moment: the same request
@@ -51,7 +43,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -60,30 +51,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import xxhash
-
 from shmkv.bench import drop_cache
+from shmkv.bench.churn_changes import (
+    ADAPTERS,
+    CHANGES,
+    DISK_CAPACITY,
+    DISK_FS_SLACK,
+    LORA_KW,
+    TP2_SLOT,
+    TRUTH_LOGPROBS,
+    ChangeKinds,
+)
+from shmkv.bench.churn_history import ddmin, history_failed, plot_history, recovered_changes
 from shmkv.bench.greedy import first_difference
 from shmkv.engines.engine import TP2_ON_TWO_CORES, EngineProcess, EngineSpec, start_daemon
 from shmkv.engines.models import TEST_MODEL, write_llama
-
-# change kind: weight (how often it is drawn, relative)
-CHANGES = {
-    "restart": 3, "kill9": 2, "attach": 1, "weights_rewrite": 1, "config_edit": 1,
-    "reload_weights": 1, "inplace_weights": 1, "pause_resume": 1, "connector_reset": 1, "eviction_storm": 2,
-    "daemon_kill9": 1, "clear_namespace": 1, "disk_full": 1, "redis_restart": 1, "redis_flush": 1,
-    "lora_rewrite": 1, "tp2_rank_eviction": 1,
-}
-ADAPTERS = ("A", "B")  # LoRA adapters some conversations use (their ids: 1, 2)
-LORA_KW = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
-DISK_CAPACITY = 256 << 20  # the disk tier's byte cap; its tmpfs (disk_full) is a little larger
-DISK_FS_SLACK = 64 << 20
-NORMS = ("model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight")
-CHUNK = 256
-TP2_SLOT = "tp2"  # the TP=2 engine's name in the history (not one of the drawn engines)
-TRUTH_LOGPROBS = 3  # the truth's top tokens per position: a differing answer is told apart from a near tie
-FAILED_BLOCKS = "vllm:shmkv_load_failed_blocks"  # LLM.get_metrics' name: blocks vLLM recomputed
-STORM_NAMESPACE = xxhash.xxh3_128_digest(b"shmkv bench churn: eviction storm")  # no engine's namespace
 
 
 @dataclass
@@ -118,7 +100,7 @@ def prompt_pool(rng: random.Random, systems: int = 3, conversations: int = 6, tu
     return out
 
 
-class Churn:
+class Churn(ChangeKinds):
     def __init__(self, a: argparse.Namespace, launch: Callable | None = None) -> None:
         self.a = a
         self.rng = random.Random(a.seed)
@@ -354,185 +336,6 @@ class Churn:
     def _slot(self, rec: dict[str, Any]) -> int:
         return self._drawn(rec, "engine", lambda: self.rng.choice(self.live()))
 
-    def _restart(self, rec: dict[str, Any]) -> None:
-        slot = self._slot(rec)
-        self.stop(slot)
-        self.start(slot)
-
-    def _kill9(self, rec: dict[str, Any]) -> None:
-        """kill -9 right after a request was sent (its prefill and stores in flight)."""
-        slot = self._slot(rec)
-        e = self.engines[slot]
-        assert e is not None and e.proc.stdin is not None
-        p = self.pool[self._drawn(rec, "prompt", lambda: self.rng.randrange(len(self.pool)))]
-        e.proc.stdin.write((json.dumps({"cmd": "generate", "prompts": [p.tokens], "max_tokens": 8,
-                                        "salts": [p.salt]}) + "\n").encode())
-        e.proc.stdin.flush()
-        # NOTE: a random point of the request, not a race being hidden
-        time.sleep(self._drawn(rec, "delay_s", lambda: round(self.rng.uniform(0.0, 0.3), 3)))
-        self.stop(slot, kill=True)
-        self.start(slot)
-
-    def _attach(self, rec: dict[str, Any]) -> None:
-        if len(self.engines) < self.a.engines + 1:
-            self.engines.append(None)
-        free = [i for i, e in enumerate(self.engines) if e is None]
-        if not free:  # every slot is live: the newest leaves, a fresh one attaches in its place
-            self.stop(len(self.engines) - 1)
-            free = [len(self.engines) - 1]
-        rec["engine"] = free[0]
-        self.start(free[0])
-
-    def _rolling(self, rec: dict[str, Any]) -> None:
-        """Engines restarted one by one, a request between each (old and new weights serve side by side);
-        each restart is a step of the history (a replay follows the recorded steps instead)."""
-        if self.replaying:
-            return
-        for slot in self.live():
-            self.step(slot)
-            self.request()
-        rec["restarted"] = len(self.live())
-
-    def step(self, slot: int) -> None:
-        """One engine of a rolling restart restarted."""
-        self.history.append({"type": "step", "engine": slot, "t": round(time.monotonic() - self.t0, 3)})
-        self.stop(slot)
-        self.start(slot)
-
-    def _weights_rewrite(self, rec: dict[str, Any]) -> None:
-        self.version += 1
-        os.unlink(os.path.join(self.model, "shmkv_spec.json"))
-        write_llama(self.model, replace(TEST_MODEL, seed=self.version))  # same path, new bytes
-        rec["version"] = self.version
-        self._rolling(rec)
-
-    def _config_edit(self, rec: dict[str, Any]) -> None:
-        path = os.path.join(self.model, "config.json")
-        with open(path) as f:
-            config = json.load(f)
-        self.rope = 20000.0 if self.rope == 10000.0 else 10000.0
-        config["rope_theta"] = self.rope
-        with open(path, "w") as f:
-            json.dump(config, f, indent=2)
-        rec["rope_theta"] = self.rope
-        self._rolling(rec)
-
-    def _reload_weights(self, rec: dict[str, Any]) -> None:
-        slot = self._slot(rec)
-        name = self._drawn(rec, "param", lambda: self.rng.choice(NORMS))
-        self.engines[slot].negate_weight(name, through_loader=True)  # type: ignore[union-attr]
-
-    def _inplace_weights(self, rec: dict[str, Any]) -> None:
-        slot = self._slot(rec)
-        name = self._drawn(rec, "param", lambda: self.rng.choice(NORMS))
-        reset = self._drawn(rec, "reset", lambda: self.rng.random() < 0.5)
-        self.engines[slot].negate_weight(name, through_loader=False, reset=reset)  # type: ignore[union-attr]
-
-    def _pause_resume(self, rec: dict[str, Any]) -> None:
-        self.engines[self._slot(rec)].pause_and_resume()  # type: ignore[union-attr]
-
-    def _connector_reset(self, rec: dict[str, Any]) -> None:
-        self.engines[self._slot(rec)].reset_prefix_cache(connector=True)  # type: ignore[union-attr]
-
-    def _eviction_storm(self, rec: dict[str, Any]) -> None:
-        """Another process's writer fills the segment (its own namespace): the engines' chunks are evicted."""
-        from shmkv import Store
-
-        store = Store.attach(self.cache)
-        try:
-            before = store.stats()["evictions"]
-            junk = os.urandom(CHUNK * 1024)
-            n, target = 0, store.stats()["arena_bytes"]
-            while n * len(junk) < target:
-                store.put(uuid.uuid4().bytes, junk, namespace=STORM_NAMESPACE, tokens=CHUNK)
-                n += 1
-            rec.update(puts=n, evictions=store.stats()["evictions"] - before)
-        finally:
-            store.close()
-
-    def _daemon_kill9(self, rec: dict[str, Any]) -> None:
-        """kill -9 of the daemon (an engine's embedded maintainer takes the role), then a new one adopts the
-        segment and takes the role back."""
-        rec["pid"] = self.daemon.pid if self.daemon is not None else None
-        self.stop_daemon(kill=True)
-        self.start_daemon()
-
-    def _lora_rewrite(self, rec: dict[str, Any]) -> None:
-        """One adapter's directory rewritten in place with other tensors, under the same name and id: engines
-        that read it keep serving what they read, an engine reading it later gets the new tensors."""
-        from shmkv.engines.models import write_lora
-
-        name = self._drawn(rec, "adapter", lambda: self.rng.choice(ADAPTERS))
-        self.adapter_version[name] += 1
-        rec["version"] = self.adapter_version[name]
-        write_lora(self.adapters[name], seed=1 + ADAPTERS.index(name) + 100 * self.adapter_version[name])
-
-    def _redis_restart(self, rec: dict[str, Any]) -> None:
-        """The remote tier's server killed (-9) and started again on its port, empty."""
-        self.redis.kill()
-        self.redis.start()
-
-    def _redis_flush(self, rec: dict[str, Any]) -> None:
-        """FLUSHALL on the remote tier's server (every host's chunks there gone)."""
-        client = self.redis.client()
-        try:
-            rec["keys"] = client.dbsize()
-            client.flushall()
-        finally:
-            client.close()
-
-    def _clear_namespace(self, rec: dict[str, Any]) -> None:
-        """POST /clear of one namespace the engines registered (its chunks in memory and on disk gone)."""
-        roots = sorted(n["root"] for n in self.controller("GET", "/namespaces")["namespaces"])
-        if not roots and "namespace" not in self.recorded:
-            rec["removed"] = {}
-            return
-        root = self._drawn(rec, "namespace", lambda: self.rng.choice(roots))
-        rec["removed"] = self.controller("POST", "/clear", {"namespace": root})["removed"]
-
-    def _disk_full(self, rec: dict[str, Any]) -> None:
-        """The disk tier's file system filled by another file (spills fail: ENOSPC), or, when it is full,
-        freed again (spills resume)."""
-        filler = os.path.join(self.disk_fs, "filler")
-        if self.recorded.get("filled", not self.disk_filled) == self.disk_filled:  # a replay's: already so
-            rec["filled"] = self.disk_filled
-            return
-        if self.disk_filled:
-            os.unlink(filler)
-            self.disk_filled = False
-            rec["filled"] = False
-            return
-        block = b"\0" * (1 << 20)
-        with open(filler, "wb") as f:
-            try:
-                while True:
-                    f.write(block)
-                    f.flush()
-            except OSError:  # ENOSPC: full
-                pass
-        self.disk_filled = rec["filled"] = True
-
-    def _tp2_rank_eviction(self, rec: dict[str, Any]) -> None:
-        """A prompt asked twice of the TP=2 engine: the first stores both ranks' shards, the second finds
-        them at lookup and then one rank's gone at its load (the switch): vLLM recomputes, and the answer
-        is checked against that engine's own recompute even when it reports no hit."""
-        rank = self._drawn(rec, "rank", lambda: self.rng.randrange(2) if self.tp2 is None else self.tp2_rank)
-        if self.tp2 is not None and rank != self.tp2_rank:  # a replay's other rank
-            self.stop_tp2()
-        if self.tp2 is None:
-            self.start_tp2(rank)
-        assert self.tp2 is not None
-        plain = [q.id for q in self.pool if q.adapter is None]  # the TP=2 engine runs without LoRA
-        p = self.pool[self._drawn(rec, "prompt", lambda: self.rng.choice(plain))]
-        before = self.tp2.metrics().get(FAILED_BLOCKS, 0.0)
-        for _ in range(2):
-            got = self.checked(self.tp2, TP2_SLOT, p, check_miss=True)
-            if got["verdict"] in ("hang", "error"):
-                self.stop_tp2(kill=True)
-                return
-        rec["failed_blocks"] = int(self.tp2.metrics().get(FAILED_BLOCKS, 0.0) - before)
-
-    # ------------------------------------------------------------------ run --
     def setup(self) -> None:
         """The tiers, the daemon and the first engines."""
         self.history.append({"type": "run", "seed": self.a.seed, "engines": self.a.engines,
@@ -728,10 +531,10 @@ def run(argv: list[str], launch: Callable | None = None) -> dict[str, Any]:
         if a.history:
             with open(a.history, "w") as f:
                 json.dump(history, f)
-        if own_dir and not _history_failed(history):
+        if own_dir and not history_failed(history):
             shutil.rmtree(a.workdir, ignore_errors=True)
     if a.plot:
-        result["plot"] = _plot(history, a.plot)
+        result["plot"] = plot_history(history, a.plot)
     return result
 
 
@@ -790,96 +593,3 @@ def minimize(a: argparse.Namespace, launch: Callable | None, history: list[dict[
             "replay": f"shmkv bench churn --replay {path}"}
 
 
-def ddmin(items: list[Any], fails: Callable[[list[Any]], bool], budget: int = 64) -> list[Any]:
-    """Delta debugging (Zeller): the shortest list found, by removing ever smaller runs of `items`, for
-    which fails() still holds (it holds for `items`); at most `budget` calls of fails()."""
-    n, calls = 2, 0
-    while len(items) >= 2 and calls < budget:
-        size = -(-len(items) // n)
-        for start in range(0, len(items), size):
-            if calls >= budget:
-                break
-            rest = items[:start] + items[start + size:]
-            calls += 1
-            if fails(rest):
-                items, n = rest, max(n - 1, 2)
-                break
-        else:
-            if n >= len(items):
-                break
-            n = min(len(items), 2 * n)
-    if len(items) == 1 and calls < budget and fails([]):
-        return []
-    return items
-
-
-def recovered_changes(history: list[dict[str, Any]]) -> dict[int, bool]:
-    """Per change (by id): whether a request between it and the next change hit (the cache served again)."""
-    out: dict[int, bool] = {}
-    current: dict[str, Any] | None = None
-    for e in history:
-        if e["type"] == "change":
-            current = e
-            out[id(e)] = False
-        elif e["type"] == "request" and current is not None and e.get("hit"):
-            out[id(current)] = True
-    return out
-
-
-def _history_failed(history: list[dict[str, Any]]) -> bool:
-    return any(r.get("verdict") in ("WRONG", "hang", "error") for r in history)
-
-
-def _plot(history: list[dict[str, Any]], path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    reqs = [r for r in history if r["type"] == "request" and "wall_s" in r]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
-    ax1.scatter([r["t"] for r in reqs], [r["hit"] for r in reqs], s=6,
-                c=["red" if r.get("verdict") == "WRONG" else "tab:blue" for r in reqs])
-    ax1.set_ylabel("hit tokens")
-    ax2.scatter([r["t"] for r in reqs], [r["wall_s"] for r in reqs], s=6)
-    ax2.set_ylabel("request wall s")
-    ax2.set_xlabel("seconds since start")
-    kinds = sorted({c["kind"] for c in history if c["type"] == "change"})
-    colors = dict(zip(kinds, plt.cm.tab20.colors))  # every kind its own colour (up to 20)
-    for c in (c for c in history if c["type"] == "change"):
-        for ax in (ax1, ax2):
-            ax.axvline(c["t"], color=colors[c["kind"]], alpha=0.3, lw=0.8)
-    ax1.legend(handles=[plt.Line2D([], [], color=colors[k], label=k) for k in kinds], fontsize=7, ncol=5,
-               loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def report(r: dict[str, Any]) -> None:
-    print(f"bench churn: seed {r['seed']}, {r['changes']} changes, {r['requests']} requests on "
-          f"{r['engines']} engines ({r['engine_starts']} starts), {r['duration_s']} s")
-    print(f"verdicts: {r['verdicts']}; hit rate {r['hit_rate']:.0%}; leases held at end {r['leases_held_at_end']} "
-          f"(reclaimed {r['leases_reclaimed']}); evictions {r['evictions']}, spills {r['spills']}")
-    print(f"chunks evicted before reaching disk: {r['evicted_unspilled']} ({r['lost_with_disk_room']} while the "
-          f"disk tier had room); spill errors {r['spill_errors']}")
-    for note in r["notes"]:
-        print(f"note: {note}")
-    if r["never_recovered"]:
-        print(f"no hit before the next change after any change of: {', '.join(r['never_recovered'])}")
-    print(f"{'after':18s} {'changes':>7s} {'recovered':>9s} {'requests':>8s} {'hits':>5s} {'hit rate':>8s} "
-          f"{'wrong':>5s} {'tie':>4s} {'hang':>4s} {'error':>5s} {'unchecked':>9s} {'lost':>5s} "
-          f"{'lost, disk full':>15s}")
-    for k, v in r["per_kind"].items():
-        rate = "-" if v["hit_rate_after"] is None else f"{v['hit_rate_after']:.0%}"
-        print(f"{k:18s} {v['changes']:7d} {v['recovered']:9d} {v['requests_after']:8d} {v['hits_after']:5d} "
-              f"{rate:>8s} {v['WRONG']:5d} {v['tie']:4d} {v['hang']:4d} {v['error']:5d} {v['unchecked']:9d} "
-              f"{v['lost']:5d} "
-              f"{v['lost_disk_full']:15d}")
-    if r.get("minimal"):
-        m = r["minimal"]
-        print(f"smallest history found that answers wrong: {m['events']} events of {m['of']} ({m['replays']} "
-              f"replays): {m['replay']}")
-    if r.get("failed"):
-        print(f"FAILED: {r['failed']}", file=sys.stderr)
