@@ -52,13 +52,13 @@ from typing import Any
 
 from shmkv.activity import ActivitySummary
 from shmkv.errors import InvalidArgumentError
+from shmkv.integration.vllm.kv_registration import first_attention_tensor, layouts_of, say_registered
 from shmkv.integration.vllm.planner import ALL_BLOCKS
 from shmkv.integration.vllm.rank_failures import RankFailures
 from shmkv.store import Store
 from shmkv.testing import switches as test_switches
 from shmkv.tiers import TierChain, open_tiers
 from shmkv.transfer import LoadJob, TransferEngine
-from shmkv.transfer.layout import KVLayout
 
 log = logging.getLogger("shmkv.connector")
 
@@ -79,20 +79,6 @@ def _render(c: dict, seconds: float) -> str:
             f"{c.get('stored_tokens', 0)} tokens in {c.get('stored_chunks', 0)} chunks in "
             f"{c.get('store_ms', 0):.0f} ms ({c.get('already_cached', 0)} already cached, "
             f"{c.get('not_stored', 0)} not stored)")
-
-
-def _layers_by_shape(names: Sequence[str], kv_caches: dict[str, Any]) -> list[tuple[str, ...]]:
-    """A group's layers by tensor shape, dtype and strides, in the order each first appears."""
-    out: dict[tuple, list[str]] = {}
-    for n in names:
-        t = kv_caches[n]
-        out.setdefault((tuple(t.shape[1:]), t.dtype, tuple(t.stride())), []).append(n)
-    return [tuple(v) for v in out.values()]
-
-
-def _shape_desc(t: Any, layers: int) -> str:
-    """One section of a payload: its layers' shape past the block dim, dtype, and how many layers."""
-    return f"{'x'.join(str(d) for d in t.shape[1:])}/{str(t.dtype).replace('torch.', '')}/{layers}"
 
 
 def _requests_touching(job: LoadJob, blocks: set[int]) -> set[str]:
@@ -179,33 +165,10 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self.off_reason is not None:
             return
-        # the first attention layer's tensor (a state group's may come first, and may be a list)
-        attn_names = [n for g in self.groups if not g.state for n in g.layer_names]
-        first = kv_caches.get(attn_names[0]) if attn_names else None
-        first = first if first is not None else next(iter(kv_caches.values()))
-        # vLLM 0.32 views every layer's cache as [blocks, heads, block tokens, content]
-        # (vllm/v1/kv_cache_interface.py create_kv_cache_views), in the physical order
-        # of the engine's KVCacheLayout: the strides say which. On the CPU backend the
-        # content of a block is ISA-packed: whole blocks are copied.
+        first = first_attention_tensor(kv_caches, self.groups)
         kind = "cpu" if first.device.type == "cpu" else "hnd"
-        groups = [g.layer_names or tuple(kv_caches) for g in self.groups]
         try:
-            if first.dim() != 4:
-                raise InvalidArgumentError(f"a {first.dim()}-D KV cache tensor of shape {tuple(first.shape)} "
-                                           "(vLLM 0.32 gives [blocks, heads, block tokens, content])")
-            # NOTE: a linear-attention group (align mode) is the state of each block: one run per block.
-            # A group whose layers differ in shape is one layout per shape, over the group's block ids.
-            layouts, layout_groups, sections = [], [], []
-            for gi, (g, names) in enumerate(zip(self.groups, groups)):
-                by_shape = _layers_by_shape(names, kv_caches)
-                for shape_names in by_shape:
-                    tensors = [kv_caches[n] for n in shape_names]
-                    layouts.append(KVLayout("state", tensors, shape_names) if g.state
-                                   else KVLayout(kind, tensors, shape_names, block_size=self.block_size))
-                    layout_groups.append(gi)
-                if len(by_shape) > 1:
-                    sections.append(f"{gi}:" + ";".join(_shape_desc(kv_caches[n[0]], len(n)) for n in by_shape))
-            self.sections = "|".join(sections)
+            layouts, layout_groups, self.sections = layouts_of(kv_caches, self.groups, self.block_size)
             if first.device.type == "cuda":
                 from shmkv.transfer import gpu
 
@@ -234,18 +197,7 @@ class WorkerSide:
                 self.chain = None
             self._unregister()
             return
-        attention = [lay for lay in layouts if lay.kind != "state"]
-        log.info("shmkv: registered %d KV layers in %d group(s) (%s layout, %s, %.1f KiB per token, %s copies)",
-                 len(kv_caches), len(self.groups), kind, str(attention[0].dtype).replace("torch.", ""),
-                 sum(lay.bytes_per_token() for lay in attention) / 1024,
-                 "CUDA stream" if self.worker.on_gpu else "asynchronous CPU")
-        for lay in layouts:
-            if lay.kind == "state":
-                log.info("shmkv: %d linear-attention layers keep %.1f KiB of recurrent state per block boundary",
-                         lay.num_layers, lay.geometry.run_bytes / 1024)
-        if self.sections:
-            log.info("shmkv: layers of one KV-cache group differ in shape; copied per shape (sections %s)",
-                     self.sections)
+        say_registered(layouts, len(kv_caches), len(self.groups), kind, self.worker.on_gpu, self.sections)
         if not self.stores:
             log.info("shmkv: TP rank %d only loads: rank 0 stores the latent (MLA) KV every rank holds", self.tp_rank)
 
