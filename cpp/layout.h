@@ -110,7 +110,7 @@ struct Lease {
 struct ProcSlot {
   std::atomic<int32_t> pid;      // 0 = free slot; in the process's own PID namespace
   uint32_t pid_ns;               // inode of its PID namespace (/proc/self/ns/pid); 0 = unknown
-  uint64_t start_time;           // /proc/<pid>/stat starttime: detects pid reuse
+  uint64_t start_time;           // /proc/<pid>/stat starttime: a recycled pid told apart (ownership: holder)
   uint64_t attached_unix_ns;
   uint32_t holder;               // this claim's id (Header::next_holder), never 0 while the slot is taken
   uint32_t reserved;

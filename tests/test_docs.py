@@ -2,7 +2,9 @@
 docs build with `mkdocs build --strict` (a broken link, a page left out of
 the navigation or a missing page fails), and the settings table in
 docs/configuration.md is what the code's one definition of each setting
-prints (`shmkv config --markdown`)."""
+prints (`shmkv config --markdown`), and the front page's sections shared
+with README (introduction, headline numbers, reading list) are README's
+(tools/front_page.py writes them)."""
 
 from __future__ import annotations
 
@@ -72,3 +74,17 @@ def test_every_setting_is_in_the_table_once():
 
     rows = [line for line in settings_markdown().splitlines() if line.startswith("| `")]
     assert [r.split("`")[1] for r in rows] == [f.name for f in SETTINGS]
+
+
+def test_the_front_page_shares_readmes_text():
+    import front_page
+
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(REPO, "docs", "index.md")) as f:
+        index = f.read()
+    shared = front_page.sections(readme)
+    assert set(shared) == {"intro", "headline", "read-on"} == set(front_page.sections(index))
+    assert front_page.front_page(readme, index) == index, "run: python3 tools/front_page.py"
+    changed = readme.replace("One shared-memory KV-cache tier", "One shared KV-cache tier", 1)
+    assert front_page.front_page(changed, index) != index, "the check can fail: README changed, the page not"

@@ -53,8 +53,9 @@ from shmkv.engines.vllm_server import NO_FORK_HELP, RoundRobinProxy, StickyRoute
 
 MIN_BUDGET = 64 << 20  # the smallest segment a budget asks for
 
-DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces",
-                             "mooncake_conversation_trace.jsonl")
+# where the conversation trace comes from (the FAST'25 Mooncake release, Apache 2.0): --trace names its file
+TRACE_SOURCE = ("the conversation trace of the Mooncake FAST'25 release (github.com/kvcache-ai/Mooncake, "
+                "FAST25-release/traces/conversation_trace.jsonl), or any file of its format")
 CHUNK = 256  # shmkv's default chunk
 SWEEP = {"shmkv_ws25": 0.25, "shmkv_ws50": 0.5, "shmkv_ws100": 1.0}  # of the slice's working set
 ARMS = ("vllm", "shmkv", "shmkv_halves", "lmcache", "vllm_affinity", "shmkv_affinity", *SWEEP)
@@ -264,7 +265,8 @@ def expand_timed_trace(model: str, path: str, block: int, n: int) -> list[list[i
 def run(argv: list[str]) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="shmkv bench trace", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=DEFAULT_TRACE, help="a Mooncake-format JSONL trace")
+    ap.add_argument("--trace", required=True, metavar="FILE",
+                    help=f"a Mooncake-format JSONL trace: {TRACE_SOURCE}")
     ap.add_argument("--scale", type=int, default=16, help="every length divided by this (a divisor of 512)")
     ap.add_argument("--conversations", type=int, default=12, help="conversations sampled with all their turns")
     ap.add_argument("--minutes", type=float, default=0, help="instead: the trace's first minutes")
@@ -290,7 +292,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     a = ap.parse_args(argv)
     a.capacity = None
     if not os.path.exists(a.trace):
-        raise SystemExit(f"--trace {a.trace}: no such file")
+        raise SystemExit(f"--trace {a.trace}: no such file; give {TRACE_SOURCE}")
     names = [n for n in a.arms.split(",") if n]
     unknown = [n for n in names if n not in ARMS]
     if unknown:

@@ -17,19 +17,22 @@ import subprocess
 import sys
 
 import pytest
+from helpers import REPO
 
-from shmkv.bench.trace_bench import DEFAULT_TRACE
+# the workspace's copy of the production trace, beside the checkout (shared/traces/README.md)
+TRACE = os.path.join(os.path.dirname(REPO), "shared", "traces", "mooncake_conversation_trace.jsonl")
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.exists(DEFAULT_TRACE),
-                                 reason=f"the production trace is not at {DEFAULT_TRACE} (shared/traces)")]
+              pytest.mark.skipif(not os.path.exists(TRACE),
+                                 reason=f"the production trace is not at {TRACE} (shared/traces)")]
 
 
 def test_the_trace_replay_serves_what_its_budget_allows(tmp_path):
     # NOTE: one request at a time: which turn overlaps which (and so what is stored before it is
     # asked again) would otherwise depend on timing
-    r = subprocess.run([sys.executable, "-m", "shmkv.bench", "trace", "--small", "--conversations", "4",
-                        "--arms", "shmkv,lmcache", "--max-concurrency", "1", "--json", "--workdir", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "shmkv.bench", "trace", "--trace", TRACE, "--small",
+                        "--conversations", "4", "--arms", "shmkv,lmcache", "--max-concurrency", "1", "--json",
+                        "--workdir", str(tmp_path)],
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)
