@@ -2,7 +2,7 @@
 (vLLM's own TieringOffloadingManager, built from a plain OffloadingConfig: no
 model, no engine) per process, and `shmkv bench native-tier`.
 
-Child process (used by the benchmark and tests/integration/vllm/test_native_tier.py):
+Child process (used by the benchmark and tests/integration/vllm/serving/test_native_tier.py):
 
     python -m shmkv.bench.native_tier ROLE JSON
 

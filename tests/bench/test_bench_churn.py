@@ -9,7 +9,7 @@ committed chunk lost while the disk had room. Engines are forked from the
 suite's server (a start in seconds). Left out of the slice: the TP=2
 engine of tp2_rank_eviction (vLLM's own process split, about 90 s to start
 and warm on 2 cores), whose case has its own end-to-end test
-(tests/integration/vllm/test_vllm_tp_load_failure.py)."""
+(tests/integration/vllm/worker/test_vllm_tp_load_failure.py)."""
 
 from __future__ import annotations
 

