@@ -75,7 +75,7 @@ def neighbour() -> None:
     from shmkv import Store
 
     ctx = mp.get_context("spawn")
-    lock = shm = store = child = board = None
+    lock = shm = store = engine_child = board = None
     made: list[str] = []
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -86,8 +86,8 @@ def neighbour() -> None:
             shm.buf[0] = 42
             answer = {"sem": "sem." + lock._semlock.name.lstrip("/"), "psm": shm.name}
             engine_tmp = tempfile.mkdtemp(prefix="shmkv-engine-tmp-", dir=tmp)  # an engine's, as the harness's
-            child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
-                                     env={**os.environ, "TMPDIR": engine_tmp})
+            engine_child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                            stdin=subprocess.PIPE, env={**os.environ, "TMPDIR": engine_tmp})
             cache = f"shmkv-neighbour-{os.getpid()}"
             store = Store.create(cache, 8 << 20, populate=False, segment_dir="")
             registry = os.path.join(runtime, cache + ".engines.jsonl")
@@ -116,9 +116,9 @@ def neighbour() -> None:
             if shm is not None:
                 shm.close()
                 shm.unlink()
-            if child is not None:
-                child.stdin.close()
-                child.wait(timeout=60)
+            if engine_child is not None:
+                engine_child.stdin.close()
+                engine_child.wait(timeout=60)
             if board is not None:
                 board.close()
             if store is not None:
