@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shmkv.chunking import Chunker, Unit
 from shmkv.config import ShmkvConfig
 from shmkv.errors import ConfigError, LockTimeoutError, RequestError
-from shmkv.keys import CHUNK_SIZE_MAX, CHUNK_SIZE_MIN, lossy_key
+from shmkv.keys import CHUNK_SIZE_MAX, CHUNK_SIZE_MIN, check_chunk_size, lossy_key
 from shmkv.names import SHM, TIERS
 from shmkv.namespaces import known, namespace_from_dict
 from shmkv.services.maintainer import Maintainer, MaintainerRole
@@ -483,7 +483,10 @@ class Controller:
             raise RequestError(f"namespace: expected a 32-hex string or an object, got {type(value).__name__}")
         # the config's own bounds, wherever chunk_size came from (a namespace object, the registry): a
         # 1-token chunk would make a request hash and look up one key per token
-        chunk_size = _int_in("chunk_size", chunk_size, CHUNK_SIZE_MIN, CHUNK_SIZE_MAX)
+        try:
+            chunk_size = check_chunk_size(chunk_size)  # the one rule (shmkv.keys)
+        except ConfigError as e:
+            raise RequestError(str(e)) from None
         if block_size is not None:
             block_size = _int_in("block_size", block_size, 1, chunk_size)
             if chunk_size % block_size:
