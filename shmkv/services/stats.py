@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="cache name (default: $SHMKV_CACHE_NAME or shmkv-<uid>)")
     ap.add_argument("--disk-dir", default=os.environ.get("SHMKV_DISK_DIR"),
                     help="disk tier directory, to count its files")
-    ap.add_argument("--segment-dir", default=os.environ.get(SEGMENT_DIR_ENV, ""),
+    ap.add_argument("--segment-dir", default=None,
                     help=f"the directory segments live in (default: ${SEGMENT_DIR_ENV}, else /dev/shm)")
     fmt = ap.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="one JSON object per snapshot")

@@ -58,10 +58,11 @@ def _is_socket(path: str) -> bool:
 RUN_MARK = "PYTEST_SHMKV_RUN"  # in the environment of every process the run starts
 
 
-def _outside_the_run() -> list[int]:
-    """The live processes whose environment lacks this run's mark (or cannot be read: another uid's)."""
+def _outside_the_run() -> dict[int, list[bytes]]:
+    """The live processes whose environment lacks this run's mark (or cannot
+    be read: another uid's, then []), with their environment's entries."""
     mark = f"{RUN_MARK}={os.environ.get(RUN_MARK, '')}".encode()
-    out = []
+    out = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
@@ -70,7 +71,7 @@ def _outside_the_run() -> list[int]:
             except OSError:
                 env = None  # gone (it holds nothing then) or another uid's
             if env is None or (env != [b""] and mark not in env):  # a kernel thread's is empty: it holds nothing
-                out.append(int(d))
+                out[int(d)] = env or []
     return out
 
 
@@ -83,11 +84,9 @@ def _neighbours(new: dict[str, list[str]]) -> set[str]:
 
     held: set[tuple[int, int]] = set()
     tmpdirs: set[bytes] = set()
-    for pid in _outside_the_run():
+    for pid, env in _outside_the_run().items():
         held |= files_held_by(pid)
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                tmpdirs |= {v[len(b"TMPDIR="):] for v in f.read().split(b"\0") if v.startswith(b"TMPDIR=")}
+        tmpdirs |= {v[len(b"TMPDIR="):] for v in env if v.startswith(b"TMPDIR=")}
     out: set[str] = set()
     for d, names in new.items():
         for n in names:
