@@ -110,6 +110,7 @@ def _install() -> None:
 
 
     _install_fast_launches(interpreter)
+    _install_greedy_sampling()
 
 
 def _install_fast_launches(interpreter) -> None:
@@ -158,6 +159,59 @@ def _install_fast_launches(interpreter) -> None:
     # checks every add and multiply (a sixth of a step): as on a GPU, off
     interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
                                                                   sanitize_overflow=False)
+
+
+def _install_greedy_sampling() -> None:
+    """V2 samples every token through its Gumbel-max kernel, greedy ones too
+    (temperature 0: a plain argmax over the vocabulary, block by block); the
+    interpreter runs it program by program, a third of a decode step here. A
+    batch whose every row is greedy (and that caches no draft logits) takes
+    torch's argmax instead: the same token, the first index of the largest
+    logit, as the kernel's per-block argmax and vLLM's reduction over the
+    blocks pick it. Anything else (a temperature, a drafter's logits cache)
+    goes to vLLM's kernel as before."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    target = "vllm.v1.worker.gpu.sample.gumbel"
+
+    def wrap(module) -> None:
+        kernel_path = module.gumbel_sample
+
+        def gumbel_sample(logits, expanded_idx_mapping, temperature, *args, **kwargs):
+            import torch
+
+            if kwargs.get("logits_cache") is None and len(args) <= 4:
+                valid = expanded_idx_mapping >= 0
+                temps = torch.where(valid, temperature[expanded_idx_mapping.clamp(min=0)], 0.0)
+                if not bool(temps.any()):
+                    return logits.to(torch.float32).argmax(dim=-1).to(torch.int64).view(-1)
+            return kernel_path(logits, expanded_idx_mapping, temperature, *args, **kwargs)
+
+        module.gumbel_sample = gumbel_sample
+
+    class AfterImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target_=None):
+            if name != target:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_and_wrap(module):
+                exec_module(module)
+                wrap(module)
+
+            spec.loader.exec_module = exec_and_wrap
+            return spec
+
+    if target in sys.modules:
+        wrap(sys.modules[target])
+    else:
+        sys.meta_path.insert(0, AfterImport())
 
 
 if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":

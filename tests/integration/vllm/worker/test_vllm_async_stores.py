@@ -2,7 +2,7 @@
 so these cases drive the protocol a GPU host runs (shmkv defaults, vLLM's
 prefix cache off so every reuse comes through shmkv): a prompt under one
 block and a fully cached prompt (nothing stored: never reported as finished
-sending, which would kill EngineCore), 32 concurrent requests of mixed
+sending, which would kill EngineCore), 16 concurrent requests of mixed
 lengths, a kv_consumer engine beside, and a second engine loading what the
 first stored. Each time the engine keeps serving, greedy outputs equal the
 same engine without shmkv at the same split, and every chunk loaded is
@@ -60,12 +60,12 @@ def test_delayed_frees_across_short_full_hit_concurrent_and_consumer_requests(ca
         assert again["num_cached_tokens"] == [896]
         assert not exact or again["outputs"][0] == reference.output(p, 896)
 
-        # 32 concurrent requests of mixed lengths, some sharing p's prefix
-        batch = [random_prompt(n, seed=100 + i) for i, n in enumerate([30, 130, 260, 700, 1100, 1500, 2100, 90] * 2)]
-        batch += [p[: 300 + 37 * i] + random_prompt(200, seed=200 + i) for i in range(16)]
+        # 16 concurrent requests of mixed lengths, half of them sharing p's prefix
+        batch = [random_prompt(n, seed=100 + i) for i, n in enumerate([30, 130, 260, 700, 1100, 1500, 2100, 90])]
+        batch += [p[: 300 + 74 * i] + random_prompt(200, seed=200 + i) for i in range(8)]
         r = a.generate(batch)
         assert all(len(o) == len(r["outputs"][0]) for o in r["outputs"])
-        for prompt, hit, out in list(zip(batch, r["num_cached_tokens"], r["outputs"]))[::5]:
+        for prompt, hit, out in list(zip(batch, r["num_cached_tokens"], r["outputs"]))[::3]:
             assert not exact or out == reference.output(prompt, hit)
 
         # a kv_consumer engine beside: it loads, stores nothing, and is never asked to report a store
