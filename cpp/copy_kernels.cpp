@@ -71,30 +71,32 @@ Status check_token_copy(const PagedLayout& L, const int64_t* slots, int64_t n, u
 
 namespace {
 
+// One run of a token copy: streamed from kStreamRunMin bytes (fenced once, at the end of the copy).
+template <bool kGather>
+inline void copy_run(uint8_t* payload_side, uint8_t* cache_side, size_t n) {
+  uint8_t* d = kGather ? payload_side : cache_side;
+  const uint8_t* s = kGather ? cache_side : payload_side;
+  if (n >= kStreamRunMin)
+    stream_copy_unfenced(d, s, n);
+  else
+    std::memcpy(d, s, n);
+}
+
+// Token mode, over visit_token_runs: runs that continue on both sides are merged, so where a
+// block's tokens lie back to back (MLA's [blocks, block_size, latent], NHD's token-major heads)
+// a 128-token block of MLA is one 144 KiB run, not 128 copies of 1,152 bytes.
 template <bool kGather>
 void copy_tokens(const PagedLayout& L, const int64_t* slots, int64_t n, uint8_t* payload, int64_t l0,
                  int64_t l1) {
-  const int64_t tok_bytes = L.token_payload_bytes();
-  uint8_t* p = payload + l0 * n * tok_bytes;
-  for (int64_t l = l0; l < l1; ++l) {
-    uint8_t* layer = reinterpret_cast<uint8_t*>(L.layer_base[l]);
-    for (int64_t t = 0; t < n; ++t, p += tok_bytes) {
-      int64_t slot = slots[t];
-      if (slot < 0) {
-        if (kGather) std::memset(p, 0, size_t(tok_bytes));
-        continue;
-      }
-      uint8_t* tok = layer + (slot / L.block_size) * L.block_stride + (slot % L.block_size) * L.token_stride;
-      uint8_t* q = p;
-      for (int64_t i = 0; i < L.runs_i; ++i) {
-        for (int64_t j = 0; j < L.runs_j; ++j, q += L.run_bytes) {
-          uint8_t* run = tok + i * L.stride_i + j * L.stride_j;
-          if (kGather) std::memcpy(q, run, size_t(L.run_bytes));
-          else std::memcpy(run, q, size_t(L.run_bytes));
-        }
-      }
-    }
-  }
+  visit_token_runs(
+      L, slots, n, l0, l1,
+      [&](uint64_t cache, uint64_t offset, uint64_t bytes) {
+        copy_run<kGather>(payload + offset, reinterpret_cast<uint8_t*>(cache), size_t(bytes));
+      },
+      [&](uint64_t offset, uint64_t bytes) {
+        if (kGather) std::memset(payload + offset, 0, size_t(bytes));
+      });
+  stream_fence();  // every streamed run is ordered before the caller publishes the copy
 }
 
 }  // namespace

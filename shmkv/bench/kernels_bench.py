@@ -1,10 +1,19 @@
 """Gather/scatter GB/s against memcpy of the same bytes in the same run.
 
-CPU: vLLM 0.32's CPU layout [num_blocks, kv_heads, block_size, 2*head] with a
-Llama-3-8B-like shape (32 layers, 8 KV heads, head 128, bf16, block 128): one
-256-token chunk is 32 MiB, copied as 64 runs of 512 KiB, into/out of a chunk
-in a shmkv segment. GPU (when one is present): the same shape in the CUDA NHD
-layout, device cache <-> registered segment, against pinned cudaMemcpy.
+CPU: every layout shmkv copies (shmkv.transfer.layout.KINDS but kv_split) with a
+Llama-3-8B-like shape (32 layers, 8 KV heads, head 128, bf16, block 128; MLA:
+a 576-wide latent in CPU_MLA's 16-token blocks; `state`: a linear-attention
+group's 64 KiB per block), one 256-token chunk into/out of a chunk in a shmkv
+segment, against a cold memcpy of the same bytes between the same kinds of
+memory (a process buffer and a /dev/shm mapping), measured beside each
+layout at its size. `warm`: the segment's pages already faulted in (as the
+store's populate leaves them); `cold` (gather): each copy the first touch of
+segment pages this process has not mapped yet (reserved, populate off).
+Each round measures the baseline and every layout again, the layouts in a
+rotated order; the figures are medians over rounds with their range, and
+the copying thread's CPU seconds per GB. GPU (when one is present): the
+same shape in the CUDA NHD layout, device cache <-> registered segment,
+against pinned cudaMemcpy.
 """
 
 from __future__ import annotations
@@ -13,81 +22,167 @@ import argparse
 import statistics
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 import torch
 
-from shmkv import Store
+from shmkv import PutResult, Store
 from shmkv.bench import drop_cache
 from shmkv.bench.baselines import memcpy_baselines
 from shmkv.transfer.layout import KVLayout
 
 MiB = 1 << 20
 
-
 SLOTS = 6  # chunks the benchmark rotates through (and the cold memcpy baseline too)
+CPU_LAYOUTS = ("cpu", "nhd", "hnd", "mla", "state")
+MLA_BLOCK, MLA_LATENT = 16, 576  # vLLM-CPU's CPU_MLA block size; DeepSeek's kv_lora_rank + rope dims
+STATE_BYTES = 64 << 10  # a linear-attention block's recurrent state
 
 
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _shape(kind: str, blocks: int, heads: int, head: int, bs: int) -> tuple[int, ...]:
+    if kind == "cpu":
+        return (blocks, heads, bs, 2 * head)
+    if kind == "nhd":
+        return (blocks, bs, heads, 2 * head)
+    if kind == "hnd":
+        return (blocks, heads, bs, 2 * head)
+    if kind == "mla":
+        return (blocks * bs // MLA_BLOCK, MLA_BLOCK, MLA_LATENT)
+    if kind == "state":
+        return (blocks * 64, STATE_BYTES // 2)
+    raise ValueError(f"layout {kind!r}: expected one of {', '.join(CPU_LAYOUTS)}")
 
 
-def bench_cpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: int,
-              repeats: int) -> dict[str, float]:
-    shape = (blocks, heads, bs, 2 * head)
-    flat = torch.zeros(layers * blocks * heads * bs * 2 * head, dtype=torch.bfloat16)
-    flat.view(torch.int16).random_()
-    per = blocks * heads * bs * 2 * head
-    cache = [flat[i * per:(i + 1) * per].view(shape) for i in range(layers)]
-    layout = KVLayout("cpu", cache)
-    nbytes = layout.payload_bytes(chunk)
-    name = f"shmkv-bench-{uuid.uuid4().hex[:8]}"
-    store = Store.create(name, SLOTS * nbytes + 64 * MiB, max_payload_bytes=nbytes)
+class CpuCase:
+    """One layout's cache (random bytes) and the indexes of `repeats` chunks in random block orders."""
+
+    def __init__(self, kind: str, layers: int, heads: int, head: int, bs: int, chunk: int, blocks: int,
+                 repeats: int, rng: np.random.Generator) -> None:
+        shape = _shape(kind, blocks, heads, head, bs)
+        per = int(np.prod(shape))
+        flat = torch.empty(layers * per, dtype=torch.bfloat16)
+        flat.view(torch.int16).random_()
+        self.kind = kind
+        self.cache = [flat[i * per:(i + 1) * per].view(shape) for i in range(layers)]
+        self.layout = KVLayout(kind, self.cache)
+        tokens = 1 if kind == "state" else chunk  # a state group holds one block per chunk
+        self.nbytes = self.layout.payload_bytes(tokens)
+        n = shape[0]
+        if self.layout.token_mode:
+            per_block = self.layout.block_size
+            self.indexes = [self.layout.slots_for_blocks(rng.permutation(n)[: -(-tokens // per_block)], tokens)
+                            for _ in range(repeats)]
+        else:
+            self.indexes = [rng.permutation(n)[: chunk // bs].astype(np.int64) for _ in range(repeats)]
+
+
+def _copy_rates(case: CpuCase, store: Store, op: str, fresh: bool, repeats: int) -> dict[str, float]:
+    """Median GB/s of `op` ("gather" or "scatter") and the thread's CPU s/GB
+    over `repeats` copies: rotating through SLOTS faulted-in chunks of
+    `store`, or (`fresh`, gather only) each into a chunk of its own whose
+    pages nothing has touched yet (all held to the end, so no reservation
+    reuses another's pages)."""
+    walls, cpus = [], []
+    rs = []
     try:
-        rng = np.random.default_rng(0)
-        # rotate through SLOTS chunks of the segment, as a store of many chunks does
-        rs = [store.reserve(bytes([i + 1]) * 16, nbytes) for i in range(SLOTS)]
-        payloads = [r.numpy() for r in rs]
-        for view in payloads:
-            view[:] = 0  # faulted in, like the store's populate
-        del view  # NOTE: a view left alive keeps its reservation open: close() would refuse
-        base = memcpy_baselines(nbytes, SLOTS, repeats * 2)
-        id_sets = [rng.permutation(blocks)[: chunk // bs].astype(np.int64) for _ in range(repeats)]
-        it = iter(range(1 << 30))
-
-        def gather() -> None:
-            i = next(it)
-            layout.gather(id_sets[i % repeats], rs[i % SLOTS])
-
-        gather_s = _median_s(gather, max(repeats, 2 * SLOTS))
-        it2 = iter(range(1 << 30))
-        last = [0]
-
-        def scatter() -> None:
-            i = last[0] = next(it2)
-            layout.scatter(id_sets[i % repeats], rs[i % SLOTS])
-
-        scatter_s = _median_s(scatter, max(repeats, 2 * SLOTS))
-        # correctness spot check: the last scatter wrote what its payload holds
-        ids = id_sets[last[0] % repeats]
-        assert bytes(cache[layers - 1][ids[-1]].view(torch.uint8).reshape(-1)[-64:].numpy()) == \
-            bytes(payloads[last[0] % SLOTS][-64:])
-        del payloads
+        for _ in range(repeats if fresh else SLOTS):
+            r = store.reserve(uuid.uuid4().bytes, case.nbytes)
+            if isinstance(r, PutResult):
+                raise RuntimeError(f"bench kernels: no room for a {case.nbytes}-byte chunk of {case.kind} ({r.name})")
+            rs.append(r)
+        if not fresh:
+            for r in rs:
+                view = r.numpy()
+                view[:] = 0  # faulted in, like the store's populate
+                del view  # NOTE: a view left alive keeps its reservation open: abort() would refuse
+        copy = case.layout.gather if op == "gather" else case.layout.scatter
+        for i in range(repeats):
+            idx = case.indexes[i % len(case.indexes)]
+            c0, t0 = time.thread_time(), time.perf_counter()
+            copy(idx, rs[i % len(rs)])
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.thread_time() - c0)
+    finally:
         for r in rs:
             r.abort()
+    gb = case.nbytes / 1e9
+    return {f"{op}_gbps": gb / statistics.median(walls), f"{op}_cpu_s_per_gb": statistics.median(cpus) / gb}
+
+
+VARIANTS = (("warm", "gather"), ("warm", "scatter"), ("cold", "gather"))
+
+
+def bench_cpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: int, repeats: int,
+              rounds: int = 1, kinds: tuple[str, ...] = CPU_LAYOUTS) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    cases = [CpuCase(k, layers, heads, head, bs, chunk, blocks, repeats, rng) for k in kinds]
+    biggest = max(c.nbytes for c in cases)
+    samples: dict[str, dict[str, list[float]]] = {c.kind: {} for c in cases}
+    base: dict[str, list[float]] = {}
+    warm_name, cold_name = (f"shmkv-bench-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    cold_size = (repeats + 2) * biggest + 128 * MiB
+    try:
+        warm = Store.create(warm_name, SLOTS * biggest + 64 * MiB, max_payload_bytes=biggest)
+        try:
+            for rnd in range(rounds):
+                order = cases[rnd % len(cases):] + cases[: rnd % len(cases)]  # rotated: no layout always first
+                for case in order:
+                    # the baseline of this case's size, measured beside it
+                    cold_memcpy = memcpy_baselines(case.nbytes, SLOTS, repeats)
+                    for k, v in cold_memcpy.items():
+                        base.setdefault(k if case.nbytes == biggest else f"{k}@{case.kind}", []).append(v)
+                    for variant, op in VARIANTS:
+                        if variant == "cold":  # its pages reserved (allocated), none mapped in this process yet
+                            store = Store.create(cold_name, cold_size, max_payload_bytes=biggest, populate=False,
+                                                 background_reserve=False)
+                            store.reserve_more(cold_size, map_pages=False)
+                        else:
+                            store = warm
+                        try:
+                            got = _copy_rates(case, store, op, variant == "cold", repeats)
+                        finally:
+                            if variant == "cold":
+                                store.close()
+                                drop_cache(cold_name)
+                        into = samples[case.kind]
+                        into.setdefault(f"{variant}_{op}_gbps", []).append(got[f"{op}_gbps"])
+                        into.setdefault(f"{variant}_{op}_cpu_s_per_gb", []).append(got[f"{op}_cpu_s_per_gb"])
+                        into.setdefault(f"{variant}_{op}_ratio", []).append(
+                            got[f"{op}_gbps"] / cold_memcpy["memcpy_cold_gbps"])
+            # correctness spot check: every layout's scatter then gather gives back the payload's bytes
+            for case in cases:
+                r = warm.reserve(uuid.uuid4().bytes, case.nbytes)
+                try:
+                    view = r.numpy()
+                    view[:] = np.random.default_rng(1).integers(0, 255, case.nbytes, dtype=np.uint8)
+                    case.layout.scatter(case.indexes[0], r)
+                    back = torch.empty(case.nbytes, dtype=torch.uint8)
+                    case.layout.gather(case.indexes[0], back)
+                    assert np.array_equal(back.numpy(), view), f"{case.kind}: scatter then gather changed bytes"
+                    del view
+                finally:
+                    r.abort()
+        finally:
+            warm.close()
     finally:
-        store.close()
-        drop_cache(name)
-    gb = nbytes / 1e9
-    cold = base["memcpy_cold_gbps"]
-    return {"chunk_bytes": nbytes, "slots": SLOTS, **base, "memcpy_gbps": cold, "gather_gbps": gb / gather_s,
-            "scatter_gbps": gb / scatter_s, "gather_ratio": gb / gather_s / cold,
-            "scatter_ratio": gb / scatter_s / cold}
+        drop_cache(warm_name)
+        drop_cache(cold_name)
+    med = {k: statistics.median(v) for k, v in base.items() if "@" not in k}
+    layouts = {kind: {k: _spread(v) for k, v in got.items()} for kind, got in samples.items()}
+    out: dict[str, Any] = {"rounds": rounds, "slots": SLOTS, "chunk_bytes": {c.kind: c.nbytes for c in cases},
+                           "memcpy": {k: _spread(v) for k, v in base.items()}, **med,
+                           "memcpy_gbps": med["memcpy_cold_gbps"], "layouts": layouts}
+    if "cpu" in layouts:  # the headline figures: vLLM-CPU's own layout, warm segment
+        cpu = layouts["cpu"]
+        out.update(gather_gbps=cpu["warm_gather_gbps"]["median"], scatter_gbps=cpu["warm_scatter_gbps"]["median"],
+                   gather_ratio=cpu["warm_gather_ratio"]["median"], scatter_ratio=cpu["warm_scatter_ratio"]["median"])
+    return out
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+            "max": round(max(values), 3), "n": len(values)}
 
 
 def bench_gpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: int,
@@ -146,12 +241,17 @@ def run(argv: list[str]) -> dict:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--blocks", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=20, help="copies per layout, variant and round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds (memcpy and every layout each, rotated)")
+    p.add_argument("--layouts", default=",".join(CPU_LAYOUTS), help="the CPU layouts, comma-separated")
     a = p.parse_args(argv)
+    kinds = tuple(k for k in a.layouts.split(",") if k)
+    for k in kinds:
+        _shape(k, 1, 1, 1, MLA_BLOCK)  # an unknown layout fails before anything runs
     shape = (a.layers, a.kv_heads, a.head_size, a.block_size, a.chunk, a.blocks, a.repeats)
     result: dict = {"layout": "cpu:LBHNC", "layers": a.layers, "kv_heads": a.kv_heads,
                     "head_size": a.head_size, "block_size": a.block_size, "chunk_tokens": a.chunk}
-    result.update(bench_cpu(*shape))
+    result.update(bench_cpu(*shape, rounds=a.rounds, kinds=kinds))
     if torch.cuda.is_available():
         result.update(bench_gpu(*shape))
     else:
@@ -160,11 +260,19 @@ def run(argv: list[str]) -> dict:
 
 
 def report(r: dict) -> None:
-    print(f"memcpy baselines: warm single buffer {r['memcpy_warm_gbps']:.1f} GB/s, {r['slots']} rotating cold "
-          f"slots {r['memcpy_cold_gbps']:.1f} GB/s (ratios below are against the cold one)")
-    print(f"CPU {r['layout']} chunk {r['chunk_bytes'] / MiB:.0f} MiB: memcpy {r['memcpy_gbps']:.1f} GB/s, "
-          f"gather {r['gather_gbps']:.1f} GB/s ({r['gather_ratio']:.2f}x), "
-          f"scatter {r['scatter_gbps']:.1f} GB/s ({r['scatter_ratio']:.2f}x)")
+    m = r["memcpy"]
+    print(f"memcpy baselines over {r['rounds']} rounds: warm single buffer {m['memcpy_warm_gbps']['median']:.1f} "
+          f"GB/s, {r['slots']} rotating cold slots {m['memcpy_cold_gbps']['median']:.1f} GB/s "
+          f"({m['memcpy_cold_gbps']['min']:.1f}-{m['memcpy_cold_gbps']['max']:.1f}; ratios below are against the "
+          "cold one of each layout's size, measured beside it)")
+    for kind, got in r["layouts"].items():
+        parts = []
+        for variant, op in VARIANTS:
+            ratio = got[f"{variant}_{op}_ratio"]
+            parts.append(f"{variant} {op} {got[f'{variant}_{op}_gbps']['median']:.1f} GB/s "
+                         f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f}), "
+                         f"{got[f'{variant}_{op}_cpu_s_per_gb']['median']:.3f} CPU s/GB")
+        print(f"CPU {kind} ({r['chunk_bytes'][kind] / MiB:.1f} MiB): " + "; ".join(parts))
     if "gpu_gather_gbps" in r:
         print(f"GPU {r['gpu_name']}: cudaMemcpy H2D {r['gpu_memcpy_h2d_gbps']:.1f} / D2H "
               f"{r['gpu_memcpy_d2h_gbps']:.1f} GB/s, gather {r['gpu_gather_gbps']:.1f} GB/s "
