@@ -114,7 +114,8 @@ VARIANTS = (("warm", "gather"), ("warm", "scatter"), ("cold", "gather"))
 
 
 def bench_cpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: int, repeats: int,
-              rounds: int = 1, kinds: tuple[str, ...] = CPU_LAYOUTS) -> dict[str, Any]:
+              rounds: int = 1, kinds: tuple[str, ...] = CPU_LAYOUTS, cold: bool = True) -> dict[str, Any]:
+    """`cold`: also the gather into pages not yet mapped (a segment of `repeats` chunks beside the warm one)."""
     rng = np.random.default_rng(0)
     cases = [CpuCase(k, layers, heads, head, bs, chunk, blocks, repeats, rng) for k in kinds]
     biggest = max(c.nbytes for c in cases)
@@ -133,6 +134,8 @@ def bench_cpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: i
                     for k, v in cold_memcpy.items():
                         base.setdefault(k if case.nbytes == biggest else f"{k}@{case.kind}", []).append(v)
                     for variant, op in VARIANTS:
+                        if variant == "cold" and not cold:
+                            continue
                         if variant == "cold":  # its pages reserved (allocated), none mapped in this process yet
                             store = Store.create(cold_name, cold_size, max_payload_bytes=biggest, populate=False,
                                                  background_reserve=False)
@@ -268,6 +271,8 @@ def report(r: dict) -> None:
     for kind, got in r["layouts"].items():
         parts = []
         for variant, op in VARIANTS:
+            if f"{variant}_{op}_ratio" not in got:
+                continue
             ratio = got[f"{variant}_{op}_ratio"]
             parts.append(f"{variant} {op} {got[f'{variant}_{op}_gbps']['median']:.1f} GB/s "
                          f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f}), "

@@ -1,13 +1,22 @@
-"""Remote tier throughput through Redis on loopback.
+"""Remote tier throughput through Redis, on loopback and over a slower link.
 
-  put_gbps        raw bytes/s through the tier's write path (shuffle + zstd + SET)
-  get_gbps        raw bytes/s through promotion (GET + checks + zstd + unshuffle + put into the segment)
-  wire_put_gbps   encoded bytes/s of SET alone
-  wire_get_gbps   encoded bytes/s of GET alone
-  ratio           raw / encoded bytes
+For each codec setting of the tier (`--codecs`, default auto, zstd, none:
+`remote_codec`), the tier's own write path and its promotion:
 
-Chunks are Gaussian bf16 (KV-like). Without --url a private redis-server (or
-valkey-server) is started on a free loopback port and stopped afterwards.
+  put_gbps        raw bytes/s through tier.write (the codec the setting picks, then SET)
+  get_gbps        raw bytes/s through promotion (GET + checks + decode + put into the segment)
+  put_of_wire     put_gbps / wire_put_gbps: 1.0 is a tier as fast as its link
+  get_of_wire     the same for get
+  codec           what the tier wrote with at the end (auto: its choice and why)
+  ratio           raw / stored bytes
+
+beside the link alone (wire_put_gbps, wire_get_gbps: SET and GET of raw
+chunks by a minimal client, the bytes straight between one buffer and the
+socket). `--link-mbps N` puts a rate-limited proxy (shmkv.bench.slow_link)
+between the tier and Redis, every byte of the run through it, as a host's
+network would be. Chunks are Gaussian bf16 (KV-like). Without --url a
+private redis-server (or valkey-server) is started on a free loopback port
+and stopped afterwards.
 
 With --cluster the same run also starts a private Redis Cluster (3 primaries)
 and measures both, each with --processes processes writing and promoting
@@ -20,9 +29,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import tempfile
 import time
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import torch
@@ -30,11 +41,12 @@ import xxhash
 
 from shmkv import Store
 from shmkv.bench import drop_cache
+from shmkv.bench.slow_link import SlowLink
 from shmkv.config import load_config
 from shmkv.engines.redis_server import PrivateRedis
+from shmkv.names import CODEC_SETTINGS
 from shmkv.tiers import format as fmt
 from shmkv.tiers import open_tiers
-from shmkv.tiers.remote.signing import chunk_key
 
 MiB = 1 << 20
 NS = b"bench-namespace!"
@@ -51,66 +63,150 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--processes", type=int, default=1, help="processes at once (aggregate GB/s)")
     ap.add_argument("--cluster", action="store_true",
                     help="measure a private single server and a private 3-primary cluster in one run")
+    ap.add_argument("--codecs", default="auto,zstd,none", help="remote_codec settings to measure, comma-separated")
+    ap.add_argument("--link-mbps", type=float, default=0.0,
+                    help="carry every byte through a link of this many MB/s each way (0: loopback as it is)")
     a = ap.parse_args(argv)
     if a.cluster or a.processes > 1:
         return _parallel(a)
+    codecs = [c for c in a.codecs.split(",") if c]
+    for c in codecs:
+        if c not in CODEC_SETTINGS:
+            raise SystemExit(f"--codecs: {c!r} is not one of {', '.join(CODEC_SETTINGS)}")
 
     workdir = tempfile.mkdtemp(prefix="shmkv-bench-remote-")
+    link = None
     try:
         server = None if a.url else PrivateRedis(workdir)
     except FileNotFoundError as e:
         raise SystemExit(f"{e}; or pass --url") from e
-    url = a.url or server.url  # type: ignore[union-attr]
-    chunks, keys, name, store, chain = _setup(url, a, "")
-    raw = sum(map(len, chunks))
-    tier = chain.remote
-    client = redis.Redis.from_url(url, socket_timeout=30)
+    try:
+        url = a.url or server.url  # type: ignore[union-attr]
+        if a.link_mbps:
+            parsed = urlsplit(url)
+            link = SlowLink(parsed.hostname or "127.0.0.1", parsed.port or 6379, a.link_mbps * 1e6)
+            url = urlunsplit(parsed._replace(netloc=f"127.0.0.1:{link.port}"))
+        result: dict[str, Any] = {"chunk_mib": a.chunk_mib, "chunks": a.chunks, "level": a.level,
+                                  "link": f"{a.link_mbps:g} MB/s" if a.link_mbps else "loopback",
+                                  "server": "private redis-server" if server else a.url}
+        result.update(_wire(url, a))
+        result["codecs"] = {c: _codec_run(url, a, c, result) for c in codecs}
+        if "auto" in result["codecs"]:  # the headline: the default setting
+            result.update({k: result["codecs"]["auto"][k] for k in ("put_gbps", "get_gbps", "ratio")})
+        return result
+    finally:
+        if link is not None:
+            link.close()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wire(url: str, a: argparse.Namespace) -> dict[str, float]:
+    """The link alone: best GB/s of SET and of GET of raw chunks, by a
+    minimal RESP client on one socket (the value sent from and read into one
+    buffer: no client library's parsing between the bytes and the link).
+    A URL with a password or TLS: measured with redis-py instead."""
+    size = int(a.chunk_mib * MiB) // 2 * 2
+    chunks = [os.urandom(size) for _ in range(min(a.chunks, 8))]
+    nbytes = len(chunks) * size
+    parsed = urlsplit(url)
+    if parsed.scheme != "redis" or parsed.password:
+        return _wire_redis_py(url, chunks)
+    sock = socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), timeout=300)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    names = [f"shmkv-bench-wire-{i}".encode() for i in range(len(chunks))]
+    buf = bytearray(size + 64)
     best: dict[str, float] = {}
 
-    def keep(field: str, nbytes: int, seconds: float) -> None:
-        best[field] = max(best.get(field, 0.0), nbytes / seconds / 1e9)
+    def command(*parts: bytes) -> bytes:
+        return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+
+    def reply_line() -> bytes:
+        line = b""
+        while not line.endswith(b"\r\n"):
+            line += sock.recv(1)
+        return line
 
     try:
-        encoded: list[bytes] = []
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            for n, c in zip(names, chunks):
+                sock.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(n), n, size))
+                sock.sendall(c)
+                sock.sendall(b"\r\n")
+                assert reply_line() == b"+OK\r\n"
+            best["wire_put_gbps"] = max(best.get("wire_put_gbps", 0.0), nbytes / (time.perf_counter() - t0) / 1e9)
+            t0 = time.perf_counter()
+            for n in names:
+                sock.sendall(command(b"GET", n))
+                assert reply_line() == b"$%d\r\n" % size
+                view, got = memoryview(buf), 0
+                while got < size + 2:
+                    got += sock.recv_into(view[got:size + 2])
+            best["wire_get_gbps"] = max(best.get("wire_get_gbps", 0.0), nbytes / (time.perf_counter() - t0) / 1e9)
+        sock.sendall(command(b"DEL", *names))
+        reply_line()
+    finally:
+        sock.close()
+    return {k: round(v, 3) for k, v in best.items()}
+
+
+def _wire_redis_py(url: str, chunks: list[bytes]) -> dict[str, float]:
+    client = redis.Redis.from_url(url, socket_timeout=300)
+    nbytes = sum(map(len, chunks))
+    try:
+        t0 = time.perf_counter()
+        for i, c in enumerate(chunks):
+            client.set(f"shmkv-bench-wire-{i}", c)
+        put = nbytes / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        for i in range(len(chunks)):
+            assert client.get(f"shmkv-bench-wire-{i}") is not None
+        get = nbytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        client.delete(*[f"shmkv-bench-wire-{i}" for i in range(len(chunks))])
+        client.close()
+    return {"wire_put_gbps": round(put, 3), "wire_get_gbps": round(get, 3)}
+
+
+def _codec_run(url: str, a: argparse.Namespace, codec: str, wire: dict[str, float]) -> dict[str, Any]:
+    """The tier with remote_codec=`codec`: best of a.repeats passes of put (tier.write) and get (promote)."""
+    chunks, keys, name, store, chain = _setup(url, a, "", codec)
+    raw = sum(map(len, chunks))
+    tier = chain.remote
+    client = redis.Redis.from_url(url, socket_timeout=300)
+    best: dict[str, float] = {}
+    stored = 0
+    try:
         for _ in range(a.repeats):
             tier.clear(NS)
             t0 = time.perf_counter()
-            encoded = [fmt.encode(k, NS, c, element_size=2, level=a.level) for k, c in zip(keys, chunks)]
-            for k, e in zip(keys, encoded):
-                assert tier.put_encoded(k, NS, e), "remote write failed"
-            keep("put_gbps", raw, time.perf_counter() - t0)
-
+            for k, c in zip(keys, chunks):
+                assert tier.write(k, NS, c), "remote write failed"
+            best["put_gbps"] = max(best.get("put_gbps", 0.0), raw / (time.perf_counter() - t0) / 1e9)
+            stored = sum(client.strlen(tier._rkey(k, NS)) for k in keys)  # noqa: SLF001 - the bytes on the wire
             store.clear()
             t0 = time.perf_counter()
             assert chain.promote(keys, [NS] * len(keys)) == len(keys)
-            keep("get_gbps", raw, time.perf_counter() - t0)
-            assert store.get(keys[-1]) == chunks[-1]
-
-            wire = sum(map(len, encoded))
-            t0 = time.perf_counter()
-            for k, e in zip(keys, encoded):
-                client.set(chunk_key(k, NS), e)
-            keep("wire_put_gbps", wire, time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for k in keys:
-                assert client.get(chunk_key(k, NS)) is not None
-            keep("wire_get_gbps", wire, time.perf_counter() - t0)
-        result = {f: round(v, 3) for f, v in best.items()}
-        result.update({"ratio": round(raw / sum(map(len, encoded)), 3), "chunk_mib": a.chunk_mib,
-                       "chunks": a.chunks, "level": a.level, "server": "private redis-server" if server else url})
-        return result
+            best["get_gbps"] = max(best.get("get_gbps", 0.0), raw / (time.perf_counter() - t0) / 1e9)
+            assert store.get(keys[-1]) == chunks[-1] and store.get(keys[0]) == chunks[0]
+        out: dict[str, Any] = {k: round(v, 3) for k, v in best.items()}
+        out["put_of_wire"] = round(best["put_gbps"] / wire["wire_put_gbps"], 3)
+        out["get_of_wire"] = round(best["get_gbps"] / wire["wire_get_gbps"], 3)
+        out["ratio"] = round(raw / stored, 3) if stored else None
+        out["codec"] = f"{tier.codec.choice} ({tier.codec.reason})" if codec == "auto" else codec
+        return out
     finally:
         tier.clear(NS)
         chain.close()
         client.close()
         store.close()
         drop_cache(name)
-        if server is not None:
-            server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _setup(url: str, a: argparse.Namespace, tag: str) -> tuple[list[bytes], list[bytes], str, Store, Any]:
+def _setup(url: str, a: argparse.Namespace, tag: str, codec: str = "zstd") -> tuple[list[bytes], list[bytes], str,
+                                                                                    Store, Any]:
     """(Gaussian bf16 chunks, their keys, segment name, segment, tier chain) of one benchmark process."""
     size = int(a.chunk_mib * MiB) // 2 * 2
     g = torch.Generator().manual_seed(len(tag))
@@ -119,8 +215,8 @@ def _setup(url: str, a: argparse.Namespace, tag: str) -> tuple[list[bytes], list
     keys = [xxhash.xxh3_128_digest(f"bench-{tag}{i}".encode()) for i in range(a.chunks)]
     name = f"shmkv-bench-remote-{os.getpid()}"
     store = Store.create(name, a.chunks * size + 64 * MiB, max_payload_bytes=size, populate=False)
-    chain = open_tiers(load_config({"cache_name": name, "remote_url": url, "remote_timeout": 30, "disk_level": a.level,
-                                    "disk_shuffle_bytes": 2}, env={}), store)
+    chain = open_tiers(load_config({"cache_name": name, "remote_url": url, "remote_timeout": 300, "disk_level": a.level,
+                                    "disk_shuffle_bytes": 2, "remote_codec": codec}, env={}), store)
     return chunks, keys, name, store, chain
 
 
@@ -215,7 +311,8 @@ def report(r: dict) -> None:
                       f"{r['chunk_mib']} MiB: put {r[label]['put_gbps']:.3f} GB/s, get {r[label]['get_gbps']:.3f} "
                       "GB/s raw, aggregate")
         return
-    print(f"remote tier via {r['server']}: {r['chunks']} chunks of {r['chunk_mib']} MiB, zstd level {r['level']}, "
-          f"ratio {r['ratio']}")
-    print(f"  put  {r['put_gbps']:.3f} GB/s raw (encode + SET); SET alone {r['wire_put_gbps']:.3f} GB/s encoded")
-    print(f"  get  {r['get_gbps']:.3f} GB/s raw (GET + decode + put); GET alone {r['wire_get_gbps']:.3f} GB/s encoded")
+    print(f"remote tier via {r['server']} over {r['link']}: {r['chunks']} chunks of {r['chunk_mib']} MiB, zstd level "
+          f"{r['level']}; the link alone: SET {r['wire_put_gbps']:.3f} GB/s, GET {r['wire_get_gbps']:.3f} GB/s")
+    for codec, c in r["codecs"].items():
+        print(f"  remote_codec={codec}: put {c['put_gbps']:.3f} GB/s raw ({c['put_of_wire']:.2f} of the wire), get "
+              f"{c['get_gbps']:.3f} GB/s raw ({c['get_of_wire']:.2f}), ratio {c['ratio']}, wrote {c['codec']}")
