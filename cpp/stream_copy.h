@@ -7,13 +7,14 @@
 // kStreamCopyMin bytes the stores therefore bypass the cache (x86-64
 // non-temporal stores): no read-for-ownership of the destination and no
 // eviction of the working set, about 1.5x the bandwidth of memcpy for 256 KiB
-// chunks on 4 KiB tmpfs pages. 32-byte stores where the CPU has AVX2 (asked
-// once at run time), 16-byte ones otherwise.
+// chunks on 4 KiB tmpfs pages: 32-byte streaming stores where the CPU has
+// AVX2 (asked once at run time; every x86-64 server CPU since 2013), memcpy
+// on the others.
 // Invariant: stream_copy's copy is complete and ordered before it returns
 // (sfence), so a commit or release that follows publishes whole bytes; a
 // caller of stream_copy_unfenced (many small runs) calls stream_fence() once
 // after the last run, before anything that publishes them. Elsewhere (other
-// ISAs, small copies) it is memcpy.
+// ISAs, x86-64 without AVX2, small copies) it is memcpy.
 #pragma once
 
 #include <cstddef>
@@ -34,27 +35,6 @@ constexpr size_t kStreamRunMin = 256;
 
 #ifdef SHMKV_STREAM_COPY
 namespace detail {
-
-inline void stream_sse2(uint8_t* d, const uint8_t* s, size_t n) {
-  size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;  // align the destination
-  if (head > n) head = n;
-  std::memcpy(d, s, head);
-  d += head;
-  s += head;
-  n -= head;
-  size_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
-    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
-    __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
-  }
-  std::memcpy(d + i, s + i, n - i);
-}
 
 __attribute__((target("avx2"))) inline void stream_avx2(uint8_t* d, const uint8_t* s, size_t n) {
   size_t head = (32 - (reinterpret_cast<uintptr_t>(d) & 31)) & 31;  // align the destination
@@ -93,7 +73,7 @@ inline void stream_copy_unfenced(void* dst, const void* src, size_t n) {
   if (detail::has_avx2())
     detail::stream_avx2(d, s, n);
   else
-    detail::stream_sse2(d, s, n);
+    std::memcpy(d, s, n);
 #else
   std::memcpy(dst, src, n);
 #endif
