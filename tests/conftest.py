@@ -61,12 +61,18 @@ def pytest_terminal_summary(terminalreporter) -> None:
     path = os.environ.get("PYTEST_ENGINE_START_LOG", "")
     try:
         with open(path) as f:
-            starts = [float(line.split()[-1]) for line in f if line.strip()]
+            rows = [line.split() for line in f if line.strip()]  # LABEL KIND TEST SECONDS (engine.note_start)
     except OSError:
         return
+    starts = [float(r[-1]) for r in rows]
     if starts:
         terminalreporter.write_line(f"vLLM engine starts: {len(starts)}, {sum(starts):.0f} s in all "
                                     f"(mean {sum(starts) / len(starts):.1f} s, longest {max(starts):.1f} s)")
+        by_kind: dict[str, list[float]] = {}
+        for r in rows:
+            by_kind.setdefault(r[1] if len(r) >= 4 else "-", []).append(float(r[-1]))
+        terminalreporter.write_line("  by kind: " + ", ".join(
+            f"{k} {len(v)} ({sum(v):.0f} s)" for k, v in sorted(by_kind.items(), key=lambda kv: -sum(kv[1]))))
     if os.path.basename(path).startswith("shmkv-engine-starts-"):  # this run's own (pytest_configure)
         os.unlink(path)
 

@@ -138,6 +138,7 @@ class Churn(ChangeKinds):
         self.history: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
         self.last_change: str = "start"
+        self.first_kinds: list[str] | None = None  # --each-kind-first: the order of the first changes
         self.notes: list[str] = []  # what this run could not draw, and why
         self.replaying = False  # following a recorded history (replay): nothing drawn
         self.recorded: dict[str, Any] = {}  # the recorded change being replayed
@@ -316,7 +317,12 @@ class Churn(ChangeKinds):
         self.count_since_last_change()
         if recorded is None:
             kinds = [k for k in CHANGES if k in self.a.kinds]
-            kind = self.rng.choices(kinds, weights=[CHANGES[k] for k in kinds])[0]
+            if self.a.each_kind_first and self.first_kinds is None:  # the kinds left after setup, shuffled once
+                self.first_kinds = self.rng.sample(kinds, len(kinds))
+            if self.first_kinds and index < len(self.first_kinds):
+                kind = self.first_kinds[index]
+            else:
+                kind = self.rng.choices(kinds, weights=[CHANGES[k] for k in kinds])[0]
         else:
             kind = recorded["kind"]
         self.recorded = recorded or {}
@@ -341,7 +347,7 @@ class Churn(ChangeKinds):
         self.history.append({"type": "run", "seed": self.a.seed, "engines": self.a.engines,
                              "capacity": self.a.capacity, "max_tokens": self.a.max_tokens,
                              "requests_per_change": self.a.requests_per_change, "kinds": self.a.kinds,
-                             "lora": self.a.lora})
+                             "lora": self.a.lora, "each_kind_first": self.a.each_kind_first})
         if "disk_full" in self.a.kinds and not self.mount_disk():
             self.a.kinds = [k for k in self.a.kinds if k != "disk_full"]
             self.notes.append("disk_full not drawn: a tmpfs of its own for the disk tier needs root")
@@ -475,6 +481,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per answer")
     ap.add_argument("--capacity", default="64MiB", help="the shared segment's size (small: evictions happen)")
     ap.add_argument("--kinds", default=",".join(CHANGES), help=f"change kinds drawn (of {', '.join(CHANGES)})")
+    ap.add_argument("--each-kind-first", action="store_true",
+                    help="the first changes are every kind once (in an order the seed draws), then by weight: "
+                         "a short run still meets every kind")
     ap.add_argument("--no-fork", dest="fork", action="store_false",
                     help="each engine a new Python importing vLLM (default: forked from one that imported it once)")
     ap.add_argument("--no-daemon", dest="daemon", action="store_false",

@@ -181,7 +181,10 @@ class EngineProcess:
         self.block_size: int = ready["block_size"]
         self.attention_backends: list[str] = ready["attention_backends"]
         self.start_s = time.monotonic() - t0  # spawn to ready: what a caller waits for
-        note_start(os.path.basename(log_path), self.start_s)
+        forked = launch is not None and spec.in_process and not spec.pid_namespace
+        tp = spec.llm_kwargs.get("tensor_parallel_size", 1)
+        kind = "forked" if forked else "in-process" if spec.in_process else f"split-tp{tp}"
+        note_start(os.path.basename(log_path), self.start_s, kind + ("-ns" if spec.pid_namespace else ""))
 
     def _read(self, timeout: float) -> dict[str, Any]:
         """The engine's next answer; TimeoutError when none comes within
@@ -344,13 +347,15 @@ def sweep_weights_boards() -> None:
         pass
 
 
-def note_start(label: str, seconds: float) -> None:
-    """Append "LABEL SECONDS" to the file PYTEST_ENGINE_START_LOG names, if any
-    (the test suite's summary of time spent starting engines)."""
+def note_start(label: str, seconds: float, kind: str = "") -> None:
+    """Append "LABEL KIND TEST SECONDS" to the file PYTEST_ENGINE_START_LOG
+    names, if any (the test suite's summary of time spent starting engines,
+    by kind of start: forked, spawned, vLLM's process split, a server)."""
     path = os.environ.get("PYTEST_ENGINE_START_LOG")
     if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
         with open(path, "a") as f:
-            f.write(f"{label} {seconds:.2f}\n")
+            f.write(f"{label} {kind or '-'} {test} {seconds:.2f}\n")
 
 
 def _abort_after_tokens(llm: Any, prompt: list[int], tokens: int) -> dict[str, Any]:

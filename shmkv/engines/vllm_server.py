@@ -90,7 +90,7 @@ class VllmServer:
                     from shmkv.engines.engine import note_start
 
                     self.start_seconds = time.monotonic() - t0
-                    note_start(os.path.basename(log_path), self.start_seconds)
+                    note_start(os.path.basename(log_path), self.start_seconds, "server")
                     return
             except OSError:
                 time.sleep(0.5)

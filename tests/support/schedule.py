@@ -13,7 +13,7 @@ LONGEST_FIRST = (  # seconds: a full run of f3fe6e2 on the 2-core Xeon (AMX) CI 
     "tests/test_wheel.py",  # ~150 s: builds the run's one wheel (tests/support/wheel_build.py)
     "tests/integration/vllm/models/test_vllm_mla.py",  # ~230 s: two MLA backends on a Xeon with AMX
     "tests/bench/test_bench_trace.py",  # ~220 s
-    "tests/bench/test_bench_churn.py",  # ~225 s: 50 changes, ~40 engine starts (forked)
+    "tests/bench/test_bench_churn.py",  # ~225 s at 50 changes, ~40 engine starts (forked); 20 now
     "tests/deploy/test_deploy_recipes.py",  # ~220 s
     "tests/integration/vllm/worker/test_vllm_async_stores.py",  # ~200 s
     "tests/integration/vllm/serving/test_vllm_serve.py",  # ~190 s
