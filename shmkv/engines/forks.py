@@ -8,12 +8,14 @@ them once (and the modules an engine's start imports past them, PRELOAD);
 each engine it starts is an os.fork() of it, as vLLM forks its own workers
 after importing torch. Its heap is then frozen (gc.freeze): vLLM collects
 three times while an engine starts, and each collection would otherwise
-walk every object of the imports (half of a start). Only engines whose
-EngineCore runs in their own process gain (EngineSpec.in_process): vLLM
-spawns a fresh Python for a separate EngineCore anyway; `vllm serve`'s API
-server forked this way (fork_module) saves that one import, and with
-fork_children its EngineCore and worker are forked from it too (vLLM's
-method on a GPU host; CI's --small benchmark checks).
+walk every object of the imports (half of a start). Engines whose
+EngineCore runs in their own process gain (EngineSpec.in_process), and
+those with vLLM's process split when their EngineCore and workers are
+forked too (EngineSpec.fork_children: vLLM's method on a GPU host; vLLM-CPU
+spawns a fresh Python for each, a minute of a start on 2 cores); `vllm
+serve`'s API server forked this way (fork_module) saves that one import, and
+with fork_children its EngineCore and worker are forked from it too (CI's
+--small benchmarks, a second server of the serve test).
 
 The server talks over a SOCK_SEQPACKET socket pair: a request is the
 engine's spec (or a module to run as `python -m` would, with its
@@ -231,7 +233,7 @@ def fork_module(module: str, argv: list[str], env: dict[str, str], log_fd: int |
     return _fork({"module": module, "argv": list(argv), "fork_children": fork_children}, env, log_fd, log_fd)
 
 
-def _spawn_as_fork() -> None:
+def spawn_as_fork() -> None:
     """multiprocessing's "spawn" context handed out as "fork" in this process
     (and, inherited, in its forked children): vLLM-CPU sets spawn in its
     platform hook, and asks multiprocessing.get_context for it by name."""
@@ -240,9 +242,16 @@ def _spawn_as_fork() -> None:
     asked = multiprocessing.get_context
 
     def get_context(method: str | None = None) -> Any:
-        return asked("fork" if method == "spawn" else method)
+        if method == "spawn" and not _cuda_initialized():  # vLLM's own reason to spawn is kept
+            method = "fork"
+        return asked(method)
 
     multiprocessing.get_context = get_context  # type: ignore[assignment]
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def close_servers() -> None:
@@ -278,7 +287,7 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
     try:
         if "module" in request:
             if request.get("fork_children"):
-                _spawn_as_fork()
+                spawn_as_fork()
             sys.argv = [request["module"], *request["argv"]]
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         else:

@@ -348,10 +348,14 @@ class ServeProcess(VllmServer):
     tokenizer), vLLM's own prefix cache off: reuse comes through shmkv."""
 
     def __init__(self, model_dir: str, kv_transfer_config: dict, log_path: str, *, timeout: float = 300,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, forked: bool = False) -> None:
+        """`forked`: the server forked from the suite's fork server and its
+        EngineCore and worker forked from it (as a GPU host starts them)
+        instead of three fresh Pythons (about 100 s of a start on 2 cores)."""
         super().__init__(model_dir, log_path, args=["--skip-tokenizer-init", "--max-model-len", "4096",
                                                     "--no-enable-prefix-caching"],
-                         kv_transfer_config=kv_transfer_config, env=env, timeout=timeout)
+                         kv_transfer_config=kv_transfer_config, env=env, timeout=timeout, fork=forked,
+                         fork_children=forked)
 
 
 class NativeEngine:

@@ -202,7 +202,7 @@ class RemoteTier(SignedValues):
         a value declaring more than `max_raw` bytes is damage (counted, unlinked)."""
         rkey = self._rkey(key, namespace)
         ok, data = self._call("get", lambda: self._client.get(rkey))
-        if ok and data is not None and not isinstance(data, bytes):
+        if ok and data is not None and not isinstance(data, (bytes, bytearray)):  # large: bytearray (client.py)
             ok, data = False, None  # not a value a Redis server gives for GET
         if not ok or data is None:
             self._count("remote_misses", 1)

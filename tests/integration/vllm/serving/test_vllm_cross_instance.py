@@ -21,13 +21,14 @@ def test_second_engine_loads_while_first_runs_and_after_it_exits(cache_name, sta
     cfg = {"cache_name": cache_name, "capacity": "256MiB", "debug_digest_file": digests}
 
     # every engine is a process of its own; b keeps vLLM's own process split (EngineCore and worker
-    # processes), so its loads reach the worker as pickled metadata, as deployed
+    # processes), so its loads reach the worker as pickled metadata, as deployed (its processes forked on
+    # either runner: the split is what this checks; test_vllm_async_stores keeps V1's spawn)
     a = start_engine("a", shmkv=cfg)
     first = a.generate([P])
     assert first["num_cached_tokens"] == [0]
     assert first["outputs"][0] == reference.output(P, 0)
 
-    b = start_engine("b-while-a-runs", shmkv=cfg, in_process=False)
+    b = start_engine("b-while-a-runs", shmkv=cfg, in_process=False, fork_children=True)
     r = b.generate([P])
     hit = r["num_cached_tokens"][0]
     assert hit >= 0.9 * len(P)

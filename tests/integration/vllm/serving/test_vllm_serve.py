@@ -5,7 +5,9 @@ same split; the second's /metrics shows the hit tokens;
 /reset_prefix_cache?reset_external=true removes nothing shared (the next
 request still hits: clearing is the operator's act); and a
 kv_load_failure_policy given on the command line is kept (shmkv's default,
-recompute, applies only where none was given)."""
+recompute, applies only where none was given). The first server starts as
+`vllm serve` does on a CPU host (its EngineCore and worker spawned), the
+second forked as on a GPU host."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def test_two_servers_share_the_cache(cache_name, model_dir, engine_logs, vllm_ru
         assert a.metric(f'vllm:shmkv_stored_tokens_total{{engine="0",model_name="{model_dir}"}}') == 896
         at_split = a.complete(P)  # a hit of 896 from shmkv: the split the second server will use
         b = ServeProcess(model_dir, {**ktc, "kv_load_failure_policy": "fail"},
-                         str(engine_logs / f"serve-b-{vllm_runner}.log"), env=env)
+                         str(engine_logs / f"serve-b-{vllm_runner}.log"), env=env, forked=True)
         servers.append(b)
         host = f'vllm:prompt_tokens_cached_by_source_total{{engine="0",model_name="{model_dir}",source="host"}}'
         assert b.complete(P) == at_split

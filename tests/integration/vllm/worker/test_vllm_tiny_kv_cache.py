@@ -56,9 +56,10 @@ def test_a_drafter_of_another_head_size_with_a_tiny_kv_cache_keeps_serving(cache
 
 @pytest.mark.v1  # V1's own call order too (conftest: V2 runs every case, V1 these)
 def test_workers_off_with_the_scheduler_on_keeps_serving(cache_name, start_engine):
-    # vLLM's own process split: the worker's report reaches EngineCore pickled, as deployed
+    # vLLM's own process split: the worker's report reaches EngineCore pickled, as deployed; its processes
+    # forked on either runner (the split is what this checks; test_vllm_async_stores keeps V1's spawn)
     engine = start_engine("tiny-split", shmkv={"cache_name": cache_name}, env={WORKER_OFF: "the split"},
-                          llm_kwargs=TINY, in_process=False)
+                          llm_kwargs=TINY, in_process=False, fork_children=True)
     serve_all(engine)
     assert engine.metrics()["vllm:shmkv_connector_on"] == 0
     log = open(engine.log_path).read()
