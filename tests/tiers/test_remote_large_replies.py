@@ -1,8 +1,9 @@
 """A reply of a chunk's size is read straight into the buffer it is returned
 in (shmkv.tiers.remote.client): values on both sides of the threshold come
 back byte-equal, alone and pipelined with small and missing ones, through
-one server and a cluster; a server that closes mid-value or ends a value
-without its CRLF is an error of that call, never a wrong value."""
+one server and a cluster; a server that closes mid-value, ends a value
+without its CRLF or declares more than it sends is an error of that call,
+never a wrong value nor memory for what never came."""
 
 from __future__ import annotations
 
@@ -69,7 +70,10 @@ def one_reply_server(reply: bytes) -> tuple[str, threading.Thread, socket.socket
 @pytest.mark.parametrize("reply, error", [
     (b"$%d\r\n" % (1 << 20) + b"x" * 1000, redis.exceptions.ConnectionError),  # closed mid-value
     (b"$%d\r\n" % (1 << 20) + b"x" * (1 << 20) + b"zz", redis.exceptions.InvalidResponse),  # no CRLF
-], ids=["closed-mid-value", "no-crlf"])
+    # a length only declared (1 TiB): the buffer grows with what arrives, so the call ends in the server's
+    # close, not in a MemoryError (or the OOM killer) for what was never sent
+    (b"$%d\r\n" % (1 << 40) + b"x" * ((64 << 20) + 5), redis.exceptions.ConnectionError),
+], ids=["closed-mid-value", "no-crlf", "declared-only"])
 def test_a_broken_large_reply_is_an_error_not_a_value(reply, error):
     url, t, listener = one_reply_server(reply)
     client = redis.Redis.from_url(url, socket_timeout=10,

@@ -117,14 +117,20 @@ def _bulk_parser_class() -> type | None:
         def read(self, length: int, timeout: Any = SENTINEL) -> Any:
             if length < BULK_DIRECT_BYTES:
                 return super().read(length, timeout)
-            out = bytearray(length + 2)  # the value and its CRLF
+            # the value and its CRLF; a length the server only declares takes no memory: the buffer starts at
+            # BULK_FIRST_BYTES at most and doubles as what arrives fills it
+            want = length + 2
+            out = bytearray(min(want, BULK_FIRST_BYTES))
             with memoryview(out) as view:
                 got = self._buffer.readinto(view)  # what was read past the reply's first line
-                while got < len(out):
+            while got < want:
+                if got == len(out):
+                    out.extend(bytes(min(len(out), want - len(out))))
+                with memoryview(out) as view:
                     n = self._sock.recv_into(view[got:])  # a timeout or a reset: the connection is dropped
-                    if not n:
-                        raise redis.exceptions.ConnectionError("the server closed the connection mid-reply")
-                    got += n
+                if not n:
+                    raise redis.exceptions.ConnectionError("the server closed the connection mid-reply")
+                got += n
             if out[length:] != b"\r\n":
                 raise redis.exceptions.InvalidResponse("a bulk reply without its CRLF")
             del out[length:]  # shrinks in place
@@ -139,6 +145,7 @@ def _bulk_parser_class() -> type | None:
 
 
 BULK_DIRECT_BYTES = 256 << 10  # replies this large go straight into their buffer (_bulk_parser_class)
+BULK_FIRST_BYTES = 64 << 20  # ... which starts at most this large, and doubles as the reply fills it
 _BULK_PARSER = _bulk_parser_class()
 
 
