@@ -154,10 +154,11 @@ class EngineProcess:
         # what vLLM's processes of this engine leave behind is removed by ownership (owned_files)
         self.owned_files = OwnedFiles("engine")
         env["TMPDIR"] = self.owned_files.tmpdir
+        # a launcher forks in-process engines (in a container of its own with pid_namespace: forks.py),
+        # and split ones whose children it forks too
+        forked = launch is not None and (spec.in_process or (spec.fork_children and not spec.pid_namespace))
         try:
-            # a launcher forks in-process engines (in a container of its own with pid_namespace: forks.py),
-            # and split ones whose children it forks too
-            if launch is not None and (spec.in_process or (spec.fork_children and not spec.pid_namespace)):
+            if forked:
                 self.proc: Any = launch(json.dumps(asdict(spec)), env, self._log.fileno())
             else:
                 ns = container_argv(spec.pid_namespace, spec.private_shm, spec.binds)
@@ -187,7 +188,6 @@ class EngineProcess:
         self.block_size: int = ready["block_size"]
         self.attention_backends: list[str] = ready["attention_backends"]
         self.start_s = time.monotonic() - t0  # spawn to ready: what a caller waits for
-        forked = launch is not None and (spec.in_process or (spec.fork_children and not spec.pid_namespace))
         tp = spec.llm_kwargs.get("tensor_parallel_size", 1)
         kind = ("in-process" if spec.in_process else f"split-tp{tp}") + ("-forked" if forked else "")
         kind += ("-ns" if spec.pid_namespace else "") + ("-fork-children" if spec.fork_children else "")
