@@ -349,12 +349,15 @@ class ServeProcess(VllmServer):
 
     def __init__(self, model_dir: str, kv_transfer_config: dict, log_path: str, *, timeout: float = 300,
                  env: dict[str, str] | None = None, forked: bool = False) -> None:
-        """`forked`: the server forked from the suite's fork server and its
-        EngineCore and worker forked from it (as a GPU host starts them)
-        instead of three fresh Pythons (about 100 s of a start on 2 cores)."""
+        """The API server is forked from the suite's fork server (it runs no
+        connector code; a fresh Python would only import vLLM again). Its
+        EngineCore and worker, where the connector runs, start as vLLM-CPU
+        starts them (spawned: fresh Pythons), or with `forked` are forked
+        from it as a GPU host starts them (a start of seconds instead of about
+        80 s on 2 cores)."""
         super().__init__(model_dir, log_path, args=["--skip-tokenizer-init", "--max-model-len", "4096",
                                                     "--no-enable-prefix-caching"],
-                         kv_transfer_config=kv_transfer_config, env=env, timeout=timeout, fork=forked,
+                         kv_transfer_config=kv_transfer_config, env=env, timeout=timeout, fork=True,
                          fork_children=forked)
 
 

@@ -5,9 +5,9 @@ same split; the second's /metrics shows the hit tokens;
 /reset_prefix_cache?reset_external=true removes nothing shared (the next
 request still hits: clearing is the operator's act); and a
 kv_load_failure_policy given on the command line is kept (shmkv's default,
-recompute, applies only where none was given). The first server starts as
-`vllm serve` does on a CPU host (its EngineCore and worker spawned), the
-second forked as on a GPU host."""
+recompute, applies only where none was given). The first server's EngineCore
+and worker start as `vllm serve` starts them on a CPU host (spawned), the
+second's forked as on a GPU host."""
 
 from __future__ import annotations
 
