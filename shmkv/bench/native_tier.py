@@ -192,6 +192,10 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--disk-dir", default=os.path.join(tempfile.gettempdir(), "shmkv-bench-native-fs"),
                     help="where vLLM's fs tier writes for the on-disk case")
+    ap.add_argument("--step-ms", type=float, default=1.0,
+                    help="the engine step between the scheduler's passes (default 1 ms: the scheduler's own cost "
+                         "shows; an engine's forward takes tens of ms, and then what counts is how many steps a "
+                         "promotion takes, reported as steps)")
     ap.add_argument("--primary", choices=("cold", "warm", "both"), default="both",
                     help="engine B's primary region fresh (its first touch timed, as a new engine's) or touched "
                          "before timing (an engine that has served a while), or both (default)")
@@ -201,15 +205,17 @@ def run(argv: list[str]) -> dict:
     cases = {"shmkv": {"cache": cache}, "fs_tmpfs": {"raw_tier": {"type": "fs", "root_dir": tmpfs}},
              "fs_disk": {"raw_tier": {"type": "fs", "root_dir": a.disk_dir}}}
     primaries = ("cold", "warm") if a.primary == "both" else (a.primary,)
-    out: dict = {"chunks": a.chunks, "repeats": a.repeats, "primaries": list(primaries)}
-    samples: dict = {name: {"cascade": [], **{f"promote_{w}": [] for w in primaries}} for name in cases}
+    out: dict = {"chunks": a.chunks, "repeats": a.repeats, "primaries": list(primaries), "step_ms": a.step_ms}
+    samples: dict = {name: {"cascade": [], **{f"promote_{w}": [] for w in primaries},
+                            **{f"steps_{w}": [] for w in primaries}} for name in cases}
     nbytes = 0
     try:
         for r in range(a.repeats):
             names = list(cases)
             for name in names[r % len(names):] + names[:r % len(names)]:  # each tier first in turn
                 for w in primaries:
-                    p = dict(cases[name], chunks=a.chunks, seed=1 + r * len(primaries) + primaries.index(w))
+                    p = dict(cases[name], chunks=a.chunks, seed=1 + r * len(primaries) + primaries.index(w),
+                             step_s=a.step_ms / 1e3)
                     st = child("store", dict(p, engine="A"))
                     ld = child("load", dict(p, engine="B", warm_primary=w == "warm"))
                     if ld["hits"] != a.chunks or not ld["equal"]:
@@ -217,6 +223,7 @@ def run(argv: list[str]) -> dict:
                     nbytes = a.chunks * st["chunk_bytes"]
                     samples[name]["cascade"].append(st["seconds"])
                     samples[name][f"promote_{w}"].append(ld["seconds"])
+                    samples[name][f"steps_{w}"].append(ld["steps"])
         med = statistics.median
         for name, got in samples.items():
             out[name] = {"cascade_s": med(got["cascade"]), "cascade_gbps": nbytes / med(got["cascade"]) / 1e9,
@@ -224,6 +231,7 @@ def run(argv: list[str]) -> dict:
             for w in primaries:
                 out[name][f"promote_{w}_s"] = med(got[f"promote_{w}"])
                 out[name][f"promote_{w}_gbps"] = nbytes / med(got[f"promote_{w}"]) / 1e9
+                out[name][f"promote_{w}_steps"] = med(got[f"steps_{w}"])
         out["bytes"] = nbytes
         for w in primaries:
             out[f"promote_{w}_over_fs_tmpfs"] = out["shmkv"][f"promote_{w}_s"] / out["fs_tmpfs"][f"promote_{w}_s"]
@@ -236,11 +244,12 @@ def run(argv: list[str]) -> dict:
 
 def report(r: dict) -> None:
     print(f"{r['chunks']} chunks ({r['bytes'] / 2**20:.0f} MiB), engine A cascades, engine B promotes "
-          f"(median of {r['repeats']}; B's primary region {' and '.join(r['primaries'])}):")
+          f"(median of {r['repeats']}; B's primary region {' and '.join(r['primaries'])}; "
+          f"{r['step_ms']:g} ms engine steps):")
     for name in ("shmkv", "fs_tmpfs", "fs_disk"):
         c = r[name]
-        promote = ", ".join(f"promote {w} {c[f'promote_{w}_s'] * 1e3:6.1f} ms ({c[f'promote_{w}_gbps']:.2f} GB/s)"
-                            for w in r["primaries"])
+        promote = ", ".join(f"promote {w} {c[f'promote_{w}_s'] * 1e3:6.1f} ms ({c[f'promote_{w}_gbps']:.2f} GB/s, "
+                            f"{c[f'promote_{w}_steps']:g} steps)" for w in r["primaries"])
         print(f"  {name:9s} cascade {c['cascade_s'] * 1e3:7.1f} ms ({c['cascade_gbps']:.2f} GB/s), {promote}")
     for w in r["primaries"]:
         print(f"  shmkv promotion / fs on tmpfs, {w} primary: {r[f'promote_{w}_over_fs_tmpfs']:.2f}")

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 def test_the_concurrency_sweep_holds_its_controls(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shmkv.bench", "concurrency", "--small", "--concurrency", "1,4",
                         "--runs", "1", "--requests", "4", "--random-tokens", "128", "--prefix-tokens", "256",
+                        "--output-tokens", "4",
                         "--capacity", "256MiB",
                         "--workdir", str(tmp_path), "--json"], capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -18,7 +18,7 @@ def test_the_fleet_benchmark_runs(tmp_path):
     # NOTE: a capacity of its own: the default (a quarter of /dev/shm, reserved in the background) beside
     # the other worker's engines and segments left CI's host 4.9 GiB, and an engine died without a word
     r = subprocess.run([sys.executable, "-m", "shmkv.bench", "fleet", "--small", "--conversations", "4", "--turns", "2",
-                        "--system-tokens", "512", "--user-tokens", "128", "--answer-tokens", "64", "--in-process",
+                        "--system-tokens", "512", "--user-tokens", "128", "--answer-tokens", "16", "--in-process",
                         "--capacity", "256MiB", "--workdir", str(tmp_path), "--json"],
                        capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -31,8 +31,8 @@ def test_the_trace_replay_serves_what_its_budget_allows(tmp_path):
     # NOTE: one request at a time: which turn overlaps which (and so what is stored before it is
     # asked again) would otherwise depend on timing
     r = subprocess.run([sys.executable, "-m", "shmkv.bench", "trace", "--trace", TRACE, "--small",
-                        "--conversations", "4", "--arms", "shmkv,lmcache", "--max-concurrency", "1", "--json",
-                        "--workdir", str(tmp_path)],
+                        "--conversations", "4", "--arms", "shmkv,lmcache", "--max-concurrency", "1",
+                        "--max-output", "8", "--json", "--workdir", str(tmp_path)],
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)

@@ -31,10 +31,12 @@ def test_resumed_request_reloads_its_own_chunks_and_abort_leaves_only_good_chunk
     store = Store.attach(cache_name)
 
     # 4 x 10 blocks of prompt fill the cache; decoding past 1,280 tokens needs
-    # more blocks, so vLLM preempts a request and later resumes it.
+    # more blocks, so vLLM preempts a request and later resumes it. 500 tokens:
+    # even three requests running together outgrow the cache (3 x 14 blocks > 40;
+    # at 200 tokens, 3 x 11 fit and nothing was preempted).
     prompts = [random_prompt(1200, seed=s) for s in range(51, 55)]
-    r = e.generate(prompts, max_tokens=700)
-    assert all(len(o) == 700 for o in r["outputs"])
+    r = e.generate(prompts, max_tokens=500)
+    assert all(len(o) == 500 for o in r["outputs"])
     assert e.metrics().get("vllm:num_preemptions", 0) >= 1
     assert store.stats()["hits"] > 0, "the resumed request loaded its prefix from shmkv"
     assert check_loaded_bytes_equal_stored(digests), "the resumed request's units were loaded whole"
